@@ -1,0 +1,222 @@
+"""The single-host registry: one LMDB environment under the store root.
+
+Databases (all values JSON unless said otherwise):
+
+=============  ==============================  ===========================================
+name           key                             value
+=============  ==============================  ===========================================
+``versions``   step, 8-byte big-endian         the version record (``Version.to_json``)
+``manifests``  step, 8-byte big-endian         the manifest (``Manifest.to_json``)
+``tags``       tag name, UTF-8                 step, 8-byte big-endian
+``tensors``    tensor digest, 32 raw bytes     object digest (32 raw bytes), offset, length
+``objects``    object digest, 32 raw bytes     size in bytes, 8-byte big-endian
+=============  ==============================  ===========================================
+
+This is the only module that touches LMDB. The environment is opened per process and reopened
+after ``fork`` (an LMDB environment must never be used across fork). Every publish and tag change
+is one write transaction; afterwards the ``events`` file is rewritten, which wakes watchers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from typing import Iterator
+
+import lmdb
+
+from paramstore.errors import StepOrderError, TagNotFoundError, VersionNotFoundError
+from paramstore.manifest import Manifest, Version
+
+from ._inotify import FileWatch
+from .base import Registry, TensorLocation, Watch
+
+__all__ = ["LmdbRegistry"]
+
+_STEP = struct.Struct(">Q")
+_LOC = struct.Struct(">32sQQ")
+_DBS = ("versions", "manifests", "tags", "tensors", "objects")
+DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
+
+
+def _step_key(step: int) -> bytes:
+    return _STEP.pack(step)
+
+
+class _EventsWatch(Watch):
+    def __init__(self, path: str) -> None:
+        self._w = FileWatch(path)
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._w.wait(timeout)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class LmdbRegistry(Registry):
+    """Registry kept in an LMDB environment at ``path`` (a directory).
+
+    Args:
+        path: directory of the environment (created when ``create``).
+        create: create the environment if missing.
+        map_size: LMDB map size in bytes (address space reserved, not disk used).
+    """
+
+    def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self._path = path
+        self._events = os.path.join(path, "events")
+        self._create = create
+        self._map_size = map_size
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self._stale: list[lmdb.Environment] = []
+        self._open()
+
+    # -- environment -------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self._create:
+            os.makedirs(self._path, exist_ok=True)
+        env = lmdb.open(
+            self._path, map_size=self._map_size, max_dbs=len(_DBS), max_readers=1024,
+            subdir=True, create=self._create, readahead=False,
+        )
+        env.reader_check()  # clear reader slots left by killed processes
+        self._dbs = {name: env.open_db(name.encode()) for name in _DBS}
+        if not os.path.exists(self._events):
+            with open(self._events, "ab"):
+                pass
+        self._env = env
+        self._pid = os.getpid()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise RuntimeError("registry is closed")
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    # Inherited across fork: never use or close it here; open our own.
+                    self._stale.append(self._env)
+                    self._open()
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            self._env.close()
+        self._env = None
+
+    def _notify(self) -> None:
+        fd = os.open(self._events, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, struct.pack("<Qd", time.monotonic_ns(), time.time()), 0)
+        finally:
+            os.close(fd)
+
+    # -- reads -------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        with self.env.begin(db=self._dbs["versions"]) as txn:
+            cur = txn.cursor()
+            return _STEP.unpack(cur.key())[0] if cur.last() else None
+
+    def _tags_by_step(self, txn: lmdb.Transaction) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for k, v in txn.cursor(db=self._dbs["tags"]):
+            out.setdefault(_STEP.unpack(v)[0], []).append(k.decode())
+        return out
+
+    def get_version(self, step: int) -> Version:
+        with self.env.begin() as txn:
+            raw = txn.get(_step_key(step), db=self._dbs["versions"])
+            if raw is None:
+                raise VersionNotFoundError(f"no version at step {step}")
+            tags = self._tags_by_step(txn).get(step, [])
+            return Version.from_json(json.loads(raw), tuple(sorted(tags)))
+
+    def get_manifest(self, step: int) -> Manifest:
+        with self.env.begin(db=self._dbs["manifests"]) as txn:
+            raw = txn.get(_step_key(step))
+        if raw is None:
+            raise VersionNotFoundError(f"no version at step {step}")
+        return Manifest.from_json(json.loads(raw))
+
+    def versions(self, after: int | None = None) -> Iterator[Version]:
+        with self.env.begin() as txn:
+            tags = self._tags_by_step(txn)
+            cur = txn.cursor(db=self._dbs["versions"])
+            start = 0 if after is None else max(after + 1, 0)
+            found = cur.set_range(_step_key(start))
+            out = []
+            while found:
+                step = _STEP.unpack(cur.key())[0]
+                out.append(Version.from_json(json.loads(cur.value()), tuple(sorted(tags.get(step, [])))))
+                found = cur.next()
+        return iter(out)
+
+    def tags(self) -> dict[str, int]:
+        with self.env.begin(db=self._dbs["tags"]) as txn:
+            return {k.decode(): _STEP.unpack(v)[0] for k, v in txn.cursor()}
+
+    def locate_tensors(self, digests: list[str]) -> dict[str, TensorLocation]:
+        out: dict[str, TensorLocation] = {}
+        with self.env.begin(db=self._dbs["tensors"]) as txn:
+            for d in digests:
+                raw = txn.get(bytes.fromhex(d))
+                if raw is not None:
+                    obj, off, n = _LOC.unpack(raw)
+                    out[d] = TensorLocation(obj.hex(), off, n)
+        return out
+
+    def objects(self) -> dict[str, int]:
+        with self.env.begin(db=self._dbs["objects"]) as txn:
+            return {k.hex(): _STEP.unpack(v)[0] for k, v in txn.cursor()}
+
+    # -- writes ------------------------------------------------------------------------------
+    def publish(
+        self,
+        version: Version,
+        manifest: Manifest,
+        new_objects: dict[str, int],
+        new_tensors: dict[str, TensorLocation],
+    ) -> None:
+        key = _step_key(version.step)
+        with self.env.begin(write=True) as txn:
+            cur = txn.cursor(db=self._dbs["versions"])
+            if cur.last() and _STEP.unpack(cur.key())[0] >= version.step:
+                latest = _STEP.unpack(cur.key())[0]
+                raise StepOrderError(
+                    f"step {version.step} is not above the latest committed step {latest} "
+                    "(another process committed it first)"
+                )
+            txn.put(key, json.dumps(version.to_json()).encode(), db=self._dbs["versions"])
+            txn.put(key, json.dumps(manifest.to_json()).encode(), db=self._dbs["manifests"])
+            for tag in version.tags:
+                txn.put(tag.encode(), key, db=self._dbs["tags"])
+            for d, size in new_objects.items():
+                txn.put(bytes.fromhex(d), _STEP.pack(size), db=self._dbs["objects"], overwrite=False)
+            for d, loc in new_tensors.items():
+                val = _LOC.pack(bytes.fromhex(loc.object), loc.offset, loc.nbytes)
+                txn.put(bytes.fromhex(d), val, db=self._dbs["tensors"], overwrite=False)
+        self._notify()
+
+    def set_tag(self, name: str, step: int) -> None:
+        with self.env.begin(write=True) as txn:
+            if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
+                raise VersionNotFoundError(f"no version at step {step}")
+            txn.put(name.encode(), _step_key(step), db=self._dbs["tags"])
+        self._notify()
+
+    def delete_tag(self, name: str) -> int:
+        with self.env.begin(write=True, db=self._dbs["tags"]) as txn:
+            raw = txn.pop(name.encode())
+        if raw is None:
+            raise TagNotFoundError(f"no tag named {name!r}")
+        self._notify()
+        return _STEP.unpack(raw)[0]
+
+    def watch(self) -> Watch:
+        return _EventsWatch(self._events)

@@ -1,0 +1,59 @@
+"""paramstore: a versioned parameter store that hands model weights from trainers to rollout workers.
+
+Example:
+    >>> import paramstore
+    >>> store = paramstore.ParamStore("/dev/shm/ps")
+    >>> store.commit(1, model).result()
+    >>> with store.checkout("latest") as snap:
+    ...     snap.load_into(policy)
+
+The heavy parts (torch) are imported on first use, so the CLI's metadata commands start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    CorruptObjectError,
+    InvalidArgumentError,
+    InvalidNameError,
+    InvalidTensorError,
+    NotAStoreError,
+    ParamStoreError,
+    StepOrderError,
+    StoreClosedError,
+    TagNotFoundError,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
+from .manifest import Manifest, TensorEntry, Version
+
+if TYPE_CHECKING:
+    from .commit import CommitHandle
+    from .snapshot import LoadResult, Snapshot
+    from .store import ParamStore
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ParamStore": "store",
+    "Snapshot": "snapshot",
+    "LoadResult": "snapshot",
+    "CommitHandle": "commit",
+}
+
+__all__ = [
+    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry",
+    "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
+    "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
+    "StoreClosedError", "WaitTimeoutError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'paramstore' has no attribute {name!r}")

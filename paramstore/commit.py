@@ -1,0 +1,269 @@
+"""The commit path: where a byte goes between ``store.commit`` and a visible version.
+
+1. **Stage** (stager thread; ``handle.staged`` completes at the end). Lay the tensors out in
+   shards (:func:`paramstore.format.plan_shards`), take one pre-faulted slab per shard from the
+   tier's pool, write the safetensors header and ``copy_`` every tensor into its place. This is
+   the only copy of the bytes. After it the trainer may change its parameters.
+2. **Hash** (publisher thread). blake3 of each tensor's bytes in the slab: one read pass.
+3. **Deduplicate.** Tensors whose digest the store already holds (in an earlier version, or
+   earlier in this commit) are not stored again: a shard with no new tensor goes back to the pool;
+   a shard with some is compacted in place (``memmove`` of its new tensors, the header rewritten)
+   and truncated.
+4. **Publish.** Each remaining slab is fsynced and renamed to ``objects/<digest>.safetensors``;
+   then the version, its manifest and its index entries are written in one registry transaction.
+   Only then is ``handle.committed`` completed.
+
+A crash before step 4's transaction leaves only unreferenced files (slabs in ``tmp/``, or objects
+no version names), which ``paramstore verify`` reports and GC reclaims.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import ParamStoreError
+from .format import ITEMSIZE, Placement, ShardPlan, layout, object_digest, plan_shards, tensor_digest
+from .manifest import Manifest, TensorEntry, Version
+from .tensors import ST_TO_TORCH, Collected
+
+from paramstore.backends.registries.base import Registry, TensorLocation
+from paramstore.backends.tiers.local import LocalTier, Slab, SlabPool
+
+__all__ = ["CommitHandle", "Committer"]
+
+
+class CommitHandle:
+    """What ``store.commit`` returns at once.
+
+    Attributes:
+        step: the step being committed.
+        staged: completes (with None) when the snapshot copy is taken: the trainer may then
+            change its parameters.
+        committed: completes with the :class:`~paramstore.Version` when the version is visible
+            to every process on the host; fails with the error if the commit failed.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.staged: Future[None] = Future()
+        self.committed: Future[Version] = Future()
+
+    def result(self, timeout: float | None = None) -> Version:
+        """Wait until the version is committed and return it (re-raises a commit's error)."""
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        """Whether the commit has finished (successfully or not)."""
+        return self.committed.done()
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed.done() else "staged" if self.staged.done() else "staging"
+        return f"CommitHandle(step={self.step}, {state})"
+
+
+@dataclass
+class _Job:
+    handle: CommitHandle
+    collected: Collected
+    tags: tuple[str, ...]
+    metrics: dict[str, float]
+    metadata: dict[str, Any]
+    plans: list[ShardPlan] = field(default_factory=list)
+    slabs: list[Slab] = field(default_factory=list)
+    created_at: float = 0.0
+
+
+class Committer:
+    """Runs commits in order on two threads: a stager (copy) and a publisher (hash, publish).
+
+    Staging of commit ``n+1`` overlaps the hashing and publishing of commit ``n``.
+    """
+
+    def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
+                 *, prepare_buffers: bool = True) -> None:
+        self._tier = tier
+        self._registry = registry
+        self._pool = pool
+        self._shard_size = shard_size_bytes
+        self._prepare = prepare_buffers
+        self._stage_q: queue.Queue[_Job | None] = queue.Queue()
+        self._publish_q: queue.Queue[_Job | None] = queue.Queue()
+        self._stager = threading.Thread(target=self._run, args=(self._stage_q, self._stage), name="paramstore-stager", daemon=True)
+        self._publisher = threading.Thread(target=self._run, args=(self._publish_q, self._publish), name="paramstore-publisher", daemon=True)
+        self._stager.start()
+        self._publisher.start()
+
+    def submit(self, step: int, collected: Collected, tags: tuple[str, ...], metrics: dict[str, float],
+               metadata: dict[str, Any]) -> CommitHandle:
+        handle = CommitHandle(step)
+        self._stage_q.put(_Job(handle, collected, tags, metrics, metadata, created_at=time.time()))
+        return handle
+
+    def prepare(self, collected: Collected) -> None:
+        """Have slabs for this model's layout created and faulted in the background."""
+        self._pool.prepare([p.size for p in plan_shards(collected.specs, self._shard_size)])
+
+    def close(self) -> None:
+        """Finish every submitted commit, then stop the threads."""
+        self._stage_q.put(None)
+        self._stager.join()
+        self._publish_q.put(None)
+        self._publisher.join()
+
+    @staticmethod
+    def _run(q: "queue.Queue[_Job | None]", work: Callable[[_Job], None]) -> None:
+        while (job := q.get()) is not None:
+            work(job)
+
+    # -- 1. stage ----------------------------------------------------------------------------
+    def _stage(self, job: _Job) -> None:
+        try:
+            job.plans = plan_shards(job.collected.specs, self._shard_size)
+            sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
+            _copy_into_slabs(job, sources, self._pool)
+            job.collected = Collected(job.collected.specs, [], job.collected.aliases)  # drop refs
+            job.handle.staged.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller through the futures
+            for slab in job.slabs:
+                slab.discard()
+            _fail(job.handle, e)
+            return
+        if self._prepare:
+            self._pool.prepare([p.size for p in job.plans])  # the next commit's buffers
+        self._publish_q.put(job)
+
+    # -- 2-4. hash, deduplicate, publish -----------------------------------------------------
+    def _publish(self, job: _Job) -> None:
+        try:
+            version = self._hash_dedup_publish(job)
+        except BaseException as e:  # noqa: BLE001
+            for slab in job.slabs:  # the slabs not yet published or pooled
+                slab.discard()
+            _fail(job.handle, e)
+            return
+        job.handle.committed.set_result(version)
+
+    def _hash_dedup_publish(self, job: _Job) -> Version:
+        digests = [[_hash_range(slab, p) for p in plan.placements] for plan, slab in zip(job.plans, job.slabs)]
+        flat = [d for ds in digests for d in ds]
+        known = self._registry.locate_tensors(sorted(set(flat)))
+        located: dict[str, TensorLocation] = {}  # digests stored by this commit
+        new_objects: dict[str, int] = {}
+        entries: dict[str, TensorEntry] = {}
+
+        for plan, ds in zip(job.plans, digests):
+            slab = job.slabs[0]
+            keep: list[tuple[Placement, str]] = []
+            repeats: list[tuple[Placement, str]] = []  # same bytes as a tensor kept in this shard
+            kept_here: set[str] = set()
+            for p, d in zip(plan.placements, ds):
+                loc = located.get(d) or known.get(d)
+                if d in kept_here:
+                    repeats.append((p, d))
+                elif loc is not None and loc.offset % ITEMSIZE[p.spec.dtype] == 0:
+                    entries[p.spec.name] = _entry(p, d, loc)
+                else:
+                    keep.append((p, d))
+                    kept_here.add(d)
+            job.slabs.pop(0)
+            if not keep:
+                self._pool.give_back(slab)
+                continue
+            try:
+                header, placed = _compact(slab, plan, [p for p, _ in keep])
+                obj = object_digest(header, [d for _, d in keep])
+                size = slab.size
+                self._tier.publish(slab, obj)
+            except BaseException:
+                slab.discard()
+                raise
+            new_objects[obj] = size
+            for (p, d), off in zip(keep, placed):
+                located[d] = TensorLocation(obj, off, p.nbytes)
+            # Within a shard, larger item sizes come first, so a repeat is always aligned.
+            for p, d in keep + repeats:
+                entries[p.spec.name] = _entry(p, d, located[d])
+
+        manifest = Manifest(entries, dict(job.collected.aliases))
+        version = Version(
+            step=job.handle.step,
+            created_at=job.created_at,
+            nbytes=manifest.nbytes,
+            digest=manifest.digest(),
+            num_tensors=len(entries) + len(manifest.aliases),
+            tags=tuple(sorted(set(job.tags))),
+            metrics=job.metrics,
+            metadata=job.metadata,
+        )
+        new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
+                       if e.object in new_objects and e.digest not in known}
+        self._registry.publish(version, manifest, new_objects, new_tensors)
+        return version
+
+
+def _fail(handle: CommitHandle, e: BaseException) -> None:
+    if not handle.staged.done():
+        handle.staged.set_exception(e)
+    handle.committed.set_exception(e)
+
+
+def _entry(p: Placement, digest: str, loc: TensorLocation) -> TensorEntry:
+    return TensorEntry(p.spec.dtype, p.spec.shape, digest, loc.object, loc.offset, p.nbytes)
+
+
+def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], pool: SlabPool) -> None:
+    """Take a slab per shard, write its header and copy every tensor into place."""
+    cuda_srcs = any(t.is_cuda for t in sources.values())
+    stream = torch.cuda.Stream() if cuda_srcs else None
+    for plan in job.plans:
+        slab = pool.take(plan.size)
+        job.slabs.append(slab)
+        slab.map[: len(plan.header)] = plan.header
+        buf = torch.frombuffer(slab.map, dtype=torch.uint8)
+        dst = None
+        for p in plan.placements:
+            if p.nbytes == 0:
+                continue
+            dst = buf[p.offset : p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
+            src = sources[p.spec.name]
+            if src.is_cuda:
+                assert stream is not None
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+        del buf, dst  # release the buffer export on the mapping
+    if stream is not None:
+        stream.synchronize()
+
+
+def _hash_range(slab: Slab, p: Placement) -> str:
+    with memoryview(slab.map) as mv:
+        return tensor_digest(mv[p.offset : p.offset + p.nbytes])
+
+
+def _compact(slab: Slab, plan: ShardPlan, keep: list[Placement]) -> tuple[bytes, list[int]]:
+    """Rewrite ``slab`` to hold only ``keep`` (a subsequence of the plan's placements).
+
+    Returns the new header and the new offsets. When every tensor is kept nothing moves. Otherwise
+    each kept tensor moves to a lower or equal offset (the new header is no longer and the order is
+    the same), so moving them front to back never overwrites a tensor not yet moved.
+    """
+    if len(keep) == len(plan.placements):
+        return plan.header, [p.offset for p in keep]
+    new = layout([p.spec for p in keep])
+    base = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
+    for old, moved in zip(keep, new.placements):
+        if moved.offset != old.offset and old.nbytes:
+            ctypes.memmove(base + moved.offset, base + old.offset, old.nbytes)
+    slab.map[: len(new.header)] = new.header
+    slab.truncate(new.size)
+    return new.header, [p.offset for p in new.placements]

@@ -1,0 +1,70 @@
+"""The exception hierarchy.
+
+Every error paramstore raises derives from :class:`ParamStoreError`; each leaf also derives from
+the builtin a caller would naturally catch (``KeyError`` for a missing version, ``TypeError`` for a
+value that is not a tensor, ...), so ``except KeyError`` keeps working for code that does not know
+paramstore.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ParamStoreError",
+    "NotAStoreError",
+    "VersionNotFoundError",
+    "TagNotFoundError",
+    "StepOrderError",
+    "InvalidTensorError",
+    "InvalidNameError",
+    "InvalidArgumentError",
+    "CorruptObjectError",
+    "StoreClosedError",
+    "WaitTimeoutError",
+]
+
+
+class ParamStoreError(Exception):
+    """Root of every error raised by paramstore."""
+
+
+class NotAStoreError(ParamStoreError, FileNotFoundError):
+    """The root directory does not hold a paramstore (or holds one of an unknown format)."""
+
+
+class VersionNotFoundError(ParamStoreError, KeyError):
+    """No version matches the requested step, tag or selector."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TagNotFoundError(VersionNotFoundError):
+    """The named tag does not exist."""
+
+
+class StepOrderError(ParamStoreError, ValueError):
+    """A commit's step is not greater than the latest committed (or in-flight) step."""
+
+
+class InvalidTensorError(ParamStoreError, TypeError):
+    """A value cannot be stored: not a tensor, or a sparse, quantized, meta or unsupported-dtype one."""
+
+
+class InvalidNameError(ParamStoreError, ValueError):
+    """A tensor or tag name is empty, not a string, contains NUL, or is reserved."""
+
+
+class InvalidArgumentError(ParamStoreError, ValueError):
+    """Any other bad argument (metrics that are not numbers, metadata that is not JSON, ...)."""
+
+
+class CorruptObjectError(ParamStoreError, IOError):
+    """An object's bytes do not match its digest."""
+
+
+class StoreClosedError(ParamStoreError, RuntimeError):
+    """The store (or snapshot) was used after ``close()``."""
+
+
+class WaitTimeoutError(ParamStoreError, TimeoutError):
+    """A wait for a version (or for readers) ran past its timeout."""

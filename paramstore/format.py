@@ -1,0 +1,191 @@
+"""The object format: safetensors shards, their layout and their digests. Pure data, no I/O, no torch.
+
+An *object* is a valid safetensors file holding a shard of tensors::
+
+    [8-byte little-endian header length N][N bytes of JSON header, space padded][data]
+
+paramstore pads the header so the data starts on a 64-byte boundary and orders the tensors of a
+shard by item size (largest first), so every tensor starts at an offset that is a multiple of its
+item size: any tensor can be viewed in place with its own dtype, with no copy. Tensors are dense and
+contiguous, as safetensors requires.
+
+Digests (blake3, hex):
+
+* tensor digest = ``blake3(tensor bytes)``: dtype and shape are not part of it, so equal bytes
+  are stored once whatever they are viewed as;
+* object digest = ``blake3(OBJECT_DOMAIN || header bytes || tensor digest_1 || ... || digest_n)``
+  with the tensor digests in file order. Because the tensors tile the data section exactly, this
+  is a digest of every byte of the file computed as a two-level tree: commit hashes each byte
+  once (per tensor) and gets the object name for the price of hashing a few kilobytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import blake3
+
+__all__ = [
+    "ITEMSIZE",
+    "DATA_ALIGN",
+    "TensorSpec",
+    "Placement",
+    "ShardPlan",
+    "plan_shards",
+    "build_header",
+    "parse_header",
+    "tensor_digest",
+    "object_digest",
+    "OBJECT_SUFFIX",
+]
+
+#: Bytes per element of every safetensors dtype paramstore stores.
+ITEMSIZE: dict[str, int] = {
+    "F64": 8, "I64": 8, "U64": 8, "C64": 8,
+    "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+    "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+#: The data section of every object starts on this boundary.
+DATA_ALIGN = 64
+OBJECT_SUFFIX = ".safetensors"
+OBJECT_DOMAIN = b"paramstore/object/v1\0"
+_HASH_THREADS_MIN_BYTES = 1 << 22  # below this, blake3's thread pool costs more than it saves
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the layout needs to know of a tensor: its name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor lies in an object file: absolute byte offset and length."""
+
+    spec: TensorSpec
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One object's layout: its header bytes and where each tensor goes."""
+
+    header: bytes
+    placements: tuple[Placement, ...]
+
+    @property
+    def size(self) -> int:
+        """Total file size in bytes."""
+        return len(self.header) + sum(p.nbytes for p in self.placements)
+
+
+def _ordered(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    # Largest item size first: every offset then stays a multiple of the next tensor's item size.
+    indexed = list(enumerate(specs))
+    indexed.sort(key=lambda it: (-ITEMSIZE[it[1].dtype], it[0]))
+    return [s for _, s in indexed]
+
+
+def build_header(specs: Sequence[TensorSpec]) -> tuple[bytes, list[int]]:
+    """Build the safetensors header for ``specs`` laid out in the given order.
+
+    Returns the header bytes (length prefix included, padded so data starts at ``DATA_ALIGN``)
+    and each tensor's absolute offset in the file.
+    """
+    entries: dict[str, dict] = {}
+    begin = 0
+    rel = []
+    for s in specs:
+        end = begin + s.nbytes
+        entries[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [begin, end]}
+        rel.append(begin)
+        begin = end
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    pad = (-(8 + len(body))) % DATA_ALIGN
+    body += b" " * pad
+    header = struct.pack("<Q", len(body)) + body
+    return header, [len(header) + r for r in rel]
+
+
+def plan_shards(specs: Sequence[TensorSpec], shard_size_bytes: int) -> list[ShardPlan]:
+    """Group ``specs`` (in order) into shards of about ``shard_size_bytes`` and lay each one out.
+
+    A tensor larger than the shard size gets an object of its own. The plan depends only on the
+    names, dtypes and shapes, so an unchanged model gets the same plan on every commit (which is
+    what lets the shared-memory tier prepare the next commit's buffers in advance).
+    """
+    if shard_size_bytes <= 0:
+        raise ValueError(f"shard_size_bytes must be positive, got {shard_size_bytes}")
+    groups: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    filled = 0
+    for s in specs:
+        n = s.nbytes
+        if current and filled + n > shard_size_bytes:
+            groups.append(current)
+            current, filled = [], 0
+        current.append(s)
+        filled += n
+    if current:
+        groups.append(current)
+    return [layout(g) for g in groups]
+
+
+def layout(specs: Sequence[TensorSpec]) -> ShardPlan:
+    """Lay ``specs`` out as one object (ordered by item size, header padded)."""
+    ordered = _ordered(specs)
+    header, offsets = build_header(ordered)
+    return ShardPlan(header, tuple(Placement(s, o, s.nbytes) for s, o in zip(ordered, offsets)))
+
+
+def parse_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict]]:
+    """Parse a safetensors header from the start of ``buf``.
+
+    Returns ``(data_start, entries)`` where ``entries`` maps tensor names to their header dicts
+    (``__metadata__`` removed). Raises ``ValueError`` on a malformed header.
+    """
+    if len(buf) < 8:
+        raise ValueError("file too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > len(buf) - 8 or n > 100_000_000:
+        raise ValueError(f"safetensors header length {n} exceeds the file")
+    try:
+        entries = json.loads(bytes(buf[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"safetensors header is not JSON: {e}") from e
+    if not isinstance(entries, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    entries.pop("__metadata__", None)
+    return 8 + n, entries
+
+
+def tensor_digest(data: bytes | memoryview) -> str:
+    """blake3 of a tensor's bytes, hex. Large inputs are hashed on several threads."""
+    threads = blake3.blake3.AUTO if len(data) >= _HASH_THREADS_MIN_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> str:
+    """Digest of an object from its header bytes and its tensors' digests in file order."""
+    h = blake3.blake3(OBJECT_DOMAIN)
+    h.update(header)
+    for d in tensor_digests:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()

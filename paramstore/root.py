@@ -1,0 +1,90 @@
+"""Opening a store's directory: the marker file, the registry and the tier. No torch.
+
+A store root holds::
+
+    paramstore.json   marker: {"format": 1, "store_id": ...}, written last when a store is created
+    meta/             the LMDB registry (versions, manifests, tags, tensor index) and its events file
+    objects/          content-addressed safetensors objects (the shared-memory tier)
+    tmp/              slabs being written; leftovers here after a crash are unreferenced
+
+Put the root on a tmpfs (``/dev/shm/...``) so objects live in shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from paramstore.backends.registries.lmdb import LmdbRegistry
+from paramstore.backends.tiers.local import LocalTier
+
+from .errors import NotAStoreError
+
+__all__ = ["StoreRoot", "open_root", "MARKER", "STORE_FORMAT"]
+
+MARKER = "paramstore.json"
+STORE_FORMAT = 1
+
+
+@dataclass
+class StoreRoot:
+    """The parts of an open store directory."""
+
+    path: str
+    info: dict[str, Any]
+    registry: LmdbRegistry
+    tier: LocalTier
+
+    def close(self) -> None:
+        self.registry.close()
+
+
+def open_root(path: str | os.PathLike[str], *, create: bool) -> StoreRoot:
+    """Open the store at ``path``; with ``create``, make one if ``path`` is missing or empty.
+
+    Raises:
+        NotAStoreError: ``path`` holds no store (and ``create`` is false, or it holds other files),
+            or a store of an unsupported format.
+    """
+    path = os.path.abspath(os.fspath(path))
+    marker = os.path.join(path, MARKER)
+    if not os.path.exists(marker):
+        if not create:
+            raise NotAStoreError(f"{path} is not a paramstore root (no {MARKER}); create one with ParamStore({path!r})")
+        if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))):
+            raise NotAStoreError(
+                f"{path} exists and is not an empty directory nor a paramstore root; "
+                "choose an empty or new directory"
+            )
+        _create(path, marker)
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise NotAStoreError(f"{marker} is unreadable: {e}") from e
+    if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:
+        raise NotAStoreError(f"{path} holds a store of format {info.get('format') if isinstance(info, dict) else '?'}; "
+                             f"this paramstore reads format {STORE_FORMAT}")
+    registry = LmdbRegistry(os.path.join(path, "meta"), create=True)
+    tier = LocalTier(path, create=True)
+    return StoreRoot(path, info, registry, tier)
+
+
+def _creatable(entries: list[str]) -> bool:
+    # Empty, or what another process creating the same store at this moment has made so far.
+    return all(e in ("meta", "objects", "tmp") or e.startswith(MARKER + ".") for e in entries)
+
+
+def _create(path: str, marker: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    LmdbRegistry(os.path.join(path, "meta"), create=True).close()
+    LocalTier(path, create=True)
+    tmp = f"{marker}.{os.getpid()}.partial"
+    with open(tmp, "w") as f:
+        json.dump({"format": STORE_FORMAT, "store_id": uuid.uuid4().hex}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, marker)  # two processes creating at once: the last marker wins, both valid

@@ -1,0 +1,120 @@
+"""The checkout path: a version's tensors as zero-copy views of the shared-memory objects.
+
+``store.checkout`` reads the manifest (one registry read), maps each object the version references
+copy-on-write (one ``mmap`` per object, a few per GiB), and builds tensor views on first access.
+No tensor byte is read or copied by checkout itself; the first touch of a page maps the store's page
+into this process. Writing through a view copies that page privately: the store never changes.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Iterator, Mapping, NamedTuple
+
+import torch
+
+from .errors import StoreClosedError
+from .manifest import Manifest, Version
+from .tensors import ST_TO_TORCH
+
+from paramstore.backends.tiers.base import Tier
+
+__all__ = ["Snapshot", "LoadResult"]
+
+
+class LoadResult(NamedTuple):
+    """What :meth:`Snapshot.load_into` did not match, as ``Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class Snapshot(Mapping[str, torch.Tensor]):
+    """A checked-out version: a read-only mapping of names to tensors.
+
+    Tensors are views of the store's shared memory (CPU). Names tied at commit time return the very
+    same tensor. Close it (or use it as a context manager) when done; tensors already taken stay
+    valid after close.
+
+    Attributes:
+        version: the :class:`~paramstore.Version` checked out.
+        manifest: where each tensor lies.
+    """
+
+    def __init__(self, version: Version, manifest: Manifest, tier: Tier) -> None:
+        self.version = version
+        self.manifest = manifest
+        self._maps: dict[str, mmap.mmap] = {o: tier.map(o) for o in sorted(manifest.objects())}
+        self._bufs: dict[str, torch.Tensor] | None = {
+            o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()
+        }
+        self._views: dict[str, torch.Tensor] = {}
+
+    @property
+    def step(self) -> int:
+        """The version's step (what a rollout sample should record)."""
+        return self.version.step
+
+    @property
+    def digest(self) -> str:
+        """The version's content digest (lineage for a rollout sample)."""
+        return self.version.digest
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._bufs is None:
+            raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        target = self.manifest.aliases.get(name, name)
+        view = self._views.get(target)
+        if view is None:
+            try:
+                e = self.manifest.tensors[target]
+            except KeyError:
+                raise KeyError(f"no tensor {name!r} in version {self.version.step}") from None
+            buf = self._bufs[e.object]
+            view = buf[e.offset : e.offset + e.nbytes].view(ST_TO_TORCH[e.dtype]).view(e.shape)
+            self._views[target] = view
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.manifest.names())
+
+    def __len__(self) -> int:
+        return len(self.manifest.tensors) + len(self.manifest.aliases)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.manifest.tensors or name in self.manifest.aliases
+
+    def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> LoadResult:
+        """Copy this version into ``module``'s parameters and buffers, in place.
+
+        Tied parameters are handled (the shared storage is written once per name, same bytes).
+        Tensors are copied to each parameter's own device and dtype.
+
+        Args:
+            module: the module to load into.
+            strict: raise ``RuntimeError`` if names differ, as ``load_state_dict`` does.
+
+        Returns:
+            The missing and unexpected keys.
+
+        Example:
+            >>> with store.checkout("latest") as snap:
+            ...     snap.load_into(policy)
+        """
+        res = module.load_state_dict(dict(self.items()), strict=strict)
+        return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+
+    def close(self) -> None:
+        """Release the snapshot. Tensors already taken from it stay valid (they keep their mapping)."""
+        self._bufs = None
+        self._views = {}
+        self._maps = {}
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Snapshot(step={self.version.step}, tensors={len(self)}, digest={self.version.digest[:12]})"

@@ -1,0 +1,360 @@
+"""``ParamStore``: the public face of a store. Short methods that delegate.
+
+Where bytes go: on commit, :mod:`paramstore.commit`; on checkout, :mod:`paramstore.snapshot`;
+on disk, :mod:`paramstore.format` and ``paramstore.backends``.
+"""
+
+from __future__ import annotations
+
+import math
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .commit import CommitHandle, Committer
+from .errors import (
+    InvalidArgumentError,
+    StepOrderError,
+    StoreClosedError,
+    TagNotFoundError,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
+from .manifest import Version
+from .root import open_root
+from .snapshot import Snapshot
+from .tensors import check_name, collect
+
+from paramstore.backends.tiers.local import SlabPool
+
+__all__ = ["ParamStore", "VersionSpec"]
+
+#: How a version is named: a step, ``"latest"``, or a tag.
+VersionSpec = int | str
+
+DEFAULT_SHARD_SIZE_BYTES = 256 << 20
+
+
+class ParamStore:
+    """A versioned parameter store rooted at a directory (put it on ``/dev/shm``).
+
+    Any number of processes on the host may open the same root at once.
+
+    Args:
+        root: the store directory; created if missing or empty (unless ``create=False``).
+        create: create the store if it does not exist.
+        shard_size_bytes: target size of one object (a tensor larger than this gets its own).
+        prepare_buffers: after each commit, create and fault the next commit's shared-memory
+            buffers in the background, so the next snapshot copy runs at memory speed. Costs
+            one spare model size of shared memory.
+        pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
+
+    Raises:
+        NotAStoreError: ``root`` holds something other than a store, or is missing and
+            ``create`` is false.
+
+    Example:
+        >>> with ParamStore("/dev/shm/ps") as store:
+        ...     store.commit(1, model).result()
+        ...     with store.checkout("latest") as snap:
+        ...         snap.load_into(policy)
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
+        prepare_buffers: bool = True,
+        pin_memory: bool = True,
+    ) -> None:
+        if not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
+            raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
+        self._root = open_root(root, create=create)
+        self.root = self._root.path
+        self._lock = threading.Lock()
+        self._last_step: int | None = None  # highest step submitted by this process
+        self._last_handle: CommitHandle | None = None
+        self._pool = SlabPool(self._root.tier.tmp_dir, pin=pin_memory)
+        self._committer: Committer | None = None
+        self._shard_size = shard_size_bytes
+        self._prepare = prepare_buffers
+        self._closed = False
+
+    # -- commit ------------------------------------------------------------------------------
+    def commit(
+        self,
+        step: int,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        tags: tuple[str, ...] | list[str] = (),
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> CommitHandle:
+        """Snapshot ``model``'s tensors as version ``step``; returns at once.
+
+        The copy into shared memory runs on a background thread: ``handle.staged`` completes when
+        it is taken (the trainer may then update its parameters; see :meth:`guard`), and
+        ``handle.committed`` when the version is visible to every process.
+
+        Args:
+            step: trainer step, a non-negative int above every committed step.
+            model: a ``torch.nn.Module`` (its ``state_dict()``) or a mapping of names to tensors.
+            tags: names to point at this version (a tag that exists is moved).
+            metrics: numbers to record (for retention by best metric, dashboards).
+            metadata: any JSON-serializable mapping to record.
+
+        Returns:
+            A :class:`CommitHandle`; ``handle.result()`` waits and returns the :class:`Version`.
+
+        Raises:
+            StepOrderError: ``step`` is not above the latest committed or in-flight step.
+            InvalidTensorError, InvalidNameError, InvalidArgumentError: bad input; nothing is written.
+
+        Example:
+            >>> handle = store.commit(step, model, metrics={"reward": 0.7})
+            >>> handle.staged.result()  # before optimizer.step(), or use store.guard(optimizer)
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        tags_t = tuple(_check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
+        metrics_d = _check_metrics(metrics)
+        metadata_d = _check_metadata(metadata)
+        collected = collect(model)
+        with self._lock:
+            latest = self._root.registry.latest_step()
+            floor = max(x for x in (latest, self._last_step, -1) if x is not None)
+            if step <= floor:
+                raise StepOrderError(f"step {step} must be above the latest step {floor}")
+            self._last_step = step
+            handle = self._get_committer().submit(step, collected, tags_t, metrics_d, metadata_d)
+            self._last_handle = handle
+        return handle
+
+    def prepare(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Create and fault the shared-memory buffers ``model``'s first commit will use, in the background.
+
+        Optional: without it the first commit faults fresh pages while copying (several times
+        slower); later commits are prepared automatically.
+        """
+        self._check_open()
+        self._get_committer().prepare(collect(model))
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait until the last commit's snapshot is taken.
+
+        The wait is only as long as the copy still has to run; with no commit in flight it is free.
+        Returns the hook handle (``.remove()`` undoes it).
+
+        Example:
+            >>> store.guard(optimizer)
+            >>> for step in ...:
+            ...     loss.backward(); optimizer.step(); store.commit(step, model)
+        """
+
+        def _wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            self.wait_staged()
+
+        return optimizer.register_step_pre_hook(_wait_for_staging)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the last commit of this process is staged (re-raises its error)."""
+        handle = self._last_handle
+        if handle is not None:
+            handle.staged.result(timeout)
+
+    def flush(self, timeout: float | None = None) -> Version | None:
+        """Wait until every commit of this process is visible; returns the last version."""
+        handle = self._last_handle
+        return None if handle is None else handle.result(timeout)
+
+    def _get_committer(self) -> Committer:
+        if self._committer is None:
+            self._committer = Committer(
+                self._root.tier, self._root.registry, self._pool, self._shard_size,
+                prepare_buffers=self._prepare,
+            )
+        return self._committer
+
+    # -- read --------------------------------------------------------------------------------
+    def checkout(self, version: VersionSpec = "latest") -> Snapshot:
+        """Map a version's tensors zero-copy.
+
+        Args:
+            version: a step (int), ``"latest"``, or a tag.
+
+        Returns:
+            A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``,
+            ``.load_into(module)`` and ``.close()``.
+
+        Raises:
+            VersionNotFoundError / TagNotFoundError: no such version or tag.
+
+        Example:
+            >>> with store.checkout("latest") as snap:
+            ...     print(snap.version.step, snap["lm_head.weight"].shape)
+        """
+        self._check_open()
+        step = self._resolve(version)
+        reg = self._root.registry
+        return Snapshot(reg.get_version(step), reg.get_manifest(step), self._root.tier)
+
+    def versions(self) -> list[Version]:
+        """Every version, in increasing step order."""
+        self._check_open()
+        return list(self._root.registry.versions())
+
+    def latest(self) -> Version | None:
+        """The newest version, or None if the store is empty."""
+        self._check_open()
+        step = self._root.registry.latest_step()
+        return None if step is None else self._root.registry.get_version(step)
+
+    def get(self, version: VersionSpec) -> Version:
+        """The :class:`Version` named by a step, ``"latest"`` or a tag."""
+        self._check_open()
+        return self._root.registry.get_version(self._resolve(version))
+
+    def _resolve(self, version: VersionSpec) -> int:
+        reg = self._root.registry
+        if isinstance(version, bool):
+            raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
+        if isinstance(version, int):
+            return version
+        if version == "latest":
+            step = reg.latest_step()
+            if step is None:
+                raise VersionNotFoundError(f"store {self.root} has no version yet")
+            return step
+        if isinstance(version, str):
+            tags = reg.tags()
+            if version not in tags:
+                raise TagNotFoundError(f"no tag named {version!r} (tags: {sorted(tags) or 'none'})")
+            return tags[version]
+        raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
+
+    # -- wait --------------------------------------------------------------------------------
+    def subscribe(self, after: int | None = None, *, timeout: float | None = None) -> Iterator[Version]:
+        """Yield every new version in step order as it becomes visible, from any process.
+
+        Sleeps between versions (inotify on the registry's events file): no busy spinning.
+
+        Args:
+            after: yield versions with a step above this; default: the latest at the call
+                (only versions committed from now on). Pass -1 for every version.
+            timeout: end the iteration when no new version arrives for this many seconds.
+
+        Example:
+            >>> for v in store.subscribe():
+            ...     with store.checkout(v.step) as snap:
+            ...         snap.load_into(policy)
+        """
+        self._check_open()
+        reg = self._root.registry
+        if after is None:
+            after = reg.latest_step()
+        last = -1 if after is None else after
+        with reg.watch() as watch:
+            while True:
+                new = list(reg.versions(after=last))
+                for v in new:
+                    last = v.step
+                    yield v
+                if not new and not watch.wait(timeout):
+                    return
+                self._check_open()
+
+    def wait_for(self, step: int, timeout: float | None = None) -> Version:
+        """Block until a version with step ≥ ``step`` is visible; return the newest one.
+
+        Raises:
+            WaitTimeoutError: none appeared within ``timeout`` seconds.
+        """
+        self._check_open()
+        reg = self._root.registry
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with reg.watch() as watch:
+            while True:
+                latest = reg.latest_step()
+                if latest is not None and latest >= step:
+                    return reg.get_version(latest)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WaitTimeoutError(f"no version with step >= {step} within {timeout} s (latest: {latest})")
+                watch.wait(left)
+
+    # -- tags --------------------------------------------------------------------------------
+    def tag(self, version: VersionSpec, name: str) -> Version:
+        """Point tag ``name`` at ``version`` (moving it if it exists); returns that version."""
+        self._check_open()
+        _check_tag(name)
+        step = self._resolve(version)
+        self._root.registry.set_tag(name, step)
+        return self._root.registry.get_version(step)
+
+    def untag(self, name: str) -> None:
+        """Remove tag ``name``. Raises TagNotFoundError if it does not exist."""
+        self._check_open()
+        self._root.registry.delete_tag(name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish in-flight commits, release buffers and close the registry. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._committer is not None:
+            self._committer.close()
+        self._pool.close()
+        self._root.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.root} is closed")
+
+    def __enter__(self) -> "ParamStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ParamStore({self.root!r})"
+
+
+def _check_tag(name: Any) -> str:
+    check_name(name, "tag")
+    if name == "latest" or name.lstrip("-").isdigit():
+        raise InvalidArgumentError(f"tag {name!r} would be ambiguous with a step or 'latest'; choose another name")
+    return name
+
+
+def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidArgumentError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        check_name(k, "metric name")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidArgumentError(f"metric {k!r} must be a finite number, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgumentError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
