@@ -21,9 +21,12 @@ from typing import Any
 from paramstore.backends.registries.lmdb import LmdbRegistry
 from paramstore.backends.tiers.local import LocalTier
 
-from .errors import NotAStoreError
+from .errors import InvalidArgumentError, NotAStoreError, TagNotFoundError, VersionNotFoundError
 
-__all__ = ["StoreRoot", "open_root", "MARKER", "STORE_FORMAT"]
+__all__ = ["StoreRoot", "VersionSpec", "open_root", "MARKER", "STORE_FORMAT"]
+
+#: How a version is named: a step, ``"latest"``, or a tag.
+VersionSpec = int | str
 
 MARKER = "paramstore.json"
 STORE_FORMAT = 1
@@ -37,6 +40,25 @@ class StoreRoot:
     info: dict[str, Any]
     registry: LmdbRegistry
     tier: LocalTier
+
+    def resolve(self, version: VersionSpec) -> int:
+        """The step named by a step, ``"latest"`` or a tag (a step is not checked to exist).
+
+        Raises VersionNotFoundError (empty store), TagNotFoundError or InvalidArgumentError.
+        """
+        if isinstance(version, bool) or not isinstance(version, (int, str)):
+            raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
+        if isinstance(version, int):
+            return version
+        if version == "latest":
+            step = self.registry.latest_step()
+            if step is None:
+                raise VersionNotFoundError(f"store {self.path} has no version yet")
+            return step
+        tags = self.registry.tags()
+        if version not in tags:
+            raise TagNotFoundError(f"no tag named {version!r} (tags: {', '.join(sorted(tags)) or 'none'})")
+        return tags[version]
 
     def close(self) -> None:
         self.registry.close()

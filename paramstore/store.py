@@ -6,8 +6,6 @@ on disk, :mod:`paramstore.format` and ``paramstore.backends``.
 
 from __future__ import annotations
 
-import math
-import json
 import os
 import threading
 import time
@@ -16,25 +14,16 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .commit import CommitHandle, Committer
-from .errors import (
-    InvalidArgumentError,
-    StepOrderError,
-    StoreClosedError,
-    TagNotFoundError,
-    VersionNotFoundError,
-    WaitTimeoutError,
-)
+from .errors import InvalidArgumentError, StepOrderError, StoreClosedError, WaitTimeoutError
 from .manifest import Version
-from .root import open_root
+from .root import VersionSpec, open_root
 from .snapshot import Snapshot
-from .tensors import check_name, collect
+from .tensors import collect
+from .validate import check_metadata, check_metrics, check_tag
 
 from paramstore.backends.tiers.local import SlabPool
 
-__all__ = ["ParamStore", "VersionSpec"]
-
-#: How a version is named: a step, ``"latest"``, or a tag.
-VersionSpec = int | str
+__all__ = ["ParamStore"]
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
 
@@ -123,9 +112,9 @@ class ParamStore:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
-        tags_t = tuple(_check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
-        metrics_d = _check_metrics(metrics)
-        metadata_d = _check_metadata(metadata)
+        tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
+        metrics_d = check_metrics(metrics)
+        metadata_d = check_metadata(metadata)
         collected = collect(model)
         with self._lock:
             latest = self._root.registry.latest_step()
@@ -222,22 +211,7 @@ class ParamStore:
         return self._root.registry.get_version(self._resolve(version))
 
     def _resolve(self, version: VersionSpec) -> int:
-        reg = self._root.registry
-        if isinstance(version, bool):
-            raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
-        if isinstance(version, int):
-            return version
-        if version == "latest":
-            step = reg.latest_step()
-            if step is None:
-                raise VersionNotFoundError(f"store {self.root} has no version yet")
-            return step
-        if isinstance(version, str):
-            tags = reg.tags()
-            if version not in tags:
-                raise TagNotFoundError(f"no tag named {version!r} (tags: {sorted(tags) or 'none'})")
-            return tags[version]
-        raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
+        return self._root.resolve(version)
 
     # -- wait --------------------------------------------------------------------------------
     def subscribe(self, after: int | None = None, *, timeout: float | None = None) -> Iterator[Version]:
@@ -293,7 +267,7 @@ class ParamStore:
     def tag(self, version: VersionSpec, name: str) -> Version:
         """Point tag ``name`` at ``version`` (moving it if it exists); returns that version."""
         self._check_open()
-        _check_tag(name)
+        check_tag(name)
         step = self._resolve(version)
         self._root.registry.set_tag(name, step)
         return self._root.registry.get_version(step)
@@ -326,35 +300,3 @@ class ParamStore:
 
     def __repr__(self) -> str:
         return f"ParamStore({self.root!r})"
-
-
-def _check_tag(name: Any) -> str:
-    check_name(name, "tag")
-    if name == "latest" or name.lstrip("-").isdigit():
-        raise InvalidArgumentError(f"tag {name!r} would be ambiguous with a step or 'latest'; choose another name")
-    return name
-
-
-def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise InvalidArgumentError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
-    out = {}
-    for k, v in metrics.items():
-        check_name(k, "metric name")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise InvalidArgumentError(f"metric {k!r} must be a finite number, got {v!r}")
-        out[k] = float(v)
-    return out
-
-
-def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, Mapping):
-        raise InvalidArgumentError(f"metadata must be a mapping, got {type(metadata).__name__}")
-    try:
-        return json.loads(json.dumps(dict(metadata), allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e

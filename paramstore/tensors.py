@@ -14,8 +14,9 @@ import torch
 
 from .errors import InvalidArgumentError, InvalidNameError, InvalidTensorError
 from .format import TensorSpec
+from .validate import check_name
 
-__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "check_name"]
+__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect"]
 
 #: torch dtype -> safetensors dtype name, for every dtype both support.
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -39,15 +40,6 @@ class Collected:
     specs: list[TensorSpec]
     sources: list[torch.Tensor]
     aliases: dict[str, str]  # tied name -> the name stored
-
-
-def check_name(name: Any, what: str = "tensor name") -> str:
-    """Raise InvalidNameError unless ``name`` is a non-empty string without NUL."""
-    if not isinstance(name, str):
-        raise InvalidNameError(f"{what} must be a string, got {type(name).__name__}: {name!r}")
-    if not name or "\0" in name:
-        raise InvalidNameError(f"{what} must be non-empty and contain no NUL character, got {name!r}")
-    return name
 
 
 def _as_plain_tensor(name: str, value: Any) -> torch.Tensor:

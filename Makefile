@@ -1,0 +1,30 @@
+# Set-up and everyday commands. Works on a fresh Debian machine with Python 3.11 and the package registries.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+# torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
+# several GB of CUDA packages); the package's own range is then already satisfied.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python examples/quickstart.py
+
+test: install
+	$(BIN)/python -m pytest tests -q
+
+bench: install
+	$(BIN)/python tools/bench_core.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

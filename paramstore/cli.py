@@ -1,0 +1,189 @@
+"""The ``paramstore`` command line.
+
+``paramstore --root PATH COMMAND [--json]``; the root may also come from ``$PARAMSTORE_ROOT``.
+Metadata commands (ls, show, du, verify, tag, export) do not import torch, so they start fast.
+Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from .errors import ParamStoreError
+from .root import StoreRoot, VersionSpec, open_root
+from .validate import check_tag
+
+__all__ = ["main"]
+
+
+def _version_arg(text: str) -> VersionSpec:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# -- commands: each returns (json-able result, text to print, exit code) ----------------------
+def _ls(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    versions = list(root.registry.versions())
+    rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  TAGS"]
+    for v in versions:
+        rows.append(f"{v.step:>10}  {_when(v.created_at)}  {_human(v.nbytes):>11}  {v.num_tensors:>7}  "
+                    f"{v.digest[:12]}  {','.join(v.tags)}")
+    return [v.as_dict() for v in versions], "\n".join(rows), 0
+
+
+def _show(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    step = root.resolve(args.version)
+    v = root.registry.get_version(step)
+    man = root.registry.get_manifest(step)
+    out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
+    lines = [
+        f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
+        f"size       {_human(v.nbytes)} in {len(man.tensors)} tensors, {len(man.aliases)} aliases, "
+        f"{len(man.objects())} objects",
+        f"tags       {', '.join(v.tags) or '-'}",
+        f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
+    ]
+    for n in man.names():
+        e = man.entry(n)
+        alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
+        lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{alias}")
+    return out, "\n".join(lines), 0
+
+
+def _diff(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .ops import diff
+
+    r = diff(root, root.resolve(args.a), root.resolve(args.b))
+    lines = [f"{r['from']} -> {r['to']}: {len(r['changed'])} changed ({_human(r['changed_bytes'])}), "
+             f"{len(r['added'])} added, {len(r['removed'])} removed, {r['unchanged']} unchanged"]
+    lines += [f"+ {n}" for n in r["added"]] + [f"- {n}" for n in r["removed"]]
+    for c in r["changed"]:
+        detail = f"max|Δ|={c['max_abs_diff']:.6g}" if "max_abs_diff" in c else \
+            (f"{c['from']} -> {c['to']}" if "from" in c else "")
+        lines.append(f"~ {c['name']}  {_human(c['nbytes'])}  {detail}")
+    return r, "\n".join(lines), 0
+
+
+def _verify(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .ops import verify
+
+    steps = None if args.version is None else [root.resolve(args.version)]
+    r = verify(root, steps)
+    lines = [f"checked {r['versions_checked']} versions, {r['objects_checked']} objects, {_human(r['bytes_checked'])}"]
+    lines += [f"CORRUPT {o}: {why}" for o, why in r["corrupt"].items()]
+    lines += [f"MISSING {o}" for o in r["missing"]]
+    if r["damaged_versions"]:
+        lines.append(f"damaged versions: {', '.join(map(str, r['damaged_versions']))}")
+    if "orphans" in r:
+        lines.append(f"{len(r['orphans'])} unreferenced objects, {len(r['leftovers'])} temporary files "
+                     "(in-flight commits or crash leftovers; reclaimed by gc)")
+    lines.append("OK" if r["ok"] else "DAMAGED")
+    return r, "\n".join(lines), 0 if r["ok"] else 1
+
+
+def _du(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .ops import du
+
+    r = du(root)
+    text = (f"{r['versions']} versions, {r['objects']} objects\n"
+            f"logical  {_human(r['logical_bytes'])}\nstored   {_human(r['stored_bytes'])}\n"
+            f"temp     {_human(r['temporary_bytes'])}\ndedup    {r['dedup_ratio']:.2f}x")
+    return r, text, 0
+
+
+def _export(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .export import export
+
+    r = export(root, root.resolve(args.version), args.dir, shard_size_bytes=args.shard_size_bytes)
+    return r, f"exported step {r['step']} to {r['directory']}: {', '.join(r['files'])}", 0
+
+
+def _tag(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    if args.delete:
+        step = root.registry.delete_tag(args.name)
+        return {"deleted": args.name, "step": step}, f"deleted tag {args.name} (was step {step})", 0
+    if args.version is None:
+        raise ParamStoreError("tag needs a version: paramstore tag VERSION NAME (or --delete NAME)")
+    step = root.resolve(args.version)
+    root.registry.set_tag(check_tag(args.name), step)
+    return {"tag": args.name, "step": step}, f"{args.name} -> {step}", 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    # --json is accepted before or after the command; SUPPRESS keeps the subparser from resetting it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print machine-readable JSON")
+    p = argparse.ArgumentParser(prog="paramstore", description="A versioned parameter store.")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--root", default=os.environ.get("PARAMSTORE_ROOT"),
+                   help="store directory (default: $PARAMSTORE_ROOT)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, parents=[common])
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("ls", _ls, "list versions")
+    add("show", _show, "show a version and its tensors").add_argument("version", type=_version_arg)
+    sp = add("diff", _diff, "compare two versions: tensors changed, added, removed; bytes; max |Δ|")
+    sp.add_argument("a", type=_version_arg)
+    sp.add_argument("b", type=_version_arg)
+    add("verify", _verify, "rehash objects; report corruption (exit 1), orphans and leftovers").add_argument(
+        "version", type=_version_arg, nargs="?")
+    add("du", _du, "logical vs stored bytes and the dedup ratio")
+    sp = add("export", _export, "write a version as Hugging Face safetensors shards + index")
+    sp.add_argument("version", type=_version_arg)
+    sp.add_argument("dir")
+    sp.add_argument("--shard-size-bytes", type=int, default=5 * 10**9)
+    sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME)")
+    sp.add_argument("version", type=_version_arg, nargs="?")
+    sp.add_argument("name")
+    sp.add_argument("--delete", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "tag" and args.delete and args.version is not None:
+        args.name, args.version = args.version, None
+    try:
+        if not args.root:
+            raise ParamStoreError("no store root: pass --root PATH or set PARAMSTORE_ROOT")
+        root = open_root(args.root, create=False)
+        try:
+            result, text, code = args.fn(root, args)
+        finally:
+            root.close()
+    except (ParamStoreError, OSError) as e:
+        if args.json:
+            print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+        print(f"paramstore: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(result, indent=2) if args.json else text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
