@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed
 # torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
 # several GB of CUDA packages); the package's own range is then already satisfied.
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \
+	  (apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(VENV))
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install torch==2.13.0
 	$(BIN)/python -m pip install -e '.[dev]'
