@@ -6,9 +6,11 @@ on disk, :mod:`paramstore.format` and ``paramstore.backends``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -74,6 +76,10 @@ class ParamStore:
         self._shard_size = shard_size_bytes
         self._prepare = prepare_buffers
         self._closed = False
+        # A script that commits and exits without close() must not lose the in-flight commit.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (store := ref()) is not None and store.close()
+        atexit.register(self._atexit)
 
     # -- commit ------------------------------------------------------------------------------
     def commit(
@@ -283,6 +289,7 @@ class ParamStore:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._atexit)
         if self._committer is not None:
             self._committer.close()
         self._pool.close()
