@@ -136,8 +136,6 @@ class Committer:
                 slab.discard()
             _fail(job.handle, e)
             return
-        if self._prepare:
-            self._pool.prepare([p.size for p in job.plans])  # the next commit's buffers
         self._publish_q.put(job)
 
     # -- 2-4. hash, deduplicate, publish -----------------------------------------------------
@@ -150,6 +148,10 @@ class Committer:
             _fail(job.handle, e)
             return
         job.handle.committed.set_result(version)
+        if self._prepare:
+            # The next commit's buffers, faulted in the background once this one is visible
+            # (so the page faults do not compete with hashing on the visibility path).
+            self._pool.prepare([p.size for p in job.plans])
 
     def _hash_dedup_publish(self, job: _Job) -> Version:
         digests = [[_hash_range(slab, p) for p in plan.placements] for plan, slab in zip(job.plans, job.slabs)]

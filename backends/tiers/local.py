@@ -168,13 +168,25 @@ class SlabPool:
         slab.discard()
 
     def prepare(self, sizes: list[int]) -> None:
-        """Make sure slabs of these sizes (one per entry) are ready, in the background."""
+        """Make sure slabs of these sizes (one per entry) are ready, in the background.
+
+        Pooled slabs beyond these are deleted: the pool holds at most one commit's worth.
+        """
         with self._lock:
             self._want = list(sizes)
+            budget: dict[int, int] = {}
+            for s in sizes:
+                budget[s] = budget.get(s, 0) + 1
+            extra = []
+            for s, free in self._free.items():
+                while len(free) > budget.get(s, 0):
+                    extra.append(free.pop())
             if self._thread is None:
                 self._thread = threading.Thread(target=self._fill, name="paramstore-slabs", daemon=True)
                 self._thread.start()
             self._wake.notify()
+        for slab in extra:
+            slab.discard()
 
     def _fill(self) -> None:
         while True:
