@@ -1,0 +1,239 @@
+"""Retention policies: which versions to keep. Pure data and pure functions, no I/O, no clock.
+
+Each policy is a small frozen dataclass, validated at construction, with an English ``str()``.
+``policy.keep(versions, now)`` returns, for each version it keeps, the reasons why. Policies compose
+with :class:`Any` (keep a version if any child keeps it). Whatever the policy, the store also keeps
+the latest version and every leased version (see :func:`decide`).
+
+Example:
+    >>> policy = Any(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))
+    >>> str(policy)
+    'keep the last 2; keep every 1000th step; keep the best 3 by reward (max)'
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from .errors import InvalidArgumentError
+from .manifest import Version
+
+__all__ = [
+    "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepTagged", "KeepWithin", "Any",
+    "Decision", "decide", "parse_duration",
+]
+
+Reasons = dict[int, list[str]]
+
+
+class Policy(abc.ABC):
+    """Base of every retention rule."""
+
+    @abc.abstractmethod
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        """Steps this rule keeps, each with the reasons (``versions`` sorted by step)."""
+
+    def __or__(self, other: "Policy") -> "Any":
+        return Any(self, other)
+
+
+def _count(name: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative int, got {n!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class KeepLast(Policy):
+    """Keep the ``n`` newest versions."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _count("KeepLast(n)", self.n)
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        chosen = versions[-self.n :] if self.n else []
+        return {v.step: [f"one of the last {self.n}"] for v in chosen}
+
+    def __str__(self) -> str:
+        return f"keep the last {self.n}"
+
+
+@dataclass(frozen=True)
+class KeepEvery(Policy):
+    """Keep versions whose step is divisible by ``steps``."""
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        if _count("KeepEvery(steps)", self.steps) == 0:
+            raise InvalidArgumentError("KeepEvery(steps) must be positive")
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        return {v.step: [f"step divisible by {self.steps}"] for v in versions if v.step % self.steps == 0}
+
+    def __str__(self) -> str:
+        return f"keep every {self.steps}th step"
+
+
+@dataclass(frozen=True)
+class KeepBest(Policy):
+    """Keep the ``n`` best versions by ``metric`` (``mode="max"`` or ``"min"``).
+
+    Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked.
+    Raises (at decision time) if no version at all has the metric: a misspelt metric would
+    otherwise silently keep nothing.
+    """
+
+    n: int
+    metric: str
+    mode: str = "max"
+    keep_without_metric: bool = False
+
+    def __post_init__(self) -> None:
+        _count("KeepBest(n)", self.n)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise InvalidArgumentError(f"KeepBest metric must be a non-empty string, got {self.metric!r}")
+        if self.mode not in ("max", "min"):
+            raise InvalidArgumentError(f"KeepBest mode must be 'max' or 'min', got {self.mode!r}")
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        ranked = [v for v in versions if self.metric in v.metrics]
+        if versions and not ranked:
+            raise InvalidArgumentError(f"no version has the metric {self.metric!r}; check its name")
+        sign = -1.0 if self.mode == "max" else 1.0
+        ranked.sort(key=lambda v: (sign * v.metrics[self.metric], -v.step))
+        out: Reasons = {v.step: [f"best {i + 1} by {self.metric} ({self.mode})"] for i, v in enumerate(ranked[: self.n])}
+        if self.keep_without_metric:
+            for v in versions:
+                if self.metric not in v.metrics:
+                    out.setdefault(v.step, []).append(f"has no {self.metric} metric")
+        return out
+
+    def __str__(self) -> str:
+        return f"keep the best {self.n} by {self.metric} ({self.mode})"
+
+
+@dataclass(frozen=True)
+class KeepTagged(Policy):
+    """Keep versions carrying any of ``tags`` (no argument: any tag at all)."""
+
+    tags: tuple[str, ...] = ()
+
+    def __init__(self, *tags: str) -> None:
+        for t in tags:
+            if not isinstance(t, str) or not t:
+                raise InvalidArgumentError(f"KeepTagged takes tag names, got {t!r}")
+        object.__setattr__(self, "tags", tuple(tags))
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        out: Reasons = {}
+        for v in versions:
+            hit = [t for t in v.tags if not self.tags or t in self.tags]
+            if hit:
+                out[v.step] = [f"tagged {', '.join(hit)}"]
+        return out
+
+    def __str__(self) -> str:
+        return f"keep versions tagged {', '.join(self.tags)}" if self.tags else "keep tagged versions"
+
+
+@dataclass(frozen=True)
+class KeepWithin(Policy):
+    """Keep versions created within ``seconds`` of the newest version (``"2h"``, ``"30m"``, ``90``).
+
+    Measured from the newest version, not from the clock, so a paused run keeps its recent history.
+    """
+
+    seconds: float
+
+    def __init__(self, duration: float | str) -> None:
+        object.__setattr__(self, "seconds", parse_duration(duration))
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        if not versions:
+            return {}
+        newest = max(v.created_at for v in versions)
+        return {v.step: [f"within {_fmt(self.seconds)} of the newest"] for v in versions
+                if newest - v.created_at <= self.seconds}
+
+    def __str__(self) -> str:
+        return f"keep versions within {_fmt(self.seconds)} of the newest"
+
+
+@dataclass(frozen=True)
+class Any(Policy):
+    """Keep a version if any of ``policies`` keeps it."""
+
+    policies: tuple[Policy, ...] = field(default_factory=tuple)
+
+    def __init__(self, *policies: Policy) -> None:
+        if not policies:
+            raise InvalidArgumentError("Any() needs at least one policy: an empty policy would delete everything")
+        for p in policies:
+            if not isinstance(p, Policy):
+                raise InvalidArgumentError(f"Any() takes policies, got {p!r}")
+        object.__setattr__(self, "policies", tuple(policies))
+
+    def keep(self, versions: Sequence[Version], now: float) -> Reasons:
+        out: Reasons = {}
+        for p in self.policies:
+            for step, why in p.keep(versions, now).items():
+                out.setdefault(step, []).extend(why)
+        return out
+
+    def __str__(self) -> str:
+        return "; ".join(str(p) for p in self.policies)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def parse_duration(duration: float | str) -> float:
+    """Seconds in ``duration``: a number, or text like ``"90"``, ``"90s"``, ``"2h"``, ``"1d12h"``."""
+    if isinstance(duration, bool):
+        raise InvalidArgumentError(f"bad duration {duration!r}")
+    if isinstance(duration, (int, float)):
+        if duration < 0:
+            raise InvalidArgumentError(f"duration must not be negative, got {duration}")
+        return float(duration)
+    if isinstance(duration, str):
+        text = duration.strip().lower()
+        if re.fullmatch(r"\d+(?:\.\d+)?", text):
+            return float(text)
+        parts = _DURATION.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return sum(float(n) * _UNITS[u] for n, u in parts)
+    raise InvalidArgumentError(f"cannot parse duration {duration!r}; use seconds or e.g. '90s', '30m', '2h', '1d12h'")
+
+
+def _fmt(seconds: float) -> str:
+    for unit in ("w", "d", "h", "m"):
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{int(seconds // _UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a prune keeps and removes, with reasons for every kept version."""
+
+    keep: Mapping[int, list[str]]
+    remove: list[int]
+
+
+def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], now: float) -> Decision:
+    """Apply ``policy``, then always keep the latest version and every leased one."""
+    vs = sorted(versions, key=lambda v: v.step)
+    kept = policy.keep(vs, now)
+    if vs:
+        kept.setdefault(vs[-1].step, []).append("latest")
+    present = {v.step for v in vs}
+    for s in sorted(set(leased) & present):
+        kept.setdefault(s, []).append("leased")
+    return Decision(dict(sorted(kept.items())), [v.step for v in vs if v.step not in kept])

@@ -1,0 +1,106 @@
+"""Retention policies: table-driven semantics with reasons, composition, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from paramstore import InvalidArgumentError
+from paramstore.manifest import Version
+from paramstore.retention import (
+    Any,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    KeepTagged,
+    KeepWithin,
+    decide,
+    parse_duration,
+)
+
+
+def V(step: int, *, t: float | None = None, tags: tuple[str, ...] = (), **metrics: float) -> Version:
+    return Version(step=step, created_at=1000.0 + step * 60 if t is None else t, nbytes=1, digest=f"d{step}",
+                   num_tensors=1, tags=tags, metrics=metrics)
+
+
+# Ten versions, steps 10..100, one a minute; reward peaks at 40 and 70; 50 is tagged "release".
+HISTORY = [V(10 * i, tags=("release",) if i == 5 else (), **({"reward": r} if r is not None else {}))
+           for i, r in zip(range(1, 11), [0.1, 0.2, 0.3, 0.9, 0.5, None, 0.8, 0.4, 0.2, 0.1])]
+
+CASES = [
+    # policy, leased, kept steps
+    (KeepLast(1), [], [100]),
+    (KeepLast(3), [], [80, 90, 100]),
+    (KeepLast(0), [], [100]),  # the latest is always kept
+    (KeepEvery(30), [], [30, 60, 90, 100]),
+    (KeepBest(2, "reward"), [], [40, 70, 100]),
+    (KeepBest(2, "reward", mode="min"), [], [10, 100]),  # ties (0.1 at 10 and 100): newest ranks first
+    (KeepBest(1, "reward", keep_without_metric=True), [], [40, 60, 100]),
+    (KeepTagged("release"), [], [50, 100]),
+    (KeepTagged("other"), [], [100]),
+    (KeepTagged(), [], [50, 100]),
+    (KeepWithin("20m"), [], [80, 90, 100]),  # one version per 10 minutes
+    (KeepWithin(0), [], [100]),
+    (Any(KeepLast(2), KeepEvery(50)), [], [50, 90, 100]),
+    (Any(KeepBest(1, "reward"), KeepTagged("release")), [20], [20, 40, 50, 100]),
+    (KeepLast(1) | KeepEvery(40), [], [40, 80, 100]),
+]
+
+
+@pytest.mark.parametrize("policy,leased,kept", CASES, ids=[str(c[0]) + (" leased" if c[1] else "") for c in CASES])
+def test_policy_table(policy, leased, kept):
+    d = decide(policy, HISTORY, leased, now=0.0)
+    assert sorted(d.keep) == kept
+    assert d.remove == [v.step for v in HISTORY if v.step not in kept]
+    for step, reasons in d.keep.items():
+        assert reasons, f"step {step} kept without a reason"
+
+
+def test_reasons_explain():
+    d = decide(Any(KeepLast(1), KeepBest(1, "reward")), HISTORY, [30], now=0.0)
+    assert d.keep[100] == ["one of the last 1", "latest"]
+    assert d.keep[40] == ["best 1 by reward (max)"]
+    assert d.keep[30] == ["leased"]
+
+
+def test_best_never_evicts_latest():
+    # the latest has the worst reward: KeepBest(1) alone would drop it
+    d = decide(KeepBest(1, "reward"), HISTORY, [], now=0.0)
+    assert 100 in d.keep and "latest" in d.keep[100]
+
+
+def test_str_is_english():
+    assert str(Any(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))) == \
+        "keep the last 2; keep every 1000th step; keep the best 3 by reward (max)"
+    assert str(KeepWithin("90m")) == "keep versions within 90m of the newest"
+    assert str(KeepWithin(7200)) == "keep versions within 2h of the newest"
+
+
+def test_empty_history():
+    assert decide(KeepLast(2), [], [], now=0.0).keep == {}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: KeepLast(-1), lambda: KeepLast(1.5), lambda: KeepLast(True), lambda: KeepEvery(0),
+    lambda: KeepBest(-2, "r"), lambda: KeepBest(1, ""), lambda: KeepBest(1, "r", mode="median"),
+    lambda: KeepTagged(""), lambda: KeepWithin("two hours"), lambda: KeepWithin(-5), lambda: KeepWithin("2h30"),
+    lambda: Any(), lambda: Any(KeepLast(1), "last"),
+])
+def test_bad_options(make):
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+def test_metric_missing_everywhere_is_an_error():
+    with pytest.raises(InvalidArgumentError, match="no version has the metric 'rewrd'"):
+        decide(KeepBest(2, "rewrd"), HISTORY, [], now=0.0)
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 90), ("2x", None), ("90s", 90), ("30m", 1800), ("2h", 7200),
+                                          ("1d12h", 129600), ("1w", 604800), ("1.5h", 5400)])
+def test_parse_duration(text, seconds):
+    if seconds is None:
+        with pytest.raises(InvalidArgumentError):
+            parse_duration(text)
+    else:
+        assert parse_duration(text) == seconds
