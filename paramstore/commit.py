@@ -205,8 +205,9 @@ class Committer:
             metrics=job.metrics,
             metadata=job.metadata,
         )
+        # Index what this commit stored (also bytes known only at an offset misaligned for their dtype).
         new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
-                       if e.object in new_objects and e.digest not in known}
+                       if e.object in new_objects}
         self._registry.publish(version, manifest, new_objects, new_tensors)
         return version
 

@@ -28,6 +28,7 @@ from paramstore.backends.tiers.local import SlabPool
 __all__ = ["ParamStore"]
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
+MAX_STEP = 1 << 63
 
 
 class ParamStore:
@@ -64,7 +65,7 @@ class ParamStore:
         prepare_buffers: bool = True,
         pin_memory: bool = True,
     ) -> None:
-        if not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
+        if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
         self._root = open_root(root, create=create)
         self.root = self._root.path
@@ -116,8 +117,8 @@ class ParamStore:
             >>> handle.staged.result()  # before optimizer.step(), or use store.guard(optimizer)
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
+            raise InvalidArgumentError(f"step must be an int in [0, 2**63), got {step!r}")
         tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
@@ -237,10 +238,14 @@ class ParamStore:
         """
         self._check_open()
         reg = self._root.registry
+        watch = reg.watch()  # armed now: nothing committed after this call is missed
         if after is None:
             after = reg.latest_step()
-        last = -1 if after is None else after
-        with reg.watch() as watch:
+        return self._follow(watch, -1 if after is None else after, timeout)
+
+    def _follow(self, watch: Any, last: int, timeout: float | None) -> Iterator[Version]:
+        reg = self._root.registry
+        with watch:
             while True:
                 new = list(reg.versions(after=last))
                 for v in new:
@@ -281,7 +286,7 @@ class ParamStore:
     def untag(self, name: str) -> None:
         """Remove tag ``name``. Raises TagNotFoundError if it does not exist."""
         self._check_open()
-        self._root.registry.delete_tag(name)
+        self._root.registry.delete_tag(check_tag(name))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -11,7 +11,10 @@ from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
 
-__all__ = ["check_name", "check_tag", "check_metrics", "check_metadata"]
+__all__ = ["check_name", "check_tag", "check_metrics", "check_metadata", "MAX_TAG_BYTES"]
+
+#: Tags are registry keys (LMDB allows 511 bytes).
+MAX_TAG_BYTES = 400
 
 
 def check_name(name: Any, what: str = "tensor name") -> str:
@@ -20,6 +23,10 @@ def check_name(name: Any, what: str = "tensor name") -> str:
         raise InvalidNameError(f"{what} must be a string, got {type(name).__name__}: {name!r}")
     if not name or "\0" in name:
         raise InvalidNameError(f"{what} must be non-empty and contain no NUL character, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidNameError(f"{what} {name!r} is not valid Unicode text: {e}") from e
     return name
 
 
@@ -28,6 +35,8 @@ def check_tag(name: Any) -> str:
     check_name(name, "tag")
     if name == "latest" or name.lstrip("-").isdigit():
         raise InvalidNameError(f"tag {name!r} would be ambiguous with a step or 'latest'; choose another name")
+    if len(name.encode("utf-8")) > MAX_TAG_BYTES:
+        raise InvalidNameError(f"tag is longer than {MAX_TAG_BYTES} bytes: {name[:40]!r}...")
     return name
 
 

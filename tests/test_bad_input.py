@@ -130,9 +130,6 @@ def test_step_of_the_wrong_kind(pstore, step):
     expect_error(pstore, InvalidArgumentError, ValueError, pstore.commit, step, GOOD)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a step >= 2**64 passes commit()'s checks, then fails in the "
-                   "publisher thread with struct.error after its objects are written, and poisons the store "
-                   "object (every later commit raises StepOrderError)")
 def test_step_too_large_for_the_registry(pstore):
     expect_error(pstore, InvalidArgumentError, ValueError, pstore.commit, 2**64, GOOD)
 
@@ -175,22 +172,15 @@ def test_tag_with_a_bad_name(pstore, tag):
     expect_error(pstore, InvalidNameError, ValueError, pstore.tag, 1, tag)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a tag longer than LMDB's 511-byte key limit passes validation; "
-                   "commit() then fails in the publisher thread with lmdb.BadValsizeError after writing objects, "
-                   "and tag() raises lmdb.BadValsizeError (not a ParamStoreError)")
 def test_tag_too_long_for_the_registry(pstore):
     expect_error(pstore, InvalidNameError, ValueError, pstore.tag, 1, "t" * 600)
     expect_error(pstore, InvalidNameError, ValueError, pstore.commit, 2, GOOD, tags=["t" * 600])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a tag with a lone surrogate passes validation, then "
-                   "commit fails in the publisher thread with UnicodeEncodeError after writing objects")
 def test_tag_that_is_not_utf8_encodable(pstore):
     expect_error(pstore, InvalidNameError, ValueError, pstore.commit, 2, GOOD, tags=["bad\ud800"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a tensor name with a lone surrogate is accepted; the object's "
-                   "header then is not valid safetensors JSON (safetensors cannot load the object)")
 def test_tensor_name_that_is_not_utf8_encodable(pstore):
     expect_error(pstore, InvalidNameError, ValueError, pstore.commit, 2, {"bad\ud800": torch.ones(2)})
 
@@ -203,8 +193,6 @@ def test_unknown_step(pstore, step):
     expect_error(pstore, VersionNotFoundError, KeyError, pstore.tag, step, "newtag")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a negative step or one >= 2**64 reaches struct.pack in the "
-                   "LMDB registry and raises struct.error instead of VersionNotFoundError")
 @pytest.mark.parametrize("step", [-1, 2**64], ids=["negative", "2**64"])
 def test_step_outside_the_key_range(pstore, step):
     expect_error(pstore, VersionNotFoundError, KeyError, pstore.checkout, step)
@@ -218,7 +206,6 @@ def test_unknown_tag(pstore):
     expect_error(pstore, TagNotFoundError, KeyError, pstore.tag, "nope", "other")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: untag('') raises lmdb.BadValsizeError instead of a ParamStoreError")
 def test_untag_empty_name(pstore):
     with pytest.raises(ParamStoreError):
         pstore.untag("")

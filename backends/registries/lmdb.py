@@ -43,7 +43,15 @@ DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as us
 
 
 def _step_key(step: int) -> bytes:
+    if not 0 <= step < 1 << 64:
+        raise VersionNotFoundError(f"no version at step {step}")
     return _STEP.pack(step)
+
+
+# py-lmdb refuses to open one environment twice in a process, so ParamStore objects on the same
+# root share it: (real path, pid) -> [environment, reference count].
+_SHARED: dict[tuple[str, int], list] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class _EventsWatch(Watch):
@@ -81,12 +89,19 @@ class LmdbRegistry(Registry):
     def _open(self) -> None:
         if self._create:
             os.makedirs(self._path, exist_ok=True)
-        env = lmdb.open(
-            self._path, map_size=self._map_size, max_dbs=len(_DBS), max_readers=1024,
-            subdir=True, create=self._create, readahead=False,
-        )
-        env.reader_check()  # clear reader slots left by killed processes
-        self._dbs = {name: env.open_db(name.encode()) for name in _DBS}
+        key = (os.path.realpath(self._path), os.getpid())
+        with _SHARED_LOCK:
+            entry = _SHARED.get(key)
+            if entry is None:
+                env = lmdb.open(
+                    self._path, map_size=self._map_size, max_dbs=len(_DBS), max_readers=1024,
+                    subdir=True, create=self._create, readahead=False,
+                )
+                env.reader_check()  # clear reader slots left by killed processes
+                entry = _SHARED[key] = [env, 0, {name: env.open_db(name.encode()) for name in _DBS}]
+            entry[1] += 1
+        self._key = key
+        env, self._dbs = entry[0], entry[2]
         if not os.path.exists(self._events):
             with open(self._events, "ab"):
                 pass
@@ -107,7 +122,12 @@ class LmdbRegistry(Registry):
 
     def close(self) -> None:
         if self._env is not None and self._pid == os.getpid():
-            self._env.close()
+            with _SHARED_LOCK:
+                entry = _SHARED[self._key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _SHARED[self._key]
+                    self._env.close()
         self._env = None
 
     def _notify(self) -> None:
@@ -200,7 +220,7 @@ class LmdbRegistry(Registry):
                 txn.put(bytes.fromhex(d), _STEP.pack(size), db=self._dbs["objects"], overwrite=False)
             for d, loc in new_tensors.items():
                 val = _LOC.pack(bytes.fromhex(loc.object), loc.offset, loc.nbytes)
-                txn.put(bytes.fromhex(d), val, db=self._dbs["tensors"], overwrite=False)
+                txn.put(bytes.fromhex(d), val, db=self._dbs["tensors"])  # newest location wins
         self._notify()
 
     def set_tag(self, name: str, step: int) -> None:

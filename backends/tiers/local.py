@@ -21,6 +21,8 @@ modified; on tmpfs an object unlinked by GC stays readable by whoever still maps
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
 import mmap
 import os
@@ -73,10 +75,38 @@ class Slab:
 def _map_file(path: str, size: int, *, populate: bool) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    if populate:
+        _populate(m)
+    return m
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def _populate(m: mmap.mmap) -> None:
+    """Allocate and fault every page of a writable mapping, without holding the GIL.
+
+    ``MAP_POPULATE`` would do it inside ``mmap()``, which holds the GIL for the whole time; this
+    uses ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which releases the GIL) and, on older
+    kernels, writes zeros with ``memset`` (also outside the GIL).
+    """
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc = _libc()
+    if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(addr, 0, len(m))
+
+
+_LIBC = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _LIBC
 
 
 _pin_warned = False
@@ -95,8 +125,6 @@ def _pin(slab: Slab) -> None:
         return
     if not torch.cuda.is_available() or slab.size == 0:
         return
-    import ctypes
-
     addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
     err = torch.cuda.cudart().cudaHostRegister(addr, slab.size, 0)
     if int(err) == 0:
@@ -113,8 +141,6 @@ def _pin(slab: Slab) -> None:
 
 def _unpin(slab: Slab) -> None:
     if slab.pinned:
-        import ctypes
-
         import torch
 
         addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
@@ -198,10 +224,11 @@ class SlabPool:
                 size = self._missing()[0]
             slab = self.new(size)
             with self._lock:
-                if self._closed:
-                    slab.discard()
-                    return
-                self._free.setdefault(size, []).append(slab)
+                wanted = not self._closed and size in self._missing()
+                if wanted:
+                    self._free.setdefault(size, []).append(slab)
+            if not wanted:  # closed, or prepare() changed its mind meanwhile
+                slab.discard()
 
     def _missing(self) -> list[int]:
         # Sizes wanted but not yet in the pool (called with the lock held).
