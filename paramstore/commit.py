@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -34,7 +34,7 @@ from .format import ITEMSIZE, Placement, ShardPlan, layout, object_digest, plan_
 from .manifest import Manifest, TensorEntry, Version
 from .tensors import ST_TO_TORCH, Collected
 
-from paramstore.backends.registries.base import Registry, TensorLocation
+from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
 from paramstore.backends.tiers.local import LocalTier, Slab, SlabPool
 
 __all__ = ["CommitHandle", "Committer"]
@@ -88,8 +88,11 @@ class Committer:
     """
 
     def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
-                 *, prepare_buffers: bool = True) -> None:
+                 *, gc_lock: Callable[[], ContextManager[None]], prepare_buffers: bool = True,
+                 on_commit: Callable[[Version], None] | None = None) -> None:
         self._tier = tier
+        self._gc_lock = gc_lock
+        self._on_commit = on_commit
         self._registry = registry
         self._pool = pool
         self._shard_size = shard_size_bytes
@@ -148,6 +151,8 @@ class Committer:
             _fail(job.handle, e)
             return
         job.handle.committed.set_result(version)
+        if self._on_commit is not None:
+            self._on_commit(version)
         if self._prepare:
             # The next commit's buffers, faulted in the background once this one is visible
             # (so the page faults do not compete with hashing on the visibility path).
@@ -155,6 +160,11 @@ class Committer:
 
     def _hash_dedup_publish(self, job: _Job) -> Version:
         digests = [[_hash_range(slab, p) for p in plan.placements] for plan, slab in zip(job.plans, job.slabs)]
+        # From the dedup lookup to the publish, GC must not delete what this commit will reference.
+        with self._gc_lock():
+            return self._dedup_publish(job, digests)
+
+    def _dedup_publish(self, job: _Job, digests: list[list[str]]) -> Version:
         flat = [d for ds in digests for d in ds]
         known = self._registry.locate_tensors(sorted(set(flat)))
         located: dict[str, TensorLocation] = {}  # digests stored by this commit
@@ -187,7 +197,7 @@ class Committer:
             except BaseException:
                 slab.discard()
                 raise
-            new_objects[obj] = size
+            new_objects[obj] = ObjectInfo(size, tuple(d for _, d in keep))
             for (p, d), off in zip(keep, placed):
                 located[d] = TensorLocation(obj, off, p.nbytes)
             # Within a shard, larger item sizes come first, so a repeat is always aligned.

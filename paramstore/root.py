@@ -12,11 +12,13 @@ Put the root on a tmpfs (``/dev/shm/...``) so objects live in shared memory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from paramstore.backends.registries.lmdb import LmdbRegistry
 from paramstore.backends.tiers.local import LocalTier
@@ -59,6 +61,21 @@ class StoreRoot:
         if version not in tags:
             raise TagNotFoundError(f"no tag named {version!r} (tags: {', '.join(sorted(tags)) or 'none'})")
         return tags[version]
+
+    @contextlib.contextmanager
+    def gc_lock(self, *, exclusive: bool = False) -> Iterator[None]:
+        """The lock between commits (shared) and GC (exclusive) on this host.
+
+        A commit holds it shared from its dedup lookup until its version is published, so GC never
+        deletes an object that an in-flight commit is about to reference. ``flock`` is released by
+        the kernel if the holder dies.
+        """
+        fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def close(self) -> None:
         self.registry.close()

@@ -174,7 +174,7 @@ class ParamStore:
         if self._committer is None:
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
-                prepare_buffers=self._prepare,
+                gc_lock=self._root.gc_lock, prepare_buffers=self._prepare,
             )
         return self._committer
 

@@ -3,7 +3,7 @@
 ``LmdbRegistry`` is the single-host default. Every registry implements :class:`Registry`.
 """
 
-from .base import Registry, TensorLocation, Watch
+from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
 from .lmdb import LmdbRegistry
 
-__all__ = ["Registry", "TensorLocation", "Watch", "LmdbRegistry"]
+__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "LmdbRegistry"]

@@ -13,7 +13,18 @@ from typing import Iterator, NamedTuple
 
 from paramstore.manifest import Manifest, Version
 
-__all__ = ["Registry", "TensorLocation", "Watch"]
+__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo"]
+
+
+class Lease(NamedTuple):
+    """A reader's hold on a version: while it is live, the version is not pruned."""
+
+    id: str
+    step: int
+    holder: str
+    pid: int
+    host: str
+    acquired_at: float
 
 
 class TensorLocation(NamedTuple):
@@ -22,6 +33,13 @@ class TensorLocation(NamedTuple):
     object: str
     offset: int
     nbytes: int
+
+
+class ObjectInfo(NamedTuple):
+    """A stored object: its size and the digests of the tensors it holds (in file order)."""
+
+    size: int
+    tensors: tuple[str, ...]
 
 
 class Watch(abc.ABC):
@@ -89,7 +107,7 @@ class Registry(abc.ABC):
         self,
         version: Version,
         manifest: Manifest,
-        new_objects: dict[str, int],
+        new_objects: dict[str, ObjectInfo],
         new_tensors: dict[str, TensorLocation],
     ) -> None:
         """Make ``version`` visible, atomically, with its manifest, tags and index entries.
@@ -97,6 +115,38 @@ class Registry(abc.ABC):
         Called only after every object the manifest references is durable in the tier.
         Raises StepOrderError if ``version.step`` is not above the latest step.
         """
+
+    @abc.abstractmethod
+    def acquire_lease(self, step: int, holder: str) -> Lease:
+        """Hold version ``step`` for the calling process. Raises VersionNotFoundError if it is gone.
+
+        The check and the lease are one transaction, so a concurrent prune either sees the lease
+        or makes this call fail.
+        """
+
+    @abc.abstractmethod
+    def release_lease(self, lease_id: str) -> None:
+        """Release a lease (no error if it is already gone) and wake watchers."""
+
+    @abc.abstractmethod
+    def leases(self) -> list[Lease]:
+        """Every live lease. Leases of dead processes are released here, with nobody's help."""
+
+    @abc.abstractmethod
+    def remove_versions(self, steps: list[int]) -> list[int]:
+        """Delete these versions (with their tags) in one transaction; returns those removed.
+
+        Never removes the latest version or a version with a live lease (checked inside the
+        transaction). Objects are not touched: see :meth:`referenced_objects` and GC.
+        """
+
+    @abc.abstractmethod
+    def referenced_objects(self) -> set[str]:
+        """Digests of the objects any version references (the mark phase of GC)."""
+
+    @abc.abstractmethod
+    def forget_objects(self, digests: set[str]) -> None:
+        """Drop object records and the tensor-index entries that point into them, atomically."""
 
     @abc.abstractmethod
     def watch(self) -> "Watch":

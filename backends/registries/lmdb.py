@@ -9,8 +9,14 @@ name           key                             value
 ``manifests``  step, 8-byte big-endian         the manifest (``Manifest.to_json``)
 ``tags``       tag name, UTF-8                 step, 8-byte big-endian
 ``tensors``    tensor digest, 32 raw bytes     object digest (32 raw bytes), offset, length
-``objects``    object digest, 32 raw bytes     size in bytes, 8-byte big-endian
+``objects``    object digest, 32 raw bytes     size (8-byte big-endian) + its tensor digests (32 raw bytes each)
+``refs``       step, 8-byte big-endian         the version's object digests (32 raw bytes each)
+``leases``     lease id, UTF-8                 the lease (step, holder, pid, process start time, host, time)
 =============  ==============================  ===========================================
+
+``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
+tensors so GC can drop their index entries. A lease is live while its process (pid *and* start time,
+see :mod:`paramstore.liveness`) runs; readers of ``leases`` release dead processes' leases.
 
 This is the only module that touches LMDB. The environment is opened per process and reopened
 after ``fork`` (an LMDB environment must never be used across fork). Every publish and tag change
@@ -28,17 +34,18 @@ from typing import Iterator
 
 import lmdb
 
+from paramstore import liveness
 from paramstore.errors import StepOrderError, TagNotFoundError, VersionNotFoundError
 from paramstore.manifest import Manifest, Version
 
 from ._inotify import FileWatch
-from .base import Registry, TensorLocation, Watch
+from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
 
 __all__ = ["LmdbRegistry"]
 
 _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
-_DBS = ("versions", "manifests", "tags", "tensors", "objects")
+_DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 
 
@@ -193,7 +200,14 @@ class LmdbRegistry(Registry):
 
     def objects(self) -> dict[str, int]:
         with self.env.begin(db=self._dbs["objects"]) as txn:
-            return {k.hex(): _STEP.unpack(v)[0] for k, v in txn.cursor()}
+            return {k.hex(): _STEP.unpack_from(v)[0] for k, v in txn.cursor()}
+
+    def referenced_objects(self) -> set[str]:
+        out: set[str] = set()
+        with self.env.begin(db=self._dbs["refs"]) as txn:
+            for _, v in txn.cursor():
+                out.update(v[i : i + 32].hex() for i in range(0, len(v), 32))
+        return out
 
     # -- writes ------------------------------------------------------------------------------
     def publish(
@@ -214,10 +228,12 @@ class LmdbRegistry(Registry):
                 )
             txn.put(key, json.dumps(version.to_json()).encode(), db=self._dbs["versions"])
             txn.put(key, json.dumps(manifest.to_json()).encode(), db=self._dbs["manifests"])
+            txn.put(key, b"".join(bytes.fromhex(o) for o in sorted(manifest.objects())), db=self._dbs["refs"])
             for tag in version.tags:
                 txn.put(tag.encode(), key, db=self._dbs["tags"])
-            for d, size in new_objects.items():
-                txn.put(bytes.fromhex(d), _STEP.pack(size), db=self._dbs["objects"], overwrite=False)
+            for d, info in new_objects.items():
+                val = _STEP.pack(info.size) + b"".join(bytes.fromhex(t) for t in info.tensors)
+                txn.put(bytes.fromhex(d), val, db=self._dbs["objects"], overwrite=False)
             for d, loc in new_tensors.items():
                 val = _LOC.pack(bytes.fromhex(loc.object), loc.offset, loc.nbytes)
                 txn.put(bytes.fromhex(d), val, db=self._dbs["tensors"])  # newest location wins
@@ -237,6 +253,80 @@ class LmdbRegistry(Registry):
             raise TagNotFoundError(f"no tag named {name!r}")
         self._notify()
         return _STEP.unpack(raw)[0]
+
+    # -- leases ------------------------------------------------------------------------------
+    def acquire_lease(self, step: int, holder: str) -> Lease:
+        pid, start = liveness.this_process()
+        lease = Lease(os.urandom(8).hex(), step, holder, pid, liveness.HOST, time.time())
+        record = {"step": step, "holder": holder, "pid": pid, "start": start, "host": lease.host,
+                  "acquired_at": lease.acquired_at}
+        with self.env.begin(write=True) as txn:
+            if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
+                raise VersionNotFoundError(f"no version at step {step} (pruned?)")
+            txn.put(lease.id.encode(), json.dumps(record).encode(), db=self._dbs["leases"])
+        return lease
+
+    def release_lease(self, lease_id: str) -> None:
+        with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
+            found = txn.delete(lease_id.encode())
+        if found:
+            self._notify()
+
+    def _live_leases(self, txn: lmdb.Transaction) -> tuple[list[Lease], list[bytes]]:
+        live, dead = [], []
+        for k, v in txn.cursor(db=self._dbs["leases"]):
+            r = json.loads(v)
+            if r["host"] == liveness.HOST and liveness.alive(r["pid"], r["start"]):
+                live.append(Lease(k.decode(), r["step"], r["holder"], r["pid"], r["host"], r["acquired_at"]))
+            else:
+                dead.append(bytes(k))
+        return live, dead
+
+    def leases(self) -> list[Lease]:
+        with self.env.begin() as txn:
+            live, dead = self._live_leases(txn)
+        if dead:  # a dead process's leases: released here, by whoever looks first
+            with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
+                for k in dead:
+                    txn.delete(k)
+            self._notify()
+        return live
+
+    # -- removal -----------------------------------------------------------------------------
+    def remove_versions(self, steps: list[int]) -> list[int]:
+        removed = []
+        with self.env.begin(write=True) as txn:
+            live, _ = self._live_leases(txn)
+            held = {lease.step for lease in live}
+            cur = txn.cursor(db=self._dbs["versions"])
+            latest = _STEP.unpack(cur.key())[0] if cur.last() else None
+            doomed = {s for s in steps if s != latest and s not in held}
+            for s in sorted(doomed):
+                key = _step_key(s)
+                if txn.delete(key, db=self._dbs["versions"]):
+                    txn.delete(key, db=self._dbs["manifests"])
+                    txn.delete(key, db=self._dbs["refs"])
+                    removed.append(s)
+            gone = {_step_key(s) for s in removed}
+            for k, v in list(txn.cursor(db=self._dbs["tags"])):
+                if v in gone:
+                    txn.delete(k, db=self._dbs["tags"])
+        if removed:
+            self._notify()
+        return removed
+
+    def forget_objects(self, digests: set[str]) -> None:
+        with self.env.begin(write=True) as txn:
+            for d in digests:
+                key = bytes.fromhex(d)
+                raw = txn.pop(key, db=self._dbs["objects"])
+                if raw is None:
+                    continue
+                for i in range(8, len(raw), 32):  # index entries that still point into this object
+                    t = raw[i : i + 32]
+                    loc = txn.get(t, db=self._dbs["tensors"])
+                    if loc is not None and _LOC.unpack(loc)[0] == key:
+                        txn.delete(t, db=self._dbs["tensors"])
 
     def watch(self) -> Watch:
         return _EventsWatch(self._events)
