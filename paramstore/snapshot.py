@@ -9,7 +9,8 @@ into this process. Writing through a view copies that page privately: the store 
 from __future__ import annotations
 
 import mmap
-from typing import Iterator, Mapping, NamedTuple
+import weakref
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -33,17 +34,21 @@ class Snapshot(Mapping[str, torch.Tensor]):
     """A checked-out version: a read-only mapping of names to tensors.
 
     Tensors are views of the store's shared memory (CPU). Names tied at commit time return the very
-    same tensor. Close it (or use it as a context manager) when done; tensors already taken stay
-    valid after close.
+    same tensor. The snapshot holds a lease on its version: the version is not pruned until the
+    snapshot is closed (or garbage collected, or its process dies). Close it, or use it as a context
+    manager, when done; tensors already taken stay valid after close.
 
     Attributes:
         version: the :class:`~paramstore.Version` checked out.
         manifest: where each tensor lies.
     """
 
-    def __init__(self, version: Version, manifest: Manifest, tier: Tier) -> None:
+    def __init__(self, version: Version, manifest: Manifest, tier: Tier,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.version = version
         self.manifest = manifest
+        # Releases the lease on close, or when the snapshot is garbage collected unclosed.
+        self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
         self._maps: dict[str, mmap.mmap] = {o: tier.map(o) for o in sorted(manifest.objects())}
         self._bufs: dict[str, torch.Tensor] | None = {
             o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()
@@ -109,6 +114,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self._bufs = None
         self._views = {}
         self._maps = {}
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self) -> "Snapshot":
         return self

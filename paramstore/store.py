@@ -7,6 +7,7 @@ on disk, :mod:`paramstore.format` and ``paramstore.backends``.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import time
@@ -16,18 +17,30 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .commit import CommitHandle, Committer
-from .errors import InvalidArgumentError, StepOrderError, StoreClosedError, WaitTimeoutError
+from .errors import (
+    InvalidArgumentError,
+    ParamStoreError,
+    StepOrderError,
+    StoreClosedError,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
+from . import maintenance
+from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
 from .manifest import Version
+from .retention import Policy
 from .root import VersionSpec, open_root
 from .snapshot import Snapshot
 from .tensors import collect
 from .validate import check_metadata, check_metrics, check_tag
 
+from paramstore.backends.registries.base import Lease, Registry
 from paramstore.backends.tiers.local import SlabPool
 
 __all__ = ["ParamStore"]
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
+_DEATH_POLL_S = 0.2  # how often wait_for_readers re-checks for readers that died
 MAX_STEP = 1 << 63
 
 
@@ -44,6 +57,8 @@ class ParamStore:
             buffers in the background, so the next snapshot copy runs at memory speed. Costs
             one spare model size of shared memory.
         pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
+        retention: a policy (for the shared-memory tier) or ``{tier: policy}``; when given, prune and
+            GC run in the background after each commit, off the training thread.
 
     Raises:
         NotAStoreError: ``root`` holds something other than a store, or is missing and
@@ -64,6 +79,7 @@ class ParamStore:
         shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
         prepare_buffers: bool = True,
         pin_memory: bool = True,
+        retention: Policy | Mapping[str, Policy] | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -75,6 +91,8 @@ class ParamStore:
         self._pool = SlabPool(self._root.tier.tmp_dir, pin=pin_memory)
         self._committer: Committer | None = None
         self._shard_size = shard_size_bytes
+        policies = tier_policies(retention)
+        self._maintainer = Maintainer(self._root, policies) if policies else None
         self._prepare = prepare_buffers
         self._closed = False
         # A script that commits and exits without close() must not lose the in-flight commit.
@@ -175,31 +193,65 @@ class ParamStore:
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
                 gc_lock=self._root.gc_lock, prepare_buffers=self._prepare,
+                on_commit=self._maintainer.poke if self._maintainer is not None else None,
             )
         return self._committer
 
     # -- read --------------------------------------------------------------------------------
-    def checkout(self, version: VersionSpec = "latest") -> Snapshot:
-        """Map a version's tensors zero-copy.
+    def checkout(
+        self,
+        version: VersionSpec = "latest",
+        *,
+        min_step: int | None = None,
+        timeout: float | None = None,
+        holder: str | None = None,
+    ) -> Snapshot:
+        """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
 
         Args:
             version: a step (int), ``"latest"``, or a tag.
+            min_step: instead of ``version``, the newest version whose step is ≥ ``min_step``;
+                blocks until one exists (the staleness contract: a rollout at trainer step t with
+                bound η asks for ``min_step=t - η``).
+            timeout: with ``min_step``, seconds to wait before raising WaitTimeoutError.
+            holder: a name for the lease (shown by ``leases()``); default ``pid <pid>``.
 
         Returns:
-            A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``,
-            ``.load_into(module)`` and ``.close()``.
+            A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``, ``.step``,
+            ``.digest``, ``.load_into(module)`` and ``.close()``.
 
         Raises:
             VersionNotFoundError / TagNotFoundError: no such version or tag.
+            WaitTimeoutError: no version with step ≥ ``min_step`` within ``timeout``.
 
         Example:
             >>> with store.checkout("latest") as snap:
-            ...     print(snap.version.step, snap["lm_head.weight"].shape)
+            ...     print(snap.step, snap["lm_head.weight"].shape)
         """
         self._check_open()
-        step = self._resolve(version)
+        if min_step is not None and version != "latest":
+            raise InvalidArgumentError("pass either version or min_step, not both")
         reg = self._root.registry
-        return Snapshot(reg.get_version(step), reg.get_manifest(step), self._root.tier)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        name = holder or f"pid {os.getpid()}"
+        while True:
+            if min_step is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                step = self.wait_for(min_step, left).step
+            else:
+                step = self._resolve(version)
+            try:
+                lease = reg.acquire_lease(step, name)
+            except VersionNotFoundError:
+                if isinstance(version, int) and min_step is None:
+                    raise
+                continue  # pruned between resolving "latest" (or a tag) and leasing: resolve again
+            try:
+                return Snapshot(reg.get_version(step), reg.get_manifest(step), self._root.tier,
+                                on_close=functools.partial(_release, reg, lease.id))
+            except BaseException:
+                _release(reg, lease.id)
+                raise
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order."""
@@ -274,6 +326,61 @@ class ParamStore:
                     raise WaitTimeoutError(f"no version with step >= {step} within {timeout} s (latest: {latest})")
                 watch.wait(left)
 
+    # -- leases and staleness ------------------------------------------------------------------
+    def leases(self) -> list[Lease]:
+        """Live leases: which versions readers hold, by whom, since when (``Lease.acquired_at``)."""
+        self._check_open()
+        return self._root.registry.leases()
+
+    def oldest_leased_step(self) -> int | None:
+        """The oldest step any live reader holds (how far behind the slowest reader is), or None."""
+        steps = [lease.step for lease in self.leases()]
+        return min(steps) if steps else None
+
+    def wait_for_readers(self, min_step: int, timeout: float | None = None) -> None:
+        """Block until no live lease is on a version older than ``min_step``.
+
+        With ``checkout(min_step=...)`` on the rollout side this makes t − v ≤ η a store
+        guarantee: before training step t the trainer calls ``wait_for_readers(t - η)``.
+        A reader that dies stops counting at once (its leases die with it).
+
+        Raises:
+            WaitTimeoutError: readers still hold older versions after ``timeout`` seconds.
+        """
+        self._check_open()
+        reg = self._root.registry
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with reg.watch() as watch:
+            while True:
+                old = [lease for lease in reg.leases() if lease.step < min_step]
+                if not old:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WaitTimeoutError(
+                        f"{len(old)} readers still hold versions older than step {min_step} after {timeout} s "
+                        f"(oldest: step {min(lease.step for lease in old)}, held by {old[0].holder})")
+                # releases wake us; deaths are noticed by polling
+                watch.wait(_DEATH_POLL_S if left is None else min(left, _DEATH_POLL_S))
+
+    # -- retention ---------------------------------------------------------------------------
+    def prune(self, policy: Policy, *, dry_run: bool = False) -> PruneReport:
+        """Remove the versions ``policy`` does not keep; the latest and leased versions are always kept.
+
+        Objects are reclaimed by :meth:`gc`. Returns a report with the reasons for every kept version.
+
+        Example:
+            >>> from paramstore.retention import Any, KeepLast, KeepBest
+            >>> store.prune(Any(KeepLast(2), KeepBest(3, "reward")))
+        """
+        self._check_open()
+        return maintenance.prune(self._root, policy, dry_run=dry_run)
+
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Delete objects and temporary files that no surviving version (or live commit) references."""
+        self._check_open()
+        return maintenance.gc(self._root, dry_run=dry_run)
+
     # -- tags --------------------------------------------------------------------------------
     def tag(self, version: VersionSpec, name: str) -> Version:
         """Point tag ``name`` at ``version`` (moving it if it exists); returns that version."""
@@ -297,6 +404,8 @@ class ParamStore:
         atexit.unregister(self._atexit)
         if self._committer is not None:
             self._committer.close()
+        if self._maintainer is not None:
+            self._maintainer.close()
         self._pool.close()
         self._root.close()
 
@@ -312,3 +421,11 @@ class ParamStore:
 
     def __repr__(self) -> str:
         return f"ParamStore({self.root!r})"
+
+
+def _release(registry: Registry, lease_id: str) -> None:
+    # Called on Snapshot.close() or when an unclosed snapshot is collected (maybe at exit).
+    try:
+        registry.release_lease(lease_id)
+    except (ParamStoreError, RuntimeError, OSError):
+        pass  # store already closed: the lease dies with this process anyway

@@ -3,7 +3,8 @@
 Layout under the tier directory::
 
     objects/<d[:2]>/<digest>.safetensors   immutable, published objects
-    tmp/slab-<pid>-<n>                     buffers being written (or prepared for the next commit)
+    tmp/slab-<pid>-<start>-<n>             buffers being written (or prepared for the next commit),
+                                           named by the owning process (pid and start time)
 
 How a byte gets here on commit: the committer takes a *slab* (a file in ``tmp/`` mapped
 read-write), copies the tensors straight into it, hashes them, then :meth:`LocalTier.publish`
@@ -31,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
+from paramstore import liveness
 from paramstore.format import OBJECT_SUFFIX
 
 from .base import Tier
@@ -167,7 +169,8 @@ class SlabPool:
 
     def new(self, size: int) -> Slab:
         """Create a slab of ``size`` bytes now (faulted in with ``MAP_POPULATE``)."""
-        path = os.path.join(self._tmp, f"slab-{os.getpid()}-{next(_counter)}")
+        pid, start = liveness.this_process()  # GC deletes slabs whose owner is dead
+        path = os.path.join(self._tmp, f"slab-{pid}-{start}-{next(_counter)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(fd, size)

@@ -1,0 +1,187 @@
+"""Prune and garbage-collect: keep shared memory small without deleting anything in use. No torch.
+
+* :func:`prune` applies a retention policy: it removes the versions the policy does not keep. The
+  latest version and every leased version are always kept, and the registry re-checks both inside
+  the removing transaction, so a reader that leases a version concurrently either wins or sees
+  ``VersionNotFoundError``. Objects are not touched.
+* :func:`gc` is a mark-and-sweep over the local tier, under the host's GC lock (exclusive; every
+  commit holds it shared from its dedup lookup to its publish, so nothing an in-flight commit will
+  reference can be swept). Mark: the objects any surviving version references. Sweep: registered
+  objects nobody references (dropped from the registry first, so dedup stops pointing at them),
+  object files never registered (a crashed commit's), and slabs in ``tmp/`` whose owning process
+  is dead. A swept file is unlinked, never reused: on tmpfs a reader that still maps it keeps its
+  bytes.
+* :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import liveness
+from .errors import InvalidArgumentError
+from .retention import Policy, decide
+from .root import StoreRoot
+
+__all__ = ["PruneReport", "GcReport", "prune", "gc", "Maintainer", "tier_policies", "TIERS"]
+
+#: Tiers a retention policy can name. ``"local"`` is the shared-memory tier.
+TIERS = ("local",)
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What a prune kept (with reasons) and removed."""
+
+    kept: Mapping[int, list[str]]
+    removed: list[int]
+    dry_run: bool
+    policy: str
+    #: versions the policy dropped but a lease taken meanwhile (or a newer latest) saved
+    spared: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "dry_run": self.dry_run, "kept": {str(k): v for k, v in self.kept.items()},
+                "removed": self.removed, "spared": self.spared}
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What a GC deleted (or would delete, in a dry run)."""
+
+    objects: list[str]
+    bytes_freed: int
+    temporary_files: list[str]
+    dry_run: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "objects_deleted": len(self.objects), "bytes_freed": self.bytes_freed,
+                "temporary_files_deleted": self.temporary_files, "objects": self.objects}
+
+
+def tier_policies(retention: Policy | Mapping[str, Policy] | None) -> dict[str, Policy]:
+    """Normalize ``ParamStore(retention=...)``: one policy (for the local tier) or one per tier name."""
+    if retention is None:
+        return {}
+    if isinstance(retention, Policy):
+        return {"local": retention}
+    if isinstance(retention, Mapping):
+        out = {}
+        for tier, policy in retention.items():
+            if tier not in TIERS:
+                raise InvalidArgumentError(f"unknown tier {tier!r} in retention; known tiers: {', '.join(TIERS)}")
+            if not isinstance(policy, Policy):
+                raise InvalidArgumentError(f"retention for {tier!r} must be a policy, got {policy!r}")
+            out[tier] = policy
+        return out
+    raise InvalidArgumentError(f"retention must be a policy or a mapping of tier names to policies, got {retention!r}")
+
+
+def prune(root: StoreRoot, policy: Policy, *, dry_run: bool = False, now: float | None = None) -> PruneReport:
+    """Remove the versions ``policy`` does not keep (never the latest, never a leased one)."""
+    if not isinstance(policy, Policy):
+        raise InvalidArgumentError(f"prune needs a retention policy, got {policy!r}")
+    reg = root.registry
+    versions = list(reg.versions())
+    leased = [lease.step for lease in reg.leases()]
+    decision = decide(policy, versions, leased, time.time() if now is None else now)
+    removed = decision.remove if dry_run else reg.remove_versions(decision.remove)
+    spared = sorted(set(decision.remove) - set(removed))
+    return PruneReport(decision.keep, removed, dry_run, str(policy), spared)
+
+
+def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
+    """Mark and sweep the local tier: delete what no surviving version references."""
+    reg, tier = root.registry, root.tier
+    with root.gc_lock(exclusive=True):
+        referenced = reg.referenced_objects()
+        registered = reg.objects()
+        unreferenced = set(registered) - referenced
+        never_registered = set(tier.list()) - referenced - set(registered)
+        doomed = sorted(unreferenced | never_registered)
+        freed = 0
+        for d in doomed:
+            try:
+                freed += tier.size(d)
+            except FileNotFoundError:
+                pass
+        if not dry_run:
+            reg.forget_objects(unreferenced)  # first: dedup must not find them any more
+            for d in doomed:
+                tier.delete(d)
+    leftovers = [f for f in tier.leftovers() if _owner_dead(f)]
+    if not dry_run:
+        for f in leftovers:
+            try:
+                os.unlink(os.path.join(tier.tmp_dir, f))
+            except FileNotFoundError:
+                pass
+    return GcReport(doomed, freed, leftovers, dry_run)
+
+
+def _owner_dead(name: str) -> bool:
+    # Slabs are named slab-<pid>-<start time>-<n> (see backends/tiers/local.py).
+    parts = name.split("-")
+    if len(parts) != 4 or parts[0] != "slab" or not (parts[1].isdigit() and parts[2].isdigit()):
+        return False  # not ours to judge
+    return not liveness.alive(int(parts[1]), int(parts[2]))
+
+
+class Maintainer:
+    """Runs prune + gc on a background thread after each commit; never on the training thread.
+
+    Bursts of commits coalesce into one run. Errors are reported once as warnings and kept in
+    ``last_error``; maintenance retries on the next commit.
+    """
+
+    def __init__(self, root: StoreRoot, policies: Mapping[str, Policy]) -> None:
+        self._root = root
+        self._policy = policies.get("local")
+        self._wake = threading.Event()
+        self._stop = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self.last_error: BaseException | None = None
+        self.runs = 0
+        self._thread = threading.Thread(target=self._loop, name="paramstore-retention", daemon=True)
+        self._thread.start()
+
+    def poke(self, *_: object) -> None:
+        """Ask for a run (called after each commit)."""
+        self._idle.clear()
+        self._wake.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no run is pending or in progress."""
+        return self._idle.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                self._idle.set()
+                return
+            try:
+                if self._policy is not None:
+                    prune(self._root, self._policy)
+                gc(self._root)
+                self.last_error = None
+            except Exception as e:  # noqa: BLE001 - reported, retried on the next commit
+                if self.last_error is None:
+                    warnings.warn(f"paramstore retention failed: {e}", RuntimeWarning, stacklevel=1)
+                self.last_error = e
+            self.runs += 1
+            if not self._wake.is_set():
+                self._idle.set()
+
+    def close(self) -> None:
+        """Finish the current run and stop."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
