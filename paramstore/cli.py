@@ -12,11 +12,14 @@ import datetime as _dt
 import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .errors import ParamStoreError
+from .errors import InvalidArgumentError, ParamStoreError
 from .root import StoreRoot, VersionSpec, open_root
 from .validate import check_tag
+
+if TYPE_CHECKING:
+    from .retention import Policy
 
 __all__ = ["main"]
 
@@ -125,6 +128,67 @@ def _tag(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return {"tag": args.name, "step": step}, f"{args.name} -> {step}", 0
 
 
+def _leases(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    import time
+
+    now = time.time()
+    leases = sorted(root.registry.leases(), key=lambda lease: lease.step)
+    rows = [f"{'STEP':>10}  {'AGE':>9}  {'PID':>7}  HOLDER"]
+    rows += [f"{lease.step:>10}  {now - lease.acquired_at:8.1f}s  {lease.pid:>7}  {lease.holder}" for lease in leases]
+    out = [{"step": lease.step, "holder": lease.holder, "pid": lease.pid, "host": lease.host,
+            "age_s": now - lease.acquired_at, "id": lease.id} for lease in leases]
+    return out, "\n".join(rows) if leases else "no live leases", 0
+
+
+def _policy_from_flags(args: argparse.Namespace) -> "Policy":
+    from .retention import Any as AnyOf
+    from .retention import KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin
+
+    rules: list[Policy] = []
+    if args.keep_last is not None:
+        rules.append(KeepLast(args.keep_last))
+    if args.keep_every is not None:
+        rules.append(KeepEvery(args.keep_every))
+    if args.keep_best is not None:
+        if not args.metric:
+            raise InvalidArgumentError("--keep-best needs --metric NAME")
+        rules.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
+    elif args.metric:
+        raise InvalidArgumentError("--metric goes with --keep-best")
+    if args.keep_tag:
+        rules.append(KeepTagged(*args.keep_tag))
+    if args.keep_within is not None:
+        rules.append(KeepWithin(args.keep_within))
+    if not rules:
+        raise InvalidArgumentError(
+            "no keep flag given: refusing to prune everything but the latest version; "
+            "pass at least one of --keep-last, --keep-every, --keep-best, --keep-tag, --keep-within")
+    return rules[0] if len(rules) == 1 else AnyOf(*rules)
+
+
+def _prune(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .maintenance import prune
+
+    r = prune(root, _policy_from_flags(args), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"policy: {r.policy}"]
+    lines += [f"keep   {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
+    lines += [f"{'remove' if args.dry_run else 'removed'} {step:>10}" for step in r.removed]
+    lines += [f"spared {step:>10}  (leased or latest meanwhile)" for step in r.spared]
+    lines.append(f"{verb} {len(r.removed)} versions, kept {len(r.kept)}; run `paramstore gc` to free their objects")
+    return r.as_dict(), "\n".join(lines), 0
+
+
+def _gc(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    from .maintenance import gc
+
+    r = gc(root, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    text = (f"{verb} {len(r.objects)} objects ({_human(r.bytes_freed)}) and "
+            f"{len(r.temporary_files)} temporary files of dead processes")
+    return r.as_dict(), text, 0
+
+
 def _parser() -> argparse.ArgumentParser:
     # --json is accepted before or after the command; SUPPRESS keeps the subparser from resetting it.
     common = argparse.ArgumentParser(add_help=False)
@@ -156,6 +220,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("version", type=_version_arg, nargs="?")
     sp.add_argument("name")
     sp.add_argument("--delete", action="store_true")
+    add("leases", _leases, "list live leases: which versions readers hold")
+    sp = add("prune", _prune, "remove versions no keep flag keeps (flags compose: keep if any keeps); "
+             "the latest and leased versions are always kept")
+    sp.add_argument("--keep-last", type=int, metavar="N")
+    sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
+    sp.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
+    sp.add_argument("--metric", metavar="NAME")
+    sp.add_argument("--mode", choices=("max", "min"), default="max")
+    sp.add_argument("--keep-tag", action="append", metavar="T", help="keep versions tagged T (repeatable)")
+    sp.add_argument("--keep-within", metavar="DURATION", help="e.g. 2h, 30m, 1d12h (from the newest version)")
+    sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
+    add("gc", _gc, "delete objects and temporary files no version references").add_argument(
+        "--dry-run", action="store_true")
     return p
 
 

@@ -77,7 +77,9 @@ class KeepEvery(Policy):
         return {v.step: [f"step divisible by {self.steps}"] for v in versions if v.step % self.steps == 0}
 
     def __str__(self) -> str:
-        return f"keep every {self.steps}th step"
+        n = self.steps
+        suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+        return f"keep every {n}{suffix} step"
 
 
 @dataclass(frozen=True)
