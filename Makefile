@@ -20,6 +20,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/async_rl.py
 
 test: install
 	$(BIN)/python -m pytest tests -q
