@@ -27,6 +27,7 @@ test: install
 
 bench: install
 	$(BIN)/python tools/bench_core.py
+	$(BIN)/python tools/bench_retention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
