@@ -77,7 +77,8 @@ class _Job:
     metrics: dict[str, float]
     metadata: dict[str, Any]
     plans: list[ShardPlan] = field(default_factory=list)
-    slabs: list[Slab] = field(default_factory=list)
+    slabs: list[Slab] = field(default_factory=list)  # staged, not yet published or pooled
+    published: list[Slab] = field(default_factory=list)  # renamed into objects, still mapped
     created_at: float = 0.0
 
 
@@ -148,9 +149,14 @@ class Committer:
         except BaseException as e:  # noqa: BLE001
             for slab in job.slabs:  # the slabs not yet published or pooled
                 slab.discard()
+            for slab in job.published:
+                slab.close()
             _fail(job.handle, e)
             return
         job.handle.committed.set_result(version)
+        for slab in job.published:  # unmap only now: it is the slowest part of publishing
+            slab.close()
+        job.published = []
         if self._on_commit is not None:
             self._on_commit(version)
         if self._prepare:
@@ -197,6 +203,7 @@ class Committer:
             except BaseException:
                 slab.discard()
                 raise
+            job.published.append(slab)
             new_objects[obj] = ObjectInfo(size, tuple(d for _, d in keep))
             for (p, d), off in zip(keep, placed):
                 located[d] = TensorLocation(obj, off, p.nbytes)

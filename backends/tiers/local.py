@@ -308,10 +308,11 @@ class LocalTier(Tier):
     def publish(self, slab: Slab, digest: str) -> bool:
         """Make a fully written slab the object ``digest``: fsync, then rename into place.
 
-        Returns True if the object is new; False if it already existed (the slab is discarded:
-        same digest, same bytes).
+        Returns True if the object is new; False if it already existed (same digest, same bytes:
+        the slab's file is removed). The slab stays mapped: the caller closes it when convenient
+        (unmapping costs ~20 ms per 256 MiB of page tables, better spent off the visibility path).
+        ``fsync`` of the file covers what was written through the shared mapping.
         """
-        slab.map.flush()
         fd = os.open(slab.path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -319,12 +320,11 @@ class LocalTier(Tier):
             os.close(fd)
         final = self.object_path(digest)
         if os.path.exists(final):
-            slab.discard()
+            os.unlink(slab.path)
             return False
         os.makedirs(os.path.dirname(final), exist_ok=True)
         os.rename(slab.path, final)  # atomic: readers see no object or the whole object
         _fsync_dir(os.path.dirname(final))
-        slab.close()
         return True
 
     def delete(self, digest: str) -> None:
