@@ -143,6 +143,7 @@ class Maintainer:
         self._root = root
         self._policy = policies.get("local")
         self._wake = threading.Event()
+        self._pending = False
         self._stop = False
         self._idle = threading.Event()
         self._idle.set()
@@ -154,6 +155,7 @@ class Maintainer:
     def poke(self, *_: object) -> None:
         """Ask for a run (called after each commit)."""
         self._idle.clear()
+        self._pending = True
         self._wake.set()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -164,9 +166,10 @@ class Maintainer:
         while True:
             self._wake.wait()
             self._wake.clear()
-            if self._stop:
+            if not self._pending:  # woken by close() alone
                 self._idle.set()
                 return
+            self._pending = False
             try:
                 if self._policy is not None:
                     prune(self._root, self._policy)
@@ -179,9 +182,11 @@ class Maintainer:
             self.runs += 1
             if not self._wake.is_set():
                 self._idle.set()
+                if self._stop:
+                    return
 
     def close(self) -> None:
-        """Finish the current run and stop."""
+        """Finish the current run and any run asked for, then stop."""
         self._stop = True
         self._wake.set()
         self._thread.join()

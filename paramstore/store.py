@@ -95,6 +95,7 @@ class ParamStore:
         self._maintainer = Maintainer(self._root, policies) if policies else None
         self._prepare = prepare_buffers
         self._closed = False
+        self._owner = os.getpid()
         # A script that commits and exits without close() must not lose the in-flight commit.
         ref = weakref.ref(self)
         self._atexit = lambda: (store := ref()) is not None and store.close()
@@ -402,6 +403,11 @@ class ParamStore:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if os.getpid() != self._owner:
+            # A forked child: the commit threads, the pool's files and the retention thread
+            # belong to the parent. Only this process's registry handle is released.
+            self._root.close()
+            return
         if self._committer is not None:
             self._committer.close()
         if self._maintainer is not None:

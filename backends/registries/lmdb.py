@@ -56,9 +56,22 @@ def _step_key(step: int) -> bytes:
 
 
 # py-lmdb refuses to open one environment twice in a process, so ParamStore objects on the same
-# root share it: (real path, pid) -> [environment, reference count].
+# root share it: (real path, pid) -> [environment, reference count, databases].
 _SHARED: dict[tuple[str, int], list] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def _drop_inherited() -> None:
+    """In a forked child, close the environments inherited from the parent (lock held).
+
+    The child never *uses* them (LMDB forbids that), but py-lmdb counts them as open and would
+    refuse to open the same path again. Closing one in the child is safe: it unmaps the child's
+    copy and closes the child's descriptors; the parent's file locks and reader slots, which
+    belong to the parent's pid, are untouched.
+    """
+    pid = os.getpid()
+    for key in [k for k in _SHARED if k[1] != pid]:
+        _SHARED.pop(key)[0].close()
 
 
 class _EventsWatch(Watch):
@@ -89,7 +102,6 @@ class LmdbRegistry(Registry):
         self._lock = threading.Lock()
         self._pid = -1
         self._env: lmdb.Environment | None = None
-        self._stale: list[lmdb.Environment] = []
         self._open()
 
     # -- environment -------------------------------------------------------------------------
@@ -98,6 +110,7 @@ class LmdbRegistry(Registry):
             os.makedirs(self._path, exist_ok=True)
         key = (os.path.realpath(self._path), os.getpid())
         with _SHARED_LOCK:
+            _drop_inherited()
             entry = _SHARED.get(key)
             if entry is None:
                 env = lmdb.open(
@@ -122,9 +135,7 @@ class LmdbRegistry(Registry):
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    # Inherited across fork: never use or close it here; open our own.
-                    self._stale.append(self._env)
-                    self._open()
+                    self._open()  # inherited across fork: open this process's own environment
         return self._env
 
     def close(self) -> None:
@@ -267,6 +278,13 @@ class LmdbRegistry(Registry):
         return lease
 
     def release_lease(self, lease_id: str) -> None:
+        if self._env is None:  # a snapshot outliving its store: still release, through a fresh handle
+            again = LmdbRegistry(self._path)
+            try:
+                again.release_lease(lease_id)
+            finally:
+                again.close()
+            return
         with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
             found = txn.delete(lease_id.encode())
         if found:

@@ -166,6 +166,7 @@ class SlabPool:
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._owner = os.getpid()
 
     def new(self, size: int) -> Slab:
         """Create a slab of ``size`` bytes now (faulted in with ``MAP_POPULATE``)."""
@@ -245,7 +246,11 @@ class SlabPool:
         return out
 
     def close(self) -> None:
-        """Stop preparing and delete every pooled slab."""
+        """Stop preparing and delete every pooled slab (in a forked child: just forget them)."""
+        if os.getpid() != self._owner:  # the parent still owns these files
+            self._free.clear()
+            self._closed = True
+            return
         with self._lock:
             self._closed = True
             self._wake.notify_all()
