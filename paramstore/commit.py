@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import warnings
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from .errors import ParamStoreError
+from .errors import WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
 from .tensors import ST_TO_TORCH, Collected
@@ -57,8 +59,15 @@ class CommitHandle:
         self.committed: Future[Version] = Future()
 
     def result(self, timeout: float | None = None) -> Version:
-        """Wait until the version is committed and return it (re-raises a commit's error)."""
-        return self.committed.result(timeout)
+        """Wait until the version is committed and return it (re-raises a commit's error).
+
+        Raises:
+            WaitTimeoutError: not committed within ``timeout`` seconds.
+        """
+        try:
+            return self.committed.result(timeout)
+        except FutureTimeout:
+            raise WaitTimeoutError(f"step {self.step} not committed within {timeout} s") from None
 
     def done(self) -> bool:
         """Whether the commit has finished (successfully or not)."""
@@ -99,7 +108,9 @@ class Committer:
         self._shard_size = shard_size_bytes
         self._prepare = prepare_buffers
         self._stage_q: queue.Queue[_Job | None] = queue.Queue()
-        self._publish_q: queue.Queue[_Job | None] = queue.Queue()
+        # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
+        # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
+        self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._stager = threading.Thread(target=self._run, args=(self._stage_q, self._stage), name="paramstore-stager", daemon=True)
         self._publisher = threading.Thread(target=self._run, args=(self._publish_q, self._publish), name="paramstore-publisher", daemon=True)
         self._stager.start()
@@ -154,15 +165,18 @@ class Committer:
             _fail(job.handle, e)
             return
         job.handle.committed.set_result(version)
-        for slab in job.published:  # unmap only now: it is the slowest part of publishing
-            slab.close()
-        job.published = []
-        if self._on_commit is not None:
-            self._on_commit(version)
-        if self._prepare:
-            # The next commit's buffers, faulted in the background once this one is visible
-            # (so the page faults do not compete with hashing on the visibility path).
-            self._pool.prepare([p.size for p in job.plans])
+        try:
+            for slab in job.published:  # unmap only now: it is the slowest part of publishing
+                slab.close()
+            job.published = []
+            if self._on_commit is not None:
+                self._on_commit(version)
+            if self._prepare:
+                # The next commit's buffers, faulted in the background once this one is visible
+                # (so the page faults do not compete with hashing on the visibility path).
+                self._pool.prepare([p.size for p in job.plans])
+        except Exception as e:  # noqa: BLE001 - the version is committed; keep the thread alive
+            warnings.warn(f"paramstore: after committing step {version.step}: {e}", RuntimeWarning, stacklevel=1)
 
     def _hash_dedup_publish(self, job: _Job) -> Version:
         digests = [[_hash_range(slab, p) for p in plan.placements] for plan, slab in zip(job.plans, job.slabs)]

@@ -7,11 +7,13 @@ process's start time, in clock ticks since boot, as field 22 of ``/proc/<pid>/st
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import socket
 from functools import lru_cache
 
-__all__ = ["start_time", "this_process", "alive", "HOST"]
+__all__ = ["start_time", "this_process", "alive", "HOST", "libc"]
 
 HOST = socket.gethostname()
 
@@ -48,3 +50,9 @@ def alive(pid: int, start: int) -> bool:
     """Whether process ``pid`` started at ``start`` still runs (a zombie counts as dead)."""
     st = _stat(pid)
     return st is not None and st[1] == start and st[0] not in (b"Z", b"X")
+
+
+@lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL:
+    """The C library, for the few Linux calls Python does not wrap (madvise, inotify)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -12,12 +12,15 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from .commit import CommitHandle, Committer
 from .errors import (
+    CorruptObjectError,
     InvalidArgumentError,
     ParamStoreError,
     StepOrderError,
@@ -142,15 +145,26 @@ class ParamStore:
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
         collected = collect(model)
+        if os.getpid() != self._owner:
+            raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
+                                  "after fork to commit from the child")
         with self._lock:
+            self._check_open()  # under the lock: close() cannot slip in between
             latest = self._root.registry.latest_step()
             floor = max(x for x in (latest, self._last_step, -1) if x is not None)
             if step <= floor:
                 raise StepOrderError(f"step {step} must be above the latest step {floor}")
-            self._last_step = step
+            previous, self._last_step = self._last_step, step
             handle = self._get_committer().submit(step, collected, tags_t, metrics_d, metadata_d)
             self._last_handle = handle
+        handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
         return handle
+
+    def _forget_step(self, step: int, previous: int | None) -> None:
+        # A failed commit does not use up its step: it may be retried.
+        with self._lock:
+            if self._last_step == step:
+                self._last_step = previous
 
     def prepare(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Create and fault the shared-memory buffers ``model``'s first commit will use, in the background.
@@ -165,6 +179,9 @@ class ParamStore:
         """Make ``optimizer.step()`` wait until the last commit's snapshot is taken.
 
         The wait is only as long as the copy still has to run; with no commit in flight it is free.
+        A failed commit is not re-raised here (see its handle or :meth:`flush`). Only parameters
+        and buffers the optimizer step changes are protected: buffers updated during the forward
+        pass (e.g. BatchNorm statistics) may change while a snapshot is being taken.
         Returns the hook handle (``.remove()`` undoes it).
 
         Example:
@@ -174,7 +191,9 @@ class ParamStore:
         """
 
         def _wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self.wait_staged()
+            handle = self._last_handle
+            if handle is not None:  # only wait: a failed commit reports through its handle
+                wait([handle.staged])
 
         return optimizer.register_step_pre_hook(_wait_for_staging)
 
@@ -182,12 +201,15 @@ class ParamStore:
         """Block until the last commit of this process is staged (re-raises its error)."""
         handle = self._last_handle
         if handle is not None:
-            handle.staged.result(timeout)
+            try:
+                handle.staged.result(timeout)
+            except FutureTimeout:
+                raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout} s") from None
 
     def flush(self, timeout: float | None = None) -> Version | None:
         """Wait until every commit of this process is visible; returns the last version."""
         handle = self._last_handle
-        return None if handle is None else handle.result(timeout)
+        return None if handle is None else handle.result(timeout)  # raises WaitTimeoutError
 
     def _get_committer(self) -> Committer:
         if self._committer is None:
@@ -249,9 +271,12 @@ class ParamStore:
                 continue  # pruned between resolving "latest" (or a tag) and leasing: resolve again
             try:
                 return Snapshot(reg.get_version(step), reg.get_manifest(step), self._root.tier,
-                                on_close=functools.partial(_release, reg, lease.id))
+                                on_close=functools.partial(_release, reg, lease.id, os.getpid()))
+            except FileNotFoundError as e:
+                _release(reg, lease.id, os.getpid())
+                raise CorruptObjectError(f"version {step} references a missing object: {e.filename}") from e
             except BaseException:
-                _release(reg, lease.id)
+                _release(reg, lease.id, os.getpid())
                 raise
 
     def versions(self) -> list[Version]:
@@ -299,13 +324,18 @@ class ParamStore:
     def _follow(self, watch: Any, last: int, timeout: float | None) -> Iterator[Version]:
         reg = self._root.registry
         with watch:
+            deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 new = list(reg.versions(after=last))
                 for v in new:
                     last = v.step
                     yield v
-                if not new and not watch.wait(timeout):
+                if new and timeout is not None:
+                    deadline = time.monotonic() + timeout  # the timeout counts idle time
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     return
+                watch.wait(left)  # woken by any change (leases too): re-read and loop
                 self._check_open()
 
     def wait_for(self, step: int, timeout: float | None = None) -> Version:
@@ -429,8 +459,10 @@ class ParamStore:
         return f"ParamStore({self.root!r})"
 
 
-def _release(registry: Registry, lease_id: str) -> None:
+def _release(registry: Registry, lease_id: str, owner: int) -> None:
     # Called on Snapshot.close() or when an unclosed snapshot is collected (maybe at exit).
+    if os.getpid() != owner:
+        return  # a forked child exiting: the lease is the parent's
     try:
         registry.release_lease(lease_id)
     except (ParamStoreError, RuntimeError, OSError):

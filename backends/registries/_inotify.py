@@ -8,27 +8,17 @@ falls back to checking the file's mtime and size every ``fallback_interval`` sec
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import select
 import time
+
+from paramstore import liveness
 
 _IN_MODIFY = 0x00000002
 _IN_ATTRIB = 0x00000004
 _IN_CLOSE_WRITE = 0x00000008
 _IN_NONBLOCK = 0o4000
 _IN_CLOEXEC = 0o2000000
-
-_libc = None
-
-
-def _load_libc():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc
-
 
 class FileWatch:
     """Wakes up when ``path`` is modified. ``wait`` returns True on a change, False on timeout."""
@@ -39,7 +29,7 @@ class FileWatch:
         self._interval = fallback_interval
         self._stamp = self._stat()
         try:
-            libc = _load_libc()
+            libc = liveness.libc()
             fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
             if fd < 0:
                 return
@@ -59,8 +49,9 @@ class FileWatch:
 
     def wait(self, timeout: float | None) -> bool:
         if self._fd >= 0:
-            r, _, _ = select.select([self._fd], [], [], timeout)
-            if not r:
+            poller = select.poll()  # not select(): that fails for descriptors >= 1024
+            poller.register(self._fd, select.POLLIN)
+            if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
                 return False
             try:
                 while os.read(self._fd, 4096):

@@ -12,7 +12,7 @@ renames the slab to its digest. That copy is the only one: readers map the same 
 
 Fresh tmpfs pages are slow to touch (first-touch page faults run at ~1.25 GB/s against ~10 GB/s
 for faulted pages), so :class:`SlabPool` creates and faults the slabs the *next* commit will need
-in a background thread (``MAP_POPULATE``), from the sizes of the last commit's layout. Slabs a
+in a background thread (``madvise(MADV_POPULATE_WRITE)``), from the sizes of the last commit's layout. Slabs a
 commit did not need (every tensor deduplicated) go back to the pool.
 
 Readers map objects copy-on-write (``MAP_PRIVATE``): zero-copy, and writing through a view only
@@ -23,7 +23,6 @@ modified; on tmpfs an object unlinked by GC stays readable by whoever still maps
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import mmap
 import os
@@ -34,6 +33,7 @@ from typing import Iterator
 
 from paramstore import liveness
 from paramstore.format import OBJECT_SUFFIX
+from paramstore.liveness import libc
 
 from .base import Tier
 
@@ -55,6 +55,7 @@ class Slab:
         """Shrink the file (and the usable buffer) to ``size`` bytes."""
         if size == self.size:
             return
+        _unpin(self)
         self.map.close()
         os.truncate(self.path, size)
         self.size = size
@@ -96,19 +97,8 @@ def _populate(m: mmap.mmap) -> None:
     kernels, writes zeros with ``memset`` (also outside the GIL).
     """
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    libc = _libc()
-    if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_POPULATE_WRITE) != 0:
-        ctypes.memset(addr, 0, len(m))
-
-
-_LIBC = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _LIBC
+    if libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(addr, 0, len(m))  # the space is reserved (posix_fallocate): no SIGBUS
 
 
 _pin_warned = False
@@ -169,14 +159,20 @@ class SlabPool:
         self._owner = os.getpid()
 
     def new(self, size: int) -> Slab:
-        """Create a slab of ``size`` bytes now (faulted in with ``MAP_POPULATE``)."""
+        """Create a slab of ``size`` bytes now: space reserved, every page faulted in."""
         pid, start = liveness.this_process()  # GC deletes slabs whose owner is dead
         path = os.path.join(self._tmp, f"slab-{pid}-{start}-{next(_counter)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.ftruncate(fd, size)
-        finally:
+            # Reserve the space now: a full tmpfs then fails here with ENOSPC (an error on the
+            # commit) instead of SIGBUS when the copy touches a page that cannot be allocated.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
             os.close(fd)
+            os.unlink(path)
+            raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory in {self._tmp}: "
+                                   f"{e.strerror} (free space in /dev/shm, or use a smaller model/shard)") from e
+        os.close(fd)
         slab = Slab(path, size, _map_file(path, size, populate=True))
         if self._pin:
             _pin(slab)
