@@ -1,7 +1,7 @@
 """The ``paramstore`` command line.
 
 ``paramstore --root PATH COMMAND [--json]``; the root may also come from ``$PARAMSTORE_ROOT``.
-Metadata commands (ls, show, du, verify, tag, export) do not import torch, so they start fast.
+Every command but ``diff`` runs without importing torch, so they start fast.
 Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (message on stderr).
 """
 
@@ -13,6 +13,8 @@ import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import lmdb
 
 from .errors import InvalidArgumentError, ParamStoreError
 from .root import StoreRoot, VersionSpec, open_root
@@ -249,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result, text, code = args.fn(root, args)
         finally:
             root.close()
-    except (ParamStoreError, OSError) as e:
+    except (ParamStoreError, OSError, lmdb.Error) as e:
         if args.json:
             print(json.dumps({"error": type(e).__name__, "message": str(e)}))
         print(f"paramstore: error: {e}", file=sys.stderr)

@@ -148,7 +148,7 @@ class Maintainer:
         self._idle = threading.Event()
         self._idle.set()
         self.last_error: BaseException | None = None
-        self.runs = 0
+        self.runs = 0  # completed runs, for monitoring
         self._thread = threading.Thread(target=self._loop, name="paramstore-retention", daemon=True)
         self._thread.start()
 
@@ -170,15 +170,19 @@ class Maintainer:
                 self._idle.set()
                 return
             self._pending = False
+            error = None  # reported once, retried on the next commit
             try:
                 if self._policy is not None:
                     prune(self._root, self._policy)
-                gc(self._root)
-                self.last_error = None
-            except Exception as e:  # noqa: BLE001 - reported, retried on the next commit
-                if self.last_error is None:
-                    warnings.warn(f"paramstore retention failed: {e}", RuntimeWarning, stacklevel=1)
-                self.last_error = e
+            except Exception as e:  # noqa: BLE001
+                error = e
+            try:
+                gc(self._root)  # even when prune failed (e.g. no version has the metric yet)
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+            if error is not None and self.last_error is None:
+                warnings.warn(f"paramstore retention failed: {error}", RuntimeWarning, stacklevel=1)
+            self.last_error = error
             self.runs += 1
             if not self._wake.is_set():
                 self._idle.set()

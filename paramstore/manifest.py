@@ -13,7 +13,7 @@ twice (or to two stores) have the same digest.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import blake3
@@ -160,9 +160,6 @@ class Version:
             metrics=d["metrics"],
             metadata=d["metadata"],
         )
-
-    def with_tags(self, tags: tuple[str, ...]) -> "Version":
-        return replace(self, tags=tags)
 
 
 def _expect_keys(what: str, d: Mapping[str, Any], keys: set[str]) -> None:

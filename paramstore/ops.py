@@ -27,9 +27,10 @@ def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[int, str]]:
         with memoryview(m) as mv:
             try:
                 start, entries = parse_header(mv)
-            except ValueError as e:
-                raise CorruptObjectError(f"object {digest}: {e}") from e
-            spans = sorted((start + e["data_offsets"][0], start + e["data_offsets"][1]) for e in entries.values())
+                spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
+                               for e in entries.values())
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise CorruptObjectError(f"object {digest}: malformed header: {e!r}") from e
             pos = start
             for b, e in spans:  # tensors must tile the data section exactly
                 if b != pos or e < b:
@@ -62,7 +63,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     corrupt: dict[str, str] = {}
     missing: list[str] = []
     sizes = {o: root.tier.size(o) for o in refs if root.tier.exists(o)}
-    with progress(sum(sizes.values()), "verify") as bar:
+    with progress(sum(sizes.values()), "verify", enabled=None if show_progress else False) as bar:
         for obj in sorted(refs):
             if obj not in sizes:
                 missing.append(obj)

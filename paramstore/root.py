@@ -52,6 +52,8 @@ class StoreRoot:
             raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
         if isinstance(version, int):
             return version
+        if version.lstrip("-").isdigit():  # "5" from a CLI or a config file: a step (tags cannot look like one)
+            return int(version)
         if version == "latest":
             step = self.registry.latest_step()
             if step is None:
@@ -70,11 +72,13 @@ class StoreRoot:
         deletes an object that an in-flight commit is about to reference. ``flock`` is released by
         the kernel if the holder dies.
         """
-        fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            _HELD.add(fd)
             yield
         finally:
+            _HELD.discard(fd)
             os.close(fd)  # releases the lock
 
     def close(self) -> None:
@@ -110,6 +114,23 @@ def open_root(path: str | os.PathLike[str], *, create: bool) -> StoreRoot:
     registry = LmdbRegistry(os.path.join(path, "meta"), create=True)
     tier = LocalTier(path, create=True)
     return StoreRoot(path, info, registry, tier)
+
+
+# Descriptors of GC locks held right now. A flock belongs to the open file description, which a
+# forked child shares: the child closes its copies at once, or the lock would last as long as it.
+_HELD: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def _creatable(entries: list[str]) -> bool:
