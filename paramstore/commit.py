@@ -89,6 +89,7 @@ class _Job:
     slabs: list[Slab] = field(default_factory=list)  # staged, not yet published or pooled
     published: list[Slab] = field(default_factory=list)  # renamed into objects, still mapped
     created_at: float = 0.0
+    ready_events: dict = field(default_factory=dict)  # device -> CUDA event recorded at commit()
 
 
 class Committer:
@@ -119,7 +120,9 @@ class Committer:
     def submit(self, step: int, collected: Collected, tags: tuple[str, ...], metrics: dict[str, float],
                metadata: dict[str, Any]) -> CommitHandle:
         handle = CommitHandle(step)
-        self._stage_q.put(_Job(handle, collected, tags, metrics, metadata, created_at=time.time()))
+        job = _Job(handle, collected, tags, metrics, metadata, created_at=time.time(),
+                   ready_events=_ready_events(collected))
+        self._stage_q.put(job)
         return handle
 
     def prepare(self, collected: Collected) -> None:
@@ -254,29 +257,49 @@ def _entry(p: Placement, digest: str, loc: TensorLocation) -> TensorEntry:
 
 
 def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], pool: SlabPool) -> None:
-    """Take a slab per shard, write its header and copy every tensor into place."""
-    cuda_srcs = any(t.is_cuda for t in sources.values())
-    stream = torch.cuda.Stream() if cuda_srcs else None
-    for plan in job.plans:
-        slab = pool.take(plan.size)
-        job.slabs.append(slab)
-        slab.map[: len(plan.header)] = plan.header
-        buf = torch.frombuffer(slab.map, dtype=torch.uint8)
-        dst = None
-        for p in plan.placements:
-            if p.nbytes == 0:
-                continue
-            dst = buf[p.offset : p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
-            src = sources[p.spec.name]
-            if src.is_cuda:
-                assert stream is not None
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src)
-        del buf, dst  # release the buffer export on the mapping
-    if stream is not None:
-        stream.synchronize()
+    """Take a slab per shard, write its header and copy every tensor into place.
+
+    Device tensors are copied with ``non_blocking=True`` on one side stream per device, ordered
+    after the work the caller had queued when it called ``commit`` (``job.ready_events``), and all
+    streams are synchronized before returning, also on error (the slabs must not be unmapped under
+    a running DMA). Not exercised on a GPU yet.
+    """
+    streams = {dev: torch.cuda.Stream(device=dev) for dev in job.ready_events}
+    for dev, event in job.ready_events.items():
+        streams[dev].wait_event(event)
+    try:
+        for plan in job.plans:
+            slab = pool.take(plan.size)
+            job.slabs.append(slab)
+            slab.map[: len(plan.header)] = plan.header
+            buf = torch.frombuffer(slab.map, dtype=torch.uint8)
+            dst = None
+            for p in plan.placements:
+                if p.nbytes == 0:
+                    continue
+                dst = buf[p.offset : p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
+                src = sources[p.spec.name]
+                if src.is_cuda:
+                    with torch.cuda.stream(streams[src.device]):
+                        dst.copy_(src, non_blocking=True)
+                else:
+                    dst.copy_(src)
+            del buf, dst  # release the buffer export on the mapping
+    finally:
+        for stream in streams.values():
+            stream.synchronize()
+
+
+def _ready_events(collected: Collected) -> dict[torch.device, torch.cuda.Event]:
+    """On the caller's thread: an event per device marking the work queued so far (e.g. the
+    optimizer step that produced the weights), so the copy cannot read them early."""
+    events = {}
+    for t in collected.sources:
+        if t.is_cuda and t.device not in events:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            events[t.device] = event
+    return events
 
 
 def _hash_range(slab: Slab, p: Placement) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import InvalidArgumentError
 from .format import TensorSpec, layout
+from .ops import leased
 from .progress import progress
 from .root import StoreRoot
 
@@ -31,6 +32,11 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     """
     if shard_size_bytes <= 0:
         raise InvalidArgumentError(f"shard size must be positive, got {shard_size_bytes}")
+    with leased(root, [step]):  # retention cannot prune it while its bytes are copied
+        return _export(root, step, directory, shard_size_bytes, show_progress)
+
+
+def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool) -> dict[str, Any]:
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
     if os.path.exists(os.path.join(directory, INDEX_NAME)) or (os.path.exists(directory) and not os.path.isdir(directory)):

@@ -5,15 +5,38 @@ Each returns a plain dict (what ``--json`` prints).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from .errors import CorruptObjectError
+from .errors import CorruptObjectError, VersionNotFoundError
 from .format import object_digest, parse_header, tensor_digest
 from .progress import progress
 from .root import StoreRoot
 
-__all__ = ["verify", "du", "diff", "hash_object"]
+__all__ = ["verify", "du", "diff", "hash_object", "leased"]
+
+
+@contextlib.contextmanager
+def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False) -> Iterator[list[int]]:
+    """Hold a lease on each step while a command reads its objects (so retention cannot prune it).
+
+    Yields the steps leased: all of them, or with ``skip_missing`` those still present.
+    Raises VersionNotFoundError for a missing step otherwise.
+    """
+    reg = root.registry
+    held: list[tuple[int, str]] = []
+    try:
+        for s in steps:
+            try:
+                held.append((s, reg.acquire_lease(s, f"paramstore cli (pid {os.getpid()})").id))
+            except VersionNotFoundError:
+                if not skip_missing:
+                    raise
+        yield [s for s, _ in held]
+    finally:
+        for _, lease_id in held:
+            reg.release_lease(lease_id)
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[int, str]]:
@@ -52,9 +75,14 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     references) and ``leftovers`` (files in ``tmp/``: an in-flight commit's, or a crash's).
     ``ok`` is False when anything is corrupt or missing.
     """
-    reg = root.registry
     whole = steps is None
-    selected = [v.step for v in reg.versions()] if whole else list(steps)
+    wanted = [v.step for v in root.registry.versions()] if whole else list(steps)
+    with leased(root, wanted, skip_missing=whole) as selected:
+        return _verify(root, selected, whole, show_progress)
+
+
+def _verify(root: StoreRoot, selected: list[int], whole: bool, show_progress: bool) -> dict[str, Any]:
+    reg = root.registry
     refs: dict[str, list[tuple[int, str, int, str]]] = {}  # object -> (step, name, offset, digest)
     for s in selected:
         man = reg.get_manifest(s)
@@ -125,6 +153,11 @@ def diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
 
     ``max_abs_diff`` is given for changed tensors of the same dtype and shape (floating or integer).
     """
+    with leased(root, sorted({a, b})):
+        return _diff(root, a, b)
+
+
+def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     import torch
 
     from .snapshot import Snapshot
