@@ -4,7 +4,8 @@
    shards (:func:`paramstore.format.plan_shards`), take one pre-faulted slab per shard from the
    tier's pool, write the safetensors header and ``copy_`` every tensor into its place. This is
    the only copy of the bytes. After it the trainer may change its parameters.
-2. **Hash** (publisher thread). blake3 of each tensor's bytes in the slab: one read pass.
+2. **Hash** (publisher thread, fanning whole tensors out to one hash thread per core). blake3 of
+   each tensor's bytes in the slab: one read pass.
 3. **Deduplicate.** Tensors whose digest the store already holds (in an earlier version, or
    earlier in this commit) are not stored again: a shard with no new tensor goes back to the pool;
    a shard with some is compacted in place (``memmove`` of its new tensors, the header rewritten)
@@ -20,11 +21,12 @@ no version names), which ``paramstore verify`` reports and GC reclaims.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import warnings
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
@@ -112,6 +114,8 @@ class Committer:
         # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
         self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._hash_threads = os.cpu_count() or 2
+        self._hashers = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="paramstore-hash")
         self._stager = threading.Thread(target=self._run, args=(self._stage_q, self._stage), name="paramstore-stager", daemon=True)
         self._publisher = threading.Thread(target=self._run, args=(self._publish_q, self._publish), name="paramstore-publisher", daemon=True)
         self._stager.start()
@@ -135,6 +139,7 @@ class Committer:
         self._stager.join()
         self._publish_q.put(None)
         self._publisher.join()
+        self._hashers.shutdown()
 
     @staticmethod
     def _run(q: "queue.Queue[_Job | None]", work: Callable[[_Job], None]) -> None:
@@ -182,10 +187,26 @@ class Committer:
             warnings.warn(f"paramstore: after committing step {version.step}: {e}", RuntimeWarning, stacklevel=1)
 
     def _hash_dedup_publish(self, job: _Job) -> Version:
-        digests = [[_hash_range(slab, p) for p in plan.placements] for plan, slab in zip(job.plans, job.slabs)]
+        digests = self._hash_all(job)
         # From the dedup lookup to the publish, GC must not delete what this commit will reference.
         with self._gc_lock():
             return self._dedup_publish(job, digests)
+
+    def _hash_all(self, job: _Job) -> list[list[str]]:
+        """Every tensor's digest, per shard: whole tensors in parallel on the hash threads.
+
+        Largest first, one thread each (blake3 releases the GIL); a tensor larger than a thread's
+        share of the commit is itself hashed on several threads.
+        """
+        work = [(i, j, slab, p) for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
+                for j, p in enumerate(plan.placements)]
+        work.sort(key=lambda w: -w[3].nbytes)
+        share = sum(w[3].nbytes for w in work) / self._hash_threads
+        digests: list[list[str]] = [[""] * len(plan.placements) for plan in job.plans]
+        hashed = self._hashers.map(lambda w: _hash_range(w[2], w[3], parallel=w[3].nbytes > share), work)
+        for (i, j, _, _), d in zip(work, hashed):
+            digests[i][j] = d
+        return digests
 
     def _dedup_publish(self, job: _Job, digests: list[list[str]]) -> Version:
         flat = [d for ds in digests for d in ds]
@@ -302,9 +323,9 @@ def _ready_events(collected: Collected) -> dict[torch.device, torch.cuda.Event]:
     return events
 
 
-def _hash_range(slab: Slab, p: Placement) -> str:
+def _hash_range(slab: Slab, p: Placement, *, parallel: bool) -> str:
     with memoryview(slab.map) as mv:
-        return tensor_digest(mv[p.offset : p.offset + p.nbytes])
+        return tensor_digest(mv[p.offset : p.offset + p.nbytes], parallel=parallel)
 
 
 def _compact(slab: Slab, plan: ShardPlan, keep: list[Placement]) -> tuple[bytes, list[int]]:

@@ -176,10 +176,15 @@ def parse_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict]]:
     return 8 + n, entries
 
 
-def tensor_digest(data: bytes | memoryview) -> str:
-    """blake3 of a tensor's bytes, hex. Large inputs are hashed on several threads."""
-    threads = blake3.blake3.AUTO if len(data) >= _HASH_THREADS_MIN_BYTES else 1
-    return blake3.blake3(data, max_threads=threads).hexdigest()
+def tensor_digest(data: bytes | memoryview, *, parallel: bool | None = None) -> str:
+    """blake3 of a tensor's bytes, hex.
+
+    ``parallel``: hash on several threads (default: for inputs of 4 MiB and more). The commit path
+    passes False for tensors it already hashes side by side on its own threads.
+    """
+    if parallel is None:
+        parallel = len(data) >= _HASH_THREADS_MIN_BYTES
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO if parallel else 1).hexdigest()
 
 
 def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> str:
