@@ -381,7 +381,7 @@ class ParamStore:
         self._check_open()
         reg = self._root.registry
         deadline = None if timeout is None else time.monotonic() + timeout
-        with reg.watch() as watch:
+        with reg.watch("leases") as watch:
             while True:
                 old = [lease for lease in reg.leases() if lease.step < min_step]
                 if not old:

@@ -672,3 +672,18 @@ def test_two_store_objects_on_one_root_see_each_other(store_root):
         b.commit(2, {"w": torch.zeros(3)}).result()
         with a.checkout("latest") as snap:
             assert snap.step == 2 and torch.equal(snap["w"], torch.zeros(3))
+
+
+def test_prefault_maps_pages_and_keeps_bits(store):
+    import resource
+
+    t = random_tensor(torch.float32, (512, 1024), 7)  # 2 MiB
+    store.commit(1, {"t": t}).result()
+    with store.checkout(1) as snap:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        snap.prefault()
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert_bits_equal(snap["t"], t, "t")
+    assert faulted > 0  # the pages were mapped by prefault, not by the read
+    with pytest.raises(paramstore.StoreClosedError):
+        snap.prefault()

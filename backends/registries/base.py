@@ -64,7 +64,7 @@ class Watch(abc.ABC):
 
 
 class Registry(abc.ABC):
-    """Metadata of one store. One instance per process; never shared across ``fork``."""
+    """Metadata of one store, opened per process (an implementation reopens itself after ``fork``)."""
 
     @abc.abstractmethod
     def latest_step(self) -> int | None:
@@ -149,8 +149,11 @@ class Registry(abc.ABC):
         """Drop object records and the tensor-index entries that point into them, atomically."""
 
     @abc.abstractmethod
-    def watch(self) -> "Watch":
-        """Start watching for changes (a publish or a tag). Arm it *before* reading the state.
+    def watch(self, what: str = "versions") -> "Watch":
+        """Start watching for changes. Arm it *before* reading the state.
+
+        ``what``: ``"versions"`` (publish, prune, tags) or ``"leases"`` (a lease released or
+        found dead; acquiring a lease wakes nobody).
 
         Use as ``with registry.watch() as w: while ...: read state; w.wait(timeout)``: a change
         made after ``watch()`` returned always wakes ``wait``. Must not busy-spin.

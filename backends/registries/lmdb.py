@@ -20,7 +20,8 @@ see :mod:`paramstore.liveness`) runs; readers of ``leases`` release dead process
 
 This is the only module that touches LMDB. The environment is opened per process and reopened
 after ``fork`` (an LMDB environment must never be used across fork). Every publish and tag change
-is one write transaction; afterwards the ``events`` file is rewritten, which wakes watchers.
+is one write transaction; afterwards the ``events`` file (``lease-events`` for lease changes) is
+rewritten, which wakes the processes watching it.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class LmdbRegistry(Registry):
 
     def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE) -> None:
         self._path = path
-        self._events = os.path.join(path, "events")
+        # Two event files: versions and tags change rarely and wake subscribers; lease changes are
+        # frequent (every checkout's close) and only wake wait_for_readers().
+        self._events = {"versions": os.path.join(path, "events"), "leases": os.path.join(path, "lease-events")}
         self._create = create
         self._map_size = map_size
         self._lock = threading.Lock()
@@ -122,9 +125,10 @@ class LmdbRegistry(Registry):
             entry[1] += 1
         self._key = key
         env, self._dbs = entry[0], entry[2]
-        if not os.path.exists(self._events):
-            with open(self._events, "ab"):
-                pass
+        for path in self._events.values():
+            if not os.path.exists(path):
+                with open(path, "ab"):
+                    pass
         self._env = env
         self._pid = os.getpid()
 
@@ -148,8 +152,8 @@ class LmdbRegistry(Registry):
                     self._env.close()
         self._env = None
 
-    def _notify(self) -> None:
-        fd = os.open(self._events, os.O_WRONLY | os.O_CREAT, 0o644)
+    def _notify(self, what: str = "versions") -> None:
+        fd = os.open(self._events[what], os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, struct.pack("<Qd", time.monotonic_ns(), time.time()), 0)
         finally:
@@ -288,7 +292,7 @@ class LmdbRegistry(Registry):
         with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
             found = txn.delete(lease_id.encode())
         if found:
-            self._notify()
+            self._notify("leases")
 
     def _live_leases(self, txn: lmdb.Transaction) -> tuple[list[Lease], list[bytes]]:
         live, dead = [], []
@@ -307,7 +311,7 @@ class LmdbRegistry(Registry):
             with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
                 for k in dead:
                     txn.delete(k)
-            self._notify()
+            self._notify("leases")
         return live
 
     # -- removal -----------------------------------------------------------------------------
@@ -346,5 +350,5 @@ class LmdbRegistry(Registry):
                     if loc is not None and _LOC.unpack(loc)[0] == key:
                         txn.delete(t, db=self._dbs["tensors"])
 
-    def watch(self) -> Watch:
-        return _EventsWatch(self._events)
+    def watch(self, what: str = "versions") -> Watch:
+        return _EventsWatch(self._events[what])

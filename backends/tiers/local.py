@@ -87,6 +87,7 @@ def _map_file(path: str, size: int, *, populate: bool) -> mmap.mmap:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_HUGEPAGE = 14
 
 
 def _populate(m: mmap.mmap) -> None:
@@ -97,6 +98,7 @@ def _populate(m: mmap.mmap) -> None:
     kernels, writes zeros with ``memset`` (also outside the GIL).
     """
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_HUGEPAGE)  # on huge=advise tmpfs
     if libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_POPULATE_WRITE) != 0:
         ctypes.memset(addr, 0, len(m))  # the space is reserved (posix_fallocate): no SIGBUS
 
