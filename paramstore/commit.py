@@ -43,6 +43,8 @@ from paramstore.backends.tiers.local import LocalTier, Slab, SlabPool
 
 __all__ = ["CommitHandle", "Committer"]
 
+_INLINE_HASH_BYTES = 1 << 20
+
 
 class CommitHandle:
     """What ``store.commit`` returns at once.
@@ -193,18 +195,22 @@ class Committer:
             return self._dedup_publish(job, digests)
 
     def _hash_all(self, job: _Job) -> list[list[str]]:
-        """Every tensor's digest, per shard: whole tensors in parallel on the hash threads.
+        """Every tensor's digest, per shard: large tensors in parallel on the hash threads.
 
         Largest first, one thread each (blake3 releases the GIL); a tensor larger than a thread's
-        share of the commit is itself hashed on several threads.
+        share of the commit is itself hashed on several threads. Tensors under 1 MiB are hashed
+        right here, meanwhile: handing them to a thread would cost more than hashing them.
         """
         work = [(i, j, slab, p) for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
                 for j, p in enumerate(plan.placements)]
         work.sort(key=lambda w: -w[3].nbytes)
         share = sum(w[3].nbytes for w in work) / self._hash_threads
+        large = [w for w in work if w[3].nbytes >= _INLINE_HASH_BYTES]
+        small = work[len(large):]
+        hashed = self._hashers.map(lambda w: _hash_range(w[2], w[3], parallel=w[3].nbytes > share), large)
+        small_digests = [_hash_range(w[2], w[3], parallel=False) for w in small]
         digests: list[list[str]] = [[""] * len(plan.placements) for plan in job.plans]
-        hashed = self._hashers.map(lambda w: _hash_range(w[2], w[3], parallel=w[3].nbytes > share), work)
-        for (i, j, _, _), d in zip(work, hashed):
+        for (i, j, _, _), d in zip(large + small, [*hashed, *small_digests]):
             digests[i][j] = d
         return digests
 
