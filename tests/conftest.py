@@ -101,6 +101,21 @@ def store_state(store: "paramstore.ParamStore") -> dict:
     }
 
 
+# -- processes ---------------------------------------------------------------------------------
+def gather_and_join(procs: list, gather, join_timeout: float = 60):
+    """Return ``gather()`` (which collects the processes' results), then join them; kill any left."""
+    try:
+        out = gather()
+        for p in procs:
+            p.join(timeout=join_timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
 # -- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture
 def shm_dir():

@@ -29,7 +29,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_bits_equal, objects_bytes, random_tensor, tree
+from conftest import assert_bits_equal, gather_and_join, objects_bytes, random_tensor, tree
 
 from paramstore import ParamStore, TagNotFoundError, VersionNotFoundError
 from paramstore.liveness import this_process
@@ -200,15 +200,8 @@ def test_readers_never_see_bad_bits_while_retention_prunes_and_collects(store_ro
     procs = [*readers, trainer]
     for p in procs:
         p.start()
-    try:
-        reports = dict((name, (rep, err)) for name, rep, err in (results.get(timeout=240) for _ in procs))
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    reports = gather_and_join(
+        procs, lambda: {name: (rep, err) for name, rep, err in (results.get(timeout=240) for _ in procs)})
     for name, (_, err) in reports.items():
         assert err is None, f"{name} failed:\n{err}"
     assert [p.exitcode for p in procs] == [0] * len(procs)

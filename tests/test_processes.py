@@ -20,6 +20,8 @@ import torch
 import paramstore
 from paramstore import ParamStore
 
+from conftest import gather_and_join
+
 SPAWN = mp.get_context("spawn")
 NUM_TENSORS = 20
 TRAINER_STEPS = 50
@@ -112,15 +114,7 @@ def test_one_trainer_three_readers(store_root):
     trainer = SPAWN.Process(target=trainer_main, args=(store_root, TRAINER_STEPS))
     trainer.start()
     procs = [trainer, *readers]
-    try:
-        reports = [results.get(timeout=120) for _ in readers]
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    reports = gather_and_join(procs, lambda: [results.get(timeout=120) for _ in readers])
     for pid, seen, err in reports:
         assert err is None, f"reader {pid} failed:\n{err}"
         assert len(seen) > 0
