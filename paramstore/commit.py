@@ -218,7 +218,7 @@ class Committer:
         flat = [d for ds in digests for d in ds]
         known = self._registry.locate_tensors(sorted(set(flat)))
         located: dict[str, TensorLocation] = {}  # digests stored by this commit
-        new_objects: dict[str, int] = {}
+        new_objects: dict[str, ObjectInfo] = {}
         entries: dict[str, TensorEntry] = {}
 
         for plan, ds in zip(job.plans, digests):

@@ -229,7 +229,7 @@ class LmdbRegistry(Registry):
         self,
         version: Version,
         manifest: Manifest,
-        new_objects: dict[str, int],
+        new_objects: dict[str, ObjectInfo],
         new_tensors: dict[str, TensorLocation],
     ) -> None:
         key = _step_key(version.step)
