@@ -552,3 +552,34 @@ def test_forked_reader_can_take_and_release_a_lease(store_root):
     proc = subprocess.run([sys.executable, "-c", _FORKED_READER, store_root], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fork_while_another_thread_writes_does_not_hang_the_child(store_root):
+    """A fork waits for a write transaction in flight, so the child can use the registry."""
+    import threading
+
+    with ParamStore(store_root) as store:
+        store.commit(1, {"x": torch.ones(4)}).result()
+        reg = store._root.registry
+        entered = threading.Event()
+
+        def hold_write_txn() -> None:
+            with reg._write():
+                entered.set()
+                time.sleep(0.5)
+
+        t = threading.Thread(target=hold_write_txn)
+        t.start()
+        entered.wait()
+        pid = os.fork()
+        if pid == 0:  # child: must be able to read (and lease) without hanging
+            code = 1
+            try:
+                signal.alarm(10)
+                with store.checkout(1) as snap:
+                    code = 0 if torch.equal(snap["x"], torch.ones(4)) else 3
+            finally:
+                os._exit(code)
+        t.join()
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

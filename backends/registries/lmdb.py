@@ -26,6 +26,7 @@ rewritten, which wakes the processes watching it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -60,6 +61,21 @@ def _step_key(step: int) -> bytes:
 # root share it: (real path, pid) -> [environment, reference count, databases].
 _SHARED: dict[tuple[str, int], list] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+# A child forked while a thread of the parent is inside a write transaction would wait forever
+# when it closes the inherited environment (py-lmdb waits for the transaction's thread, which the
+# child does not have). Write transactions hold this lock, and fork waits for it.
+_FORK_LOCK = threading.RLock()
+
+
+def _reinit_fork_lock() -> None:
+    global _FORK_LOCK
+    _FORK_LOCK = threading.RLock()
+
+
+os.register_at_fork(before=lambda: _FORK_LOCK.acquire(), after_in_parent=lambda: _FORK_LOCK.release(),
+                    after_in_child=_reinit_fork_lock)
 
 
 def _drop_inherited() -> None:
@@ -141,6 +157,14 @@ class LmdbRegistry(Registry):
                 if self._pid != os.getpid():
                     self._open()  # inherited across fork: open this process's own environment
         return self._env
+
+    @contextlib.contextmanager
+    def _write(self, db: object = None) -> Iterator[lmdb.Transaction]:
+        """A write transaction, never open while the process forks (see ``_FORK_LOCK``)."""
+        env = self.env
+        with _FORK_LOCK:
+            with env.begin(write=True, db=db) as txn:
+                yield txn
 
     def close(self) -> None:
         if self._env is not None and self._pid == os.getpid():
@@ -233,7 +257,7 @@ class LmdbRegistry(Registry):
         new_tensors: dict[str, TensorLocation],
     ) -> None:
         key = _step_key(version.step)
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             cur = txn.cursor(db=self._dbs["versions"])
             if cur.last() and _STEP.unpack(cur.key())[0] >= version.step:
                 latest = _STEP.unpack(cur.key())[0]
@@ -255,14 +279,14 @@ class LmdbRegistry(Registry):
         self._notify()
 
     def set_tag(self, name: str, step: int) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
                 raise VersionNotFoundError(f"no version at step {step}")
             txn.put(name.encode(), _step_key(step), db=self._dbs["tags"])
         self._notify()
 
     def delete_tag(self, name: str) -> int:
-        with self.env.begin(write=True, db=self._dbs["tags"]) as txn:
+        with self._write(db=self._dbs["tags"]) as txn:
             raw = txn.pop(name.encode())
         if raw is None:
             raise TagNotFoundError(f"no tag named {name!r}")
@@ -275,7 +299,7 @@ class LmdbRegistry(Registry):
         lease = Lease(os.urandom(8).hex(), step, holder, pid, liveness.HOST, time.time())
         record = {"step": step, "holder": holder, "pid": pid, "start": start, "host": lease.host,
                   "acquired_at": lease.acquired_at}
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
                 raise VersionNotFoundError(f"no version at step {step} (pruned?)")
             txn.put(lease.id.encode(), json.dumps(record).encode(), db=self._dbs["leases"])
@@ -289,7 +313,7 @@ class LmdbRegistry(Registry):
             finally:
                 again.close()
             return
-        with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
+        with self._write(db=self._dbs["leases"]) as txn:
             found = txn.delete(lease_id.encode())
         if found:
             self._notify("leases")
@@ -308,7 +332,7 @@ class LmdbRegistry(Registry):
         with self.env.begin() as txn:
             live, dead = self._live_leases(txn)
         if dead:  # a dead process's leases: released here, by whoever looks first
-            with self.env.begin(write=True, db=self._dbs["leases"]) as txn:
+            with self._write(db=self._dbs["leases"]) as txn:
                 for k in dead:
                     txn.delete(k)
             self._notify("leases")
@@ -317,7 +341,7 @@ class LmdbRegistry(Registry):
     # -- removal -----------------------------------------------------------------------------
     def remove_versions(self, steps: list[int]) -> list[int]:
         removed = []
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             live, _ = self._live_leases(txn)
             held = {lease.step for lease in live}
             cur = txn.cursor(db=self._dbs["versions"])
@@ -338,7 +362,7 @@ class LmdbRegistry(Registry):
         return removed
 
     def forget_objects(self, digests: set[str]) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             for d in digests:
                 key = bytes.fromhex(d)
                 raw = txn.pop(key, db=self._dbs["objects"])
