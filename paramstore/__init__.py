@@ -19,6 +19,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidNameError,
     InvalidTensorError,
+    LoadError,
     NotAStoreError,
     ParamStoreError,
     StepOrderError,
@@ -47,7 +48,7 @@ __all__ = [
     "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry",
     "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
-    "StoreClosedError", "WaitTimeoutError",
+    "StoreClosedError", "WaitTimeoutError", "LoadError",
 ]
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "CorruptObjectError",
     "StoreClosedError",
     "WaitTimeoutError",
+    "LoadError",
 ]
 
 
@@ -68,3 +69,7 @@ class StoreClosedError(ParamStoreError, RuntimeError):
 
 class WaitTimeoutError(ParamStoreError, TimeoutError):
     """A wait for a version (or for readers) ran past its timeout."""
+
+
+class LoadError(ParamStoreError, RuntimeError):
+    """``load_into`` could not load a version into a module (names or shapes differ)."""

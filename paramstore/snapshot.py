@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from .errors import StoreClosedError
+from .errors import LoadError, StoreClosedError
 from .liveness import libc
 from .manifest import Manifest, Version
 from .tensors import ST_TO_TORCH
@@ -116,16 +116,22 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
         Args:
             module: the module to load into.
-            strict: raise ``RuntimeError`` if names differ, as ``load_state_dict`` does.
+            strict: raise if names differ, as ``load_state_dict`` does.
 
         Returns:
             The missing and unexpected keys.
+
+        Raises:
+            LoadError (a ``RuntimeError``): names differ (with ``strict``) or shapes differ.
 
         Example:
             >>> with store.checkout("latest") as snap:
             ...     snap.load_into(policy)
         """
-        res = module.load_state_dict(dict(self.items()), strict=strict)
+        try:
+            res = module.load_state_dict(dict(self.items()), strict=strict)
+        except RuntimeError as e:  # torch reports name and shape mismatches this way
+            raise LoadError(f"cannot load version {self.version.step} into {type(module).__name__}: {e}") from e
         return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
 
     def close(self) -> None:

@@ -195,7 +195,7 @@ def test_load_into_strict_and_non_strict(store):
     other[2] = nn.Linear(3, 2, bias=False)  # 2.bias unexpected
 
     with store.checkout(1) as snap:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(paramstore.LoadError):
             snap.load_into(other)  # strict by default
         res = snap.load_into(other, strict=False)
         assert sorted(res.missing_keys) == ["3.bias", "3.weight"]
