@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--train-s", type=float, default=0.15, help="seconds one training step takes")
     args = ap.parse_args()
     rows = [train(args.root, eta, args.steps, args.train_s) for eta in args.eta]
-    print(f"| η | steps | samples | violations of t − v ≤ η | trainer idle | wall | max reader lag | versions kept |")
+    print("| η | steps | samples | violations of t − v ≤ η | trainer idle | wall | max reader lag | versions kept |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['eta']} | {r['steps']} | {r['samples']} | {r['violations']} | {r['idle_fraction']:.0%} | "

@@ -9,7 +9,6 @@ import textwrap
 import threading
 import time
 
-import lmdb
 import pytest
 import torch
 from torch import nn
