@@ -68,6 +68,12 @@ def random_tensor(dtype: torch.dtype, shape: Iterable[int], seed: int) -> torch.
     return raw.view(dtype).reshape(shape)
 
 
+def assert_checkout_equal(store: "paramstore.ParamStore", step: int, want: Mapping[str, torch.Tensor]) -> None:
+    """Check out ``step`` afresh (new mappings of the files) and compare every bit with ``want``."""
+    with store.checkout(step) as snap:
+        assert_state_equal(snap, want)
+
+
 # -- files -------------------------------------------------------------------------------------
 def tree(path: str) -> dict[str, tuple[int, str]]:
     """Every file under ``path``: relative path -> (size, sha256 of the bytes)."""

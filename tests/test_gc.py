@@ -29,7 +29,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_bits_equal, gather_and_join, objects_bytes, random_tensor, tree
+from conftest import assert_bits_equal, assert_checkout_equal, gather_and_join, objects_bytes, random_tensor, tree
 
 from paramstore import ParamStore, TagNotFoundError, VersionNotFoundError
 from paramstore.liveness import this_process
@@ -72,11 +72,7 @@ def wrong_tensors(snap, step: int) -> list[str]:
 
 
 def assert_version(store: ParamStore, step: int) -> None:
-    with store.checkout(step) as snap:
-        want = state_for(step)
-        assert sorted(snap) == sorted(want)
-        for name, t in want.items():
-            assert_bits_equal(snap[name], t, f"step {step} {name}")
+    assert_checkout_equal(store, step, state_for(step))
 
 
 def files(root: str) -> dict:

@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import assert_bits_equal, random_tensor
+from conftest import assert_bits_equal, assert_checkout_equal, random_tensor
 
 import paramstore
 from paramstore import InvalidArgumentError, ParamStore, TagNotFoundError, WaitTimeoutError
@@ -53,12 +53,7 @@ def matches(snap, step: int) -> bool:
 
 
 def assert_version(store: ParamStore, step: int) -> None:
-    """Check out ``step`` afresh (new mappings of the files on disk) and compare every bit."""
-    with store.checkout(step) as snap:
-        want = state_for(step)
-        assert sorted(snap) == sorted(want)
-        for name, t in want.items():
-            assert_bits_equal(snap[name], t, f"step {step} {name}")
+    assert_checkout_equal(store, step, state_for(step))
 
 
 def commit_steps(store: ParamStore, steps) -> None:
