@@ -34,7 +34,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from .errors import WaitTimeoutError
-from .format import ITEMSIZE, Placement, ShardPlan, layout, object_digest, plan_shards, tensor_digest
+from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
 from .tensors import ST_TO_TORCH, Collected
 
@@ -112,6 +112,7 @@ class Committer:
         self._pool = pool
         self._shard_size = shard_size_bytes
         self._prepare = prepare_buffers
+        self._layout: tuple[list[TensorSpec], list[ShardPlan]] = ([], [])
         self._stage_q: queue.Queue[_Job | None] = queue.Queue()
         # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
@@ -133,7 +134,17 @@ class Committer:
 
     def prepare(self, collected: Collected) -> None:
         """Have slabs for this model's layout created and faulted in the background."""
-        self._pool.prepare([p.size for p in plan_shards(collected.specs, self._shard_size)])
+        self._pool.prepare([p.size for p in self._plan(collected.specs)])
+
+    def _plan(self, specs: list[TensorSpec]) -> list[ShardPlan]:
+        # A training run commits the same names, dtypes and shapes every time: lay them out once.
+        # One tuple, swapped whole: prepare() (caller's thread) and the stager both call this.
+        cached_specs, cached_plans = self._layout
+        if specs == cached_specs:
+            return cached_plans
+        plans = plan_shards(specs, self._shard_size)
+        self._layout = (list(specs), plans)
+        return plans
 
     def close(self) -> None:
         """Finish every submitted commit, then stop the threads."""
@@ -151,7 +162,7 @@ class Committer:
     # -- 1. stage ----------------------------------------------------------------------------
     def _stage(self, job: _Job) -> None:
         try:
-            job.plans = plan_shards(job.collected.specs, self._shard_size)
+            job.plans = self._plan(job.collected.specs)
             sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
             _copy_into_slabs(job, sources, self._pool)
             job.collected = Collected(job.collected.specs, [], job.collected.aliases)  # drop refs
@@ -222,7 +233,6 @@ class Committer:
         entries: dict[str, TensorEntry] = {}
 
         for plan, ds in zip(job.plans, digests):
-            slab = job.slabs[0]
             keep: list[tuple[Placement, str]] = []
             repeats: list[tuple[Placement, str]] = []  # same bytes as a tensor kept in this shard
             kept_here: set[str] = set()
@@ -235,7 +245,7 @@ class Committer:
                 else:
                     keep.append((p, d))
                     kept_here.add(d)
-            job.slabs.pop(0)
+            slab = job.slabs.pop(0)  # from here on this shard's slab is handled below
             if not keep:
                 self._pool.give_back(slab)
                 continue

@@ -721,6 +721,18 @@ def part_dedup(ctx: Ctx) -> dict[str, Any]:
     try:
         with ParamStore(root) as store:
             reg = store._root.registry
+
+            def measured_commit(step: int) -> dict[str, Any]:
+                """Commit ``sd`` as ``step``; the objects and bytes it added, and its time."""
+                before, du0 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
+                t0 = time.perf_counter()
+                store.commit(step, sd).result()
+                dt = time.perf_counter() - t0
+                after, du1 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
+                new = {k: v for k, v in after.items() if k not in before}
+                return {"new_bytes": sum(new.values()), "new_objects": len(new),
+                        "objects_dir_growth": du1 - du0, "committed_s": dt}
+
             store.prepare(sd)
             wait_pool(store)
             mutate(sd)
@@ -728,31 +740,16 @@ def part_dedup(ctx: Ctx) -> dict[str, Any]:
             store.commit(step, sd).result()
             wait_pool(store)
             for i in range(min(a.repeats, 3)):
-                before, du0 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
                 step += 1
-                t0 = time.perf_counter()
-                store.commit(step, sd).result()
-                dt = time.perf_counter() - t0
-                after, du1 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
-                new = {k: v for k, v in after.items() if k not in before}
-                out["unchanged"].append({"new_bytes": sum(new.values()), "new_objects": len(new),
-                                         "objects_dir_growth": du1 - du0, "committed_s": dt})
+                out["unchanged"].append(measured_commit(step))
                 wait_pool(store)
 
                 _, off, sub = subsets[i]
                 changed = sum(sd[k].nbytes for k in sub)
                 mutate(sd, sub)
-                before, du0 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
                 step += 1
-                t0 = time.perf_counter()
-                store.commit(step, sd).result()
-                dt = time.perf_counter() - t0
-                after, du1 = reg.objects(), dir_bytes(os.path.join(root, "objects"))
-                new = {k: v for k, v in after.items() if k not in before}
                 out["partial"].append({"offset": off, "changed_tensors": len(sub), "tensors": len(names),
-                                       "changed_bytes": changed, "new_bytes": sum(new.values()),
-                                       "new_objects": len(new), "objects_dir_growth": du1 - du0,
-                                       "committed_s": dt})
+                                       "changed_bytes": changed, **measured_commit(step)})
                 wait_pool(store)
                 log(f"dedup: {out['unchanged'][-1]} / {out['partial'][-1]}")
             out["tmp_leftovers"] = len(store._root.tier.leftovers())
