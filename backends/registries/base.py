@@ -109,12 +109,27 @@ class Registry(abc.ABC):
         manifest: Manifest,
         new_objects: dict[str, ObjectInfo],
         new_tensors: dict[str, TensorLocation],
+        *,
+        require_newest: bool = True,
     ) -> None:
         """Make ``version`` visible, atomically, with its manifest, tags and index entries.
 
         Called only after every object the manifest references is durable in the tier.
-        Raises StepOrderError if ``version.step`` is not above the latest step.
+        Raises StepOrderError if ``version.step`` is not above the latest step (with
+        ``require_newest``, as for a commit) or, without it, if the step already exists (a
+        version restored from a remote may be older than the latest).
         """
+
+    @abc.abstractmethod
+    def set_persisted(self, step: int, remote: str) -> None:
+        """Record that version ``step`` is durable in the remote at URL ``remote``.
+
+        Raises VersionNotFoundError. The mark goes when the version is removed.
+        """
+
+    @abc.abstractmethod
+    def persisted(self) -> dict[int, str]:
+        """Every version known to be durable in a remote: step -> remote URL."""
 
     @abc.abstractmethod
     def acquire_lease(self, step: int, holder: str) -> Lease:

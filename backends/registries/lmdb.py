@@ -12,6 +12,7 @@ name           key                             value
 ``objects``    object digest, 32 raw bytes     size (8-byte big-endian) + its tensor digests (32 raw bytes each)
 ``refs``       step, 8-byte big-endian         the version's object digests (32 raw bytes each)
 ``leases``     lease id, UTF-8                 the lease (step, holder, pid, process start time, host, time)
+``persisted``  step, 8-byte big-endian         URL of the remote the version is durable in
 =============  ==============================  ===========================================
 
 ``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
@@ -47,7 +48,7 @@ __all__ = ["LmdbRegistry"]
 
 _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
-_DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases")
+_DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 
 
@@ -255,11 +256,16 @@ class LmdbRegistry(Registry):
         manifest: Manifest,
         new_objects: dict[str, ObjectInfo],
         new_tensors: dict[str, TensorLocation],
+        *,
+        require_newest: bool = True,
     ) -> None:
         key = _step_key(version.step)
         with self._write() as txn:
             cur = txn.cursor(db=self._dbs["versions"])
-            if cur.last() and _STEP.unpack(cur.key())[0] >= version.step:
+            if not require_newest:
+                if txn.get(key, db=self._dbs["versions"]) is not None:
+                    raise StepOrderError(f"step {version.step} already exists")
+            elif cur.last() and _STEP.unpack(cur.key())[0] >= version.step:
                 latest = _STEP.unpack(cur.key())[0]
                 raise StepOrderError(
                     f"step {version.step} is not above the latest committed step {latest} "
@@ -292,6 +298,17 @@ class LmdbRegistry(Registry):
             raise TagNotFoundError(f"no tag named {name!r}")
         self._notify()
         return _STEP.unpack(raw)[0]
+
+    def set_persisted(self, step: int, remote: str) -> None:
+        with self._write() as txn:
+            if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
+                raise VersionNotFoundError(f"no version at step {step}")
+            txn.put(_step_key(step), remote.encode(), db=self._dbs["persisted"])
+        self._notify()
+
+    def persisted(self) -> dict[int, str]:
+        with self.env.begin(db=self._dbs["persisted"]) as txn:
+            return {_STEP.unpack(k)[0]: v.decode() for k, v in txn.cursor()}
 
     # -- leases ------------------------------------------------------------------------------
     def acquire_lease(self, step: int, holder: str) -> Lease:
@@ -352,6 +369,7 @@ class LmdbRegistry(Registry):
                 if txn.delete(key, db=self._dbs["versions"]):
                     txn.delete(key, db=self._dbs["manifests"])
                     txn.delete(key, db=self._dbs["refs"])
+                    txn.delete(key, db=self._dbs["persisted"])
                     removed.append(s)
             gone = {_step_key(s) for s in removed}
             for k, v in list(txn.cursor(db=self._dbs["tags"])):
