@@ -55,12 +55,16 @@ class CommitHandle:
             change its parameters.
         committed: completes with the :class:`~paramstore.Version` when the version is visible
             to every process on the host; fails with the error if the commit failed.
+        persisted: with a remote configured, completes with the version when its objects and
+            manifest are durable in the remote (fails with a RemoteError after retries, or if the
+            commit failed); None without a remote.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, *, persist: bool = False) -> None:
         self.step = step
         self.staged: Future[None] = Future()
         self.committed: Future[Version] = Future()
+        self.persisted: Future[Version] | None = Future() if persist else None
 
     def result(self, timeout: float | None = None) -> Version:
         """Wait until the version is committed and return it (re-raises a commit's error).
@@ -104,7 +108,7 @@ class Committer:
 
     def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
                  *, gc_lock: Callable[[], ContextManager[None]], prepare_buffers: bool = True,
-                 on_commit: Callable[[Version], None] | None = None) -> None:
+                 on_commit: Callable[[Version, CommitHandle], None] | None = None) -> None:
         self._tier = tier
         self._gc_lock = gc_lock
         self._on_commit = on_commit
@@ -125,8 +129,8 @@ class Committer:
         self._publisher.start()
 
     def submit(self, step: int, collected: Collected, tags: tuple[str, ...], metrics: dict[str, float],
-               metadata: dict[str, Any]) -> CommitHandle:
-        handle = CommitHandle(step)
+               metadata: dict[str, Any], *, persist: bool = False) -> CommitHandle:
+        handle = CommitHandle(step, persist=persist)
         job = _Job(handle, collected, tags, metrics, metadata, created_at=time.time(),
                    ready_events=_ready_events(collected))
         self._stage_q.put(job)
@@ -191,7 +195,7 @@ class Committer:
                 slab.close()
             job.published = []
             if self._on_commit is not None:
-                self._on_commit(version)
+                self._on_commit(version, job.handle)
             if self._prepare:
                 # The next commit's buffers, faulted in the background once this one is visible
                 # (so the page faults do not compete with hashing on the visibility path).
@@ -287,6 +291,8 @@ def _fail(handle: CommitHandle, e: BaseException) -> None:
     if not handle.staged.done():
         handle.staged.set_exception(e)
     handle.committed.set_exception(e)
+    if handle.persisted is not None:
+        handle.persisted.set_exception(e)
 
 
 def _entry(p: Placement, digest: str, loc: TensorLocation) -> TensorEntry:

@@ -21,6 +21,8 @@ __all__ = [
     "StoreClosedError",
     "WaitTimeoutError",
     "LoadError",
+    "RegistryError",
+    "RemoteError",
 ]
 
 
@@ -73,3 +75,20 @@ class WaitTimeoutError(ParamStoreError, TimeoutError):
 
 class LoadError(ParamStoreError, RuntimeError):
     """``load_into`` could not load a version into a module (names or shapes differ)."""
+
+
+class RegistryError(ParamStoreError, ConnectionError):
+    """A registry server (Redis) cannot be reached or failed; the message names its URL, password masked."""
+
+
+class RemoteError(ParamStoreError, OSError):
+    """The remote tier (S3, a shared filesystem...) refused or failed: missing bucket, access
+    denied, unreachable endpoint, bad URL. The local store is unaffected.
+
+    ``transient`` is True for faults that a retry may cure (connection refused, timeouts, server
+    errors), False for refusals (missing bucket, access denied, bad URL).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient

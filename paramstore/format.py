@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import blake3
 
 __all__ = [
+    "rehash",
     "ITEMSIZE",
     "DATA_ALIGN",
     "TensorSpec",
@@ -194,3 +195,27 @@ def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> 
     for d in tensor_digests:
         h.update(bytes.fromhex(d))
     return h.hexdigest()
+
+
+def rehash(buf: memoryview) -> tuple[str, dict[int, str]]:
+    """Recompute an object's digest from all of its bytes (what ``verify`` and a pull check).
+
+    Returns the object digest and each tensor's digest keyed by absolute offset. Raises
+    ``ValueError`` if ``buf`` is not a well-formed paramstore object (a malformed header, or
+    tensors that do not tile the data section exactly).
+    """
+    start, entries = parse_header(buf)
+    try:
+        spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
+                       for e in entries.values())
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"malformed header entry: {e!r}") from e
+    pos = start
+    for b, e in spans:
+        if b != pos or e < b:
+            raise ValueError("data offsets do not tile the file")
+        pos = e
+    if pos != len(buf):
+        raise ValueError(f"{len(buf) - pos} bytes past the last tensor")
+    digests = {b: tensor_digest(buf[b:e]) for b, e in spans}
+    return object_digest(buf[:start], [digests[b] for b, _ in spans]), digests

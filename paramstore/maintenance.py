@@ -11,7 +11,11 @@
   object files never registered (a crashed commit's), and slabs in ``tmp/`` whose owning process
   is dead. A swept file is unlinked, never reused: on tmpfs a reader that still maps it keeps its
   bytes.
-* :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``).
+* :func:`prune_remote` and :func:`gc_remote` do the same for a remote tier (S3...). Remote GC takes
+  the remote's exclusive lock, so it never runs while a push or pull is in progress (see
+  :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
+* :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``),
+  and remote prune + gc after each version persisted to the remote.
 """
 
 from __future__ import annotations
@@ -21,17 +25,21 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from . import liveness
 from .errors import InvalidArgumentError
 from .retention import Policy, decide
 from .root import StoreRoot
 
-__all__ = ["PruneReport", "GcReport", "prune", "gc", "Maintainer", "tier_policies", "TIERS"]
+if TYPE_CHECKING:
+    from .remote import Remote
 
-#: Tiers a retention policy can name. ``"local"`` is the shared-memory tier.
-TIERS = ("local",)
+__all__ = ["PruneReport", "GcReport", "prune", "gc", "prune_remote", "gc_remote", "Maintainer",
+           "tier_policies", "TIERS"]
+
+#: Tiers a retention policy can name: ``"local"`` (shared memory) and ``"remote"`` (S3...).
+TIERS = ("local", "remote")
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,45 @@ def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
     return GcReport(doomed, freed, leftovers, dry_run)
 
 
+def prune_remote(remote: "Remote", policy: Policy, *, dry_run: bool = False,
+                 now: float | None = None) -> PruneReport:
+    """Remove the remote versions ``policy`` does not keep (never the remote's latest).
+
+    Only records and manifests go; :func:`gc_remote` reclaims the objects.
+    """
+    if not isinstance(policy, Policy):
+        raise InvalidArgumentError(f"prune needs a retention policy, got {policy!r}")
+    decision = decide(policy, remote.versions(), [], time.time() if now is None else now)
+    if not dry_run:
+        remote.remove(decision.remove)
+    return PruneReport(decision.keep, decision.remove, dry_run, str(policy))
+
+
+def gc_remote(remote: "Remote", *, dry_run: bool = False, grace: float | None = None,
+              timeout: float = 60.0) -> GcReport:
+    """Delete remote objects no version references, under the remote's exclusive lock.
+
+    Also deletes manifests without a record (a push that died) and stale locks. Objects and
+    manifests younger than ``grace`` seconds (default: the remote's ``grace``) are spared.
+    Raises WaitTimeoutError if pushes or another GC hold the remote for ``timeout`` seconds.
+    """
+    grace = remote.grace if grace is None else grace
+    with remote.exclusive_lock(timeout):
+        now = time.time()
+        steps = set(remote.steps())
+        referenced = remote.referenced()
+        objects = remote.tier.objects()
+        doomed = sorted(d for d, (_, mtime) in objects.items() if d not in referenced and now - mtime > grace)
+        manifests = [f"manifests/{name}" for name, mtime in remote.tier.records("manifests").items()
+                     if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) not in steps
+                     and now - mtime > grace]
+        stale = [f"locks/{k}" for k in remote.stale_locks()]
+        if not dry_run:
+            remote.tier.delete_objects(doomed)
+            remote.tier.delete_records(manifests + stale)
+    return GcReport(doomed, sum(objects[d][0] for d in doomed), manifests + stale, dry_run)
+
+
 def _owner_dead(name: str) -> bool:
     # Slabs are named slab-<pid>-<start time>-<n> (see backends/tiers/local.py).
     parts = name.split("-")
@@ -133,17 +180,19 @@ def _owner_dead(name: str) -> bool:
 
 
 class Maintainer:
-    """Runs prune + gc on a background thread after each commit; never on the training thread.
+    """Runs retention on a background thread; never on the training thread.
 
-    Bursts of commits coalesce into one run. Errors are reported once as warnings and kept in
-    ``last_error``; maintenance retries on the next commit.
+    :meth:`poke` (after each commit) asks for prune + gc of the local tier; :meth:`poke_remote`
+    (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
+    Errors are reported once as warnings and kept in ``last_error``; the next poke retries.
     """
 
-    def __init__(self, root: StoreRoot, policies: Mapping[str, Policy]) -> None:
+    def __init__(self, root: StoreRoot, policies: Mapping[str, Policy], remote: "Remote | None" = None) -> None:
         self._root = root
-        self._policy = policies.get("local")
+        self._policies = dict(policies)
+        self._remote = remote
         self._wake = threading.Event()
-        self._pending = False
+        self._pending: set[str] = set()
         self._stop = False
         self._idle = threading.Event()
         self._idle.set()
@@ -153,9 +202,17 @@ class Maintainer:
         self._thread.start()
 
     def poke(self, *_: object) -> None:
-        """Ask for a run (called after each commit)."""
+        """Ask for a run on the local tier (called after each commit)."""
+        self._ask("local")
+
+    def poke_remote(self, *_: object) -> None:
+        """Ask for a run on the remote tier (called after each version persisted)."""
+        if self._remote is not None:
+            self._ask("remote")
+
+    def _ask(self, tier: str) -> None:
         self._idle.clear()
-        self._pending = True
+        self._pending.add(tier)
         self._wake.set()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -166,20 +223,13 @@ class Maintainer:
         while True:
             self._wake.wait()
             self._wake.clear()
-            if not self._pending:  # woken by close() alone
+            pending, self._pending = self._pending, set()
+            if not pending:  # woken by close() alone
                 self._idle.set()
                 return
-            self._pending = False
-            error = None  # reported once, retried on the next commit
-            try:
-                if self._policy is not None:
-                    prune(self._root, self._policy)
-            except Exception as e:  # noqa: BLE001
-                error = e
-            try:
-                gc(self._root)  # even when prune failed (e.g. no version has the metric yet)
-            except Exception as e:  # noqa: BLE001
-                error = error or e
+            error = None  # reported once, retried on the next poke
+            for tier in sorted(pending):
+                error = self._run(tier) or error
             if error is not None and self.last_error is None:
                 warnings.warn(f"paramstore retention failed: {error}", RuntimeWarning, stacklevel=1)
             self.last_error = error
@@ -188,6 +238,26 @@ class Maintainer:
                 self._idle.set()
                 if self._stop:
                     return
+
+    def _run(self, tier: str) -> BaseException | None:
+        error = None
+        policy = self._policies.get(tier)
+        try:
+            if policy is not None:
+                if tier == "local":
+                    prune(self._root, policy)
+                elif self._remote is not None:
+                    prune_remote(self._remote, policy)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        try:  # even when prune failed (e.g. no version has the metric yet)
+            if tier == "local":
+                gc(self._root)
+            elif self._remote is not None and policy is not None:
+                gc_remote(self._remote)
+        except Exception as e:  # noqa: BLE001
+            error = error or e
+        return error
 
     def close(self) -> None:
         """Finish the current run and any run asked for, then stop."""

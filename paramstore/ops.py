@@ -10,7 +10,7 @@ import os
 from typing import Any, Iterable, Iterator
 
 from .errors import CorruptObjectError, VersionNotFoundError
-from .format import object_digest, parse_header, tensor_digest
+from .format import rehash
 from .progress import progress
 from .root import StoreRoot
 
@@ -49,20 +49,9 @@ def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[int, str]]:
     try:
         with memoryview(m) as mv:
             try:
-                start, entries = parse_header(mv)
-                spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
-                               for e in entries.values())
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                raise CorruptObjectError(f"object {digest}: malformed header: {e!r}") from e
-            pos = start
-            for b, e in spans:  # tensors must tile the data section exactly
-                if b != pos or e < b:
-                    raise CorruptObjectError(f"object {digest}: data offsets do not tile the file")
-                pos = e
-            if pos != len(mv):
-                raise CorruptObjectError(f"object {digest}: {len(mv) - pos} bytes past the last tensor")
-            digests = {b: tensor_digest(mv[b:e]) for b, e in spans}
-            return object_digest(mv[:start], [digests[b] for b, _ in spans]), digests
+                return rehash(mv)
+            except ValueError as e:
+                raise CorruptObjectError(f"object {digest}: {e}") from e
     finally:
         m.close()
 

@@ -31,6 +31,8 @@ from .errors import (
 from . import maintenance
 from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
 from .manifest import Version
+from .persist import Persister
+from .remote import Remote, TransferReport
 from .retention import Policy
 from .root import VersionSpec, open_root
 from .snapshot import Snapshot
@@ -60,12 +62,20 @@ class ParamStore:
             buffers in the background, so the next snapshot copy runs at memory speed. Costs
             one spare model size of shared memory.
         pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
-        retention: a policy (for the shared-memory tier) or ``{tier: policy}``; when given, prune and
-            GC run in the background after each commit, off the training thread.
+        retention: a policy (for the shared-memory tier) or ``{"local": policy, "remote": policy}``;
+            when given, prune and GC run in the background after each commit (and, for the remote,
+            after each version persisted), off the training thread.
+        remote: an fsspec URL (``s3://bucket/prefix``, ``file:///mnt/ckpt``) or a
+            :class:`~paramstore.remote.Remote`. Every commit is then written through to it in the
+            background (``handle.persisted``), and versions found only there are pulled on checkout.
+        remote_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
+            ``secret``, ``profile``...; by default the usual AWS environment and config files).
+        persist_retry_for: seconds a push is retried through transient remote failures.
 
     Raises:
         NotAStoreError: ``root`` holds something other than a store, or is missing and
             ``create`` is false.
+        RemoteError: the remote cannot be used (bad URL, missing bucket, access denied, unreachable).
 
     Example:
         >>> with ParamStore("/dev/shm/ps") as store:
@@ -83,6 +93,9 @@ class ParamStore:
         prepare_buffers: bool = True,
         pin_memory: bool = True,
         retention: Policy | Mapping[str, Policy] | None = None,
+        remote: str | Remote | None = None,
+        remote_options: Mapping[str, Any] | None = None,
+        persist_retry_for: float = 900.0,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -95,7 +108,18 @@ class ParamStore:
         self._committer: Committer | None = None
         self._shard_size = shard_size_bytes
         policies = tier_policies(retention)
-        self._maintainer = Maintainer(self._root, policies) if policies else None
+        try:
+            self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, remote_options)
+        except BaseException:
+            self._root.close()
+            raise
+        if "remote" in policies and self._remote is None:
+            self._root.close()
+            raise InvalidArgumentError("retention for the 'remote' tier needs remote=URL")
+        self._maintainer = Maintainer(self._root, policies, self._remote) if policies else None
+        self._persister = None if self._remote is None else Persister(
+            self._root, self._remote, retry_for=persist_retry_for,
+            on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None)
         self._prepare = prepare_buffers
         self._closed = False
         self._owner = os.getpid()
@@ -155,7 +179,8 @@ class ParamStore:
             if step <= floor:
                 raise StepOrderError(f"step {step} must be above the latest step {floor}")
             previous, self._last_step = self._last_step, step
-            handle = self._get_committer().submit(step, collected, tags_t, metrics_d, metadata_d)
+            handle = self._get_committer().submit(step, collected, tags_t, metrics_d, metadata_d,
+                                                  persist=self._persister is not None)
             self._last_handle = handle
         handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
         return handle
@@ -215,10 +240,20 @@ class ParamStore:
         if self._committer is None:
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
-                gc_lock=self._root.gc_lock, prepare_buffers=self._prepare,
-                on_commit=self._maintainer.poke if self._maintainer is not None else None,
+                gc_lock=self._root.gc_lock, prepare_buffers=self._prepare, on_commit=self._after_commit,
             )
         return self._committer
+
+    def _after_commit(self, version: Version, handle: CommitHandle) -> None:
+        # On the publisher thread, before retention runs: the push's lease keeps the version
+        # from being pruned locally until it is durable in the remote.
+        if self._persister is not None and handle.persisted is not None:
+            try:
+                self._persister.submit(version.step, handle.persisted)
+            except BaseException as e:  # noqa: BLE001 - reported through the future
+                handle.persisted.set_exception(e)
+        if self._maintainer is not None:
+            self._maintainer.poke()
 
     # -- read --------------------------------------------------------------------------------
     def checkout(
@@ -232,7 +267,9 @@ class ParamStore:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
 
         Args:
-            version: a step (int), ``"latest"``, or a tag.
+            version: a step (int), ``"latest"``, or a tag. With a remote, a version (or tag) found
+                only there is pulled first (verified); ``"latest"`` means the local latest, or the
+                remote's when the local store is empty.
             min_step: instead of ``version``, the newest version whose step is ≥ ``min_step``;
                 blocks until one exists (the staleness contract: a rollout at trainer step t with
                 bound η asks for ``min_step=t - η``).
@@ -266,6 +303,8 @@ class ParamStore:
             try:
                 lease = reg.acquire_lease(step, name)
             except VersionNotFoundError:
+                if self._remote is not None and min_step is None and self._pull_if_remote(step):
+                    continue  # pulled: lease it now
                 if isinstance(version, int) and min_step is None:
                     raise
                 continue  # pruned between resolving "latest" (or a tag) and leasing: resolve again
@@ -296,7 +335,71 @@ class ParamStore:
         return self._root.registry.get_version(self._resolve(version))
 
     def _resolve(self, version: VersionSpec) -> int:
-        return self._root.resolve(version)
+        try:
+            return self._root.resolve(version)
+        except VersionNotFoundError:  # an empty store, or an unknown tag: ask the remote
+            if self._remote is None:
+                raise
+            return self._remote.resolve(version)
+
+    def _pull_if_remote(self, step: int) -> bool:
+        try:
+            self._remote.pull(self._root, step)  # type: ignore[union-attr]
+        except VersionNotFoundError:
+            return False
+        return True
+
+    # -- remote ------------------------------------------------------------------------------
+    @property
+    def remote(self) -> Remote | None:
+        """The remote tier, if configured."""
+        return self._remote
+
+    def _need_remote(self) -> Remote:
+        self._check_open()
+        if self._remote is None:
+            raise InvalidArgumentError("this store has no remote; open it with ParamStore(root, remote=URL)")
+        return self._remote
+
+    def push(self, version: VersionSpec = "latest", *, show_progress: bool | None = None) -> TransferReport:
+        """Upload a local version to the remote now (blocking); a no-op if it is already there.
+
+        Raises RemoteError, VersionNotFoundError.
+        """
+        remote = self._need_remote()
+        step = self._root.resolve(version)
+        reg = self._root.registry
+        lease = reg.acquire_lease(step, f"paramstore push (pid {os.getpid()})")
+        try:
+            report = remote.push(self._root, step, show_progress=show_progress)
+            reg.set_persisted(step, remote.url)
+            return report
+        finally:
+            reg.release_lease(lease.id)
+
+    def pull(self, version: VersionSpec = "latest", *, show_progress: bool | None = None) -> TransferReport:
+        """Download a remote version into this store (verified), without checking it out.
+
+        Objects already here are not downloaded. Raises RemoteError, VersionNotFoundError,
+        CorruptObjectError (a remote object whose bytes do not match its digest; nothing is placed).
+        """
+        remote = self._need_remote()
+        return remote.pull(self._root, remote.resolve(version), show_progress=show_progress)
+
+    def remote_versions(self) -> list[Version]:
+        """Every complete version in the remote, in increasing step order."""
+        return self._need_remote().versions()
+
+    def persisted(self) -> dict[int, str]:
+        """Local versions known to be durable in a remote: step -> remote URL."""
+        self._check_open()
+        return self._root.registry.persisted()
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Block until every version committed so far is pushed (or failed). Raises WaitTimeoutError."""
+        self.flush(timeout)
+        if self._persister is not None and not self._persister.wait(timeout):
+            raise WaitTimeoutError(f"{self._persister.pending} versions not persisted within {timeout} s")
 
     # -- wait --------------------------------------------------------------------------------
     def subscribe(self, after: int | None = None, *, timeout: float | None = None) -> Iterator[Version]:
@@ -395,21 +498,30 @@ class ParamStore:
                 watch.wait(_DEATH_POLL_S if left is None else min(left, _DEATH_POLL_S))
 
     # -- retention ---------------------------------------------------------------------------
-    def prune(self, policy: Policy, *, dry_run: bool = False) -> PruneReport:
+    def prune(self, policy: Policy, *, dry_run: bool = False, tier: str = "local") -> PruneReport:
         """Remove the versions ``policy`` does not keep; the latest and leased versions are always kept.
 
         Objects are reclaimed by :meth:`gc`. Returns a report with the reasons for every kept version.
+        ``tier="remote"`` prunes the remote instead (its latest version is always kept).
 
         Example:
             >>> from paramstore.retention import Any, KeepLast, KeepBest
             >>> store.prune(Any(KeepLast(2), KeepBest(3, "reward")))
         """
         self._check_open()
+        if _tier(tier) == "remote":
+            return maintenance.prune_remote(self._need_remote(), policy, dry_run=dry_run)
         return maintenance.prune(self._root, policy, dry_run=dry_run)
 
-    def gc(self, *, dry_run: bool = False) -> GcReport:
-        """Delete objects and temporary files that no surviving version (or live commit) references."""
+    def gc(self, *, dry_run: bool = False, tier: str = "local") -> GcReport:
+        """Delete objects and temporary files that no surviving version (or live commit) references.
+
+        ``tier="remote"``: objects no remote version references, once no push or pull is running
+        (see :mod:`paramstore.remote`), sparing objects younger than the remote's ``grace``.
+        """
         self._check_open()
+        if _tier(tier) == "remote":
+            return maintenance.gc_remote(self._need_remote(), dry_run=dry_run)
         return maintenance.gc(self._root, dry_run=dry_run)
 
     # -- tags --------------------------------------------------------------------------------
@@ -428,7 +540,8 @@ class ParamStore:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish in-flight commits, release buffers and close the registry. Idempotent."""
+        """Finish in-flight commits (and, with a remote, their pushes), release buffers and close
+        the registry. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -440,6 +553,8 @@ class ParamStore:
             return
         if self._committer is not None:
             self._committer.close()
+        if self._persister is not None:
+            self._persister.close()  # every committed version is pushed (or has failed) first
         if self._maintainer is not None:
             self._maintainer.close()
         self._pool.close()
@@ -457,6 +572,12 @@ class ParamStore:
 
     def __repr__(self) -> str:
         return f"ParamStore({self.root!r})"
+
+
+def _tier(name: str) -> str:
+    if name not in maintenance.TIERS:
+        raise InvalidArgumentError(f"unknown tier {name!r}; known tiers: {', '.join(maintenance.TIERS)}")
+    return name
 
 
 def _release(registry: Registry, lease_id: str, owner: int) -> None:

@@ -37,7 +37,7 @@ from paramstore.liveness import libc
 
 from .base import Tier
 
-__all__ = ["LocalTier", "Slab", "SlabPool"]
+__all__ = ["LocalTier", "Slab", "SlabPool", "tmp_name"]
 
 _counter = itertools.count()
 
@@ -142,6 +142,13 @@ def _unpin(slab: Slab) -> None:
         slab.pinned = False
 
 
+def tmp_name() -> str:
+    """A fresh name for a file in ``tmp/``: ``slab-<pid>-<start time>-<n>``; GC deletes the files
+    of owners that are no longer alive."""
+    pid, start = liveness.this_process()
+    return f"slab-{pid}-{start}-{next(_counter)}"
+
+
 class SlabPool:
     """Slabs created and page-faulted ahead of time, keyed by exact size.
 
@@ -162,8 +169,7 @@ class SlabPool:
 
     def new(self, size: int) -> Slab:
         """Create a slab of ``size`` bytes now: space reserved, every page faulted in."""
-        pid, start = liveness.this_process()  # GC deletes slabs whose owner is dead
-        path = os.path.join(self._tmp, f"slab-{pid}-{start}-{next(_counter)}")
+        path = os.path.join(self._tmp, tmp_name())
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             # Reserve the space now: a full tmpfs then fails here with ENOSPC (an error on the
@@ -309,24 +315,28 @@ class LocalTier(Tier):
             os.close(fd)
 
     def publish(self, slab: Slab, digest: str) -> bool:
-        """Make a fully written slab the object ``digest``: fsync, then rename into place.
+        """Make a fully written slab the object ``digest`` (see :meth:`publish_file`)."""
+        return self.publish_file(slab.path, digest)
+
+    def publish_file(self, path: str, digest: str) -> bool:
+        """Make a fully written file of ``tmp/`` the object ``digest``: fsync, then rename into place.
 
         Returns True if the object is new; False if it already existed (same digest, same bytes:
-        the slab's file is removed). The slab stays mapped: the caller closes it when convenient
+        the file is removed). A slab stays mapped: the caller closes it when convenient
         (unmapping costs ~20 ms per 256 MiB of page tables, better spent off the visibility path).
         ``fsync`` of the file covers what was written through the shared mapping.
         """
-        fd = os.open(slab.path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
         final = self.object_path(digest)
         if os.path.exists(final):
-            os.unlink(slab.path)
+            os.unlink(path)
             return False
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        os.rename(slab.path, final)  # atomic: readers see no object or the whole object
+        os.rename(path, final)  # atomic: readers see no object or the whole object
         _fsync_dir(os.path.dirname(final))
         return True
 

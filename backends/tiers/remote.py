@@ -1,0 +1,272 @@
+"""The remote tier: immutable objects and small records under any fsspec URL.
+
+``s3://bucket/prefix`` goes through s3fs (any S3 API: AWS, MinIO, moto...), ``file:///path`` is
+a shared filesystem; other fsspec protocols work when their package is installed. This module
+moves bytes and knows the layout; the protocol on top (what a version is, locks, GC) lives in
+:mod:`paramstore.remote`. Layout under the URL::
+
+    paramstore-remote.json            marker {"format": 1}
+    objects/ab/ab…cd.safetensors      content-addressed objects, the same bytes as the local tier
+    manifests/<step:020d>.json        a version's manifest, written before its record
+    versions/<step:020d>.json         a version's record, written last, create-only
+    locks/…                           see paramstore.remote
+
+Writes are atomic per key: S3 ``PutObject`` and multipart completion publish a key whole; on a
+local filesystem a file is written under a temporary name and renamed (or hard-linked, for a
+create-only put). Credentials and endpoints come the usual way for the protocol (for S3: the
+environment, ``~/.aws``, or ``remote_options={"key":…, "secret":…, "endpoint_url":…}``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import uuid
+import warnings
+from typing import Any, Mapping
+
+from paramstore.errors import InvalidArgumentError, RemoteError
+
+__all__ = ["RemoteTier", "REMOTE_FORMAT", "is_transient"]
+
+REMOTE_FORMAT = 1
+MARKER = "paramstore-remote.json"
+_SUFFIX = ".safetensors"
+_PART_BYTES = 64 << 20  # multipart chunk; several parts of one object go up at once
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether retrying ``e`` later may succeed (a network or server fault, not a refusal)."""
+    return isinstance(e, RemoteError) and e.transient
+
+
+class RemoteTier:
+    """Objects and records under ``url``; one instance per process (it reconnects after fork).
+
+    Args:
+        url: an fsspec URL of a directory or prefix (``s3://bucket/prefix``, ``file:///mnt/ckpt``).
+        options: passed to the fsspec filesystem (for s3fs: ``key``, ``secret``, ``profile``,
+            ``endpoint_url`` or ``client_kwargs``...).
+        concurrency: parts of one object moved at once (multipart upload and ranged download).
+
+    Raises:
+        RemoteError: bad URL, missing bucket, access denied, unreachable endpoint, or a remote of
+            another format.
+    """
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, concurrency: int = 8) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidArgumentError(f"remote must be a URL such as s3://bucket/prefix or file:///path, got {url!r}")
+        self.url = url.rstrip("/")
+        self._options = dict(options or {})
+        self._concurrency = concurrency
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._fs: Any = None
+        self._base = ""
+        self._connect()
+        self._check_marker()
+
+    # -- connection --------------------------------------------------------------------------
+    def _connect(self) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - a dependency of the s3 extra
+            raise RemoteError("the remote tier needs fsspec: pip install 'paramstore[s3]'") from e
+        opts = dict(self._options)
+        protocol = self.url.split("://", 1)[0]
+        if protocol in ("s3", "s3a"):
+            opts.setdefault("use_listings_cache", False)  # other processes write here too
+            opts.setdefault("max_concurrency", self._concurrency)
+        try:
+            fs, base = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **opts)
+        except (ValueError, ImportError, TypeError) as e:
+            raise RemoteError(f"cannot open remote {self.url}: {e}") from e
+        self._fs, self._base, self._pid = fs, base.rstrip("/"), os.getpid()
+        self.local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (a fresh one in a forked child: async clients do not survive fork)."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._connect()
+        return self._fs
+
+    def _path(self, key: str) -> str:
+        return f"{self._base}/{key}"
+
+    def _check_marker(self) -> None:
+        try:
+            raw = self.get_record(MARKER)
+        except FileNotFoundError:
+            self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
+            return
+        try:
+            fmt = json.loads(raw).get("format")
+        except (ValueError, AttributeError):
+            fmt = None
+        if fmt != REMOTE_FORMAT:
+            raise RemoteError(f"{self.url} holds a paramstore remote of format {fmt!r}; this paramstore "
+                              f"reads format {REMOTE_FORMAT}")
+
+    def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = False, **kwargs: Any) -> Any:
+        """Run one filesystem call; translate its failure into FileNotFoundError (passed through
+        when ``missing_ok``), FileExistsError, or RemoteError (transient or not)."""
+        try:
+            return fn(*args, **kwargs)
+        except FileExistsError:
+            raise
+        except FileNotFoundError as e:
+            if missing_ok:
+                raise
+            raise RemoteError(f"{what} on {self.url}: not found ({e}); does the bucket exist?", transient=False) from e
+        except PermissionError as e:
+            raise RemoteError(f"{what} on {self.url}: access denied ({e})", transient=False) from e
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise RemoteError(f"{what} on {self.url}: {e}", transient=False) from e
+        except Exception as e:  # noqa: BLE001 - connection refused, timeouts, 5xx: retry later
+            raise RemoteError(f"{what} on {self.url}: {type(e).__name__}: {e}", transient=True) from e
+
+    # -- objects -----------------------------------------------------------------------------
+    def object_key(self, digest: str) -> str:
+        return f"objects/{digest[:2]}/{digest}{_SUFFIX}"
+
+    def has_object(self, digest: str) -> bool:
+        return bool(self._call("exists", self.fs.exists, self._path(self.object_key(digest))))
+
+    def objects(self) -> dict[str, tuple[int, float]]:
+        """Every object: digest -> (size, last-modified time, seconds since the epoch)."""
+        found = self._find("objects")
+        out = {}
+        for path, info in found.items():
+            name = path.rsplit("/", 1)[-1]
+            if name.endswith(_SUFFIX) and len(name) == 64 + len(_SUFFIX):
+                out[name[: -len(_SUFFIX)]] = (int(info.get("size") or 0), _mtime(info))
+        return out
+
+    def upload_object(self, path: str, digest: str) -> None:
+        """Upload the local file ``path`` as object ``digest`` (streamed; multipart when large)."""
+        self._put_file(path, self.object_key(digest))
+
+    def download_object(self, digest: str, path: str) -> None:
+        """Download object ``digest`` into the local file ``path`` (streamed, ranged in parallel).
+
+        Raises FileNotFoundError if the remote has no such object.
+        """
+        self._call("download", self.fs.get_file, self._path(self.object_key(digest)), path, missing_ok=True,
+                   **({} if self.local else {"max_concurrency": self._concurrency, "chunksize": _PART_BYTES}))
+
+    def delete_objects(self, digests: list[str]) -> None:
+        self.delete_records([self.object_key(d) for d in digests])
+
+    # -- records (small JSON files) ------------------------------------------------------------
+    def get_record(self, key: str) -> bytes:
+        """The bytes of record ``key``. Raises FileNotFoundError."""
+        return self._call("read", self.fs.cat_file, self._path(key), missing_ok=True)
+
+    def put_record(self, key: str, data: bytes, *, create: bool = False) -> None:
+        """Write record ``key`` whole. With ``create``, only if it does not exist yet (S3
+        ``If-None-Match: *``; a hard link on a local filesystem): raises FileExistsError."""
+        if self.local:
+            self._local_put(key, data=data, create=create)
+            return
+        kwargs: dict[str, Any] = {"mode": "create"} if create else {}
+        try:
+            self._call("write", self.fs.pipe_file, self._path(key), data, **kwargs)
+        except RemoteError as e:
+            if not (create and isinstance(e.__cause__, TypeError)):
+                raise
+            # This filesystem has no conditional put: check, then write (not atomic).
+            warnings.warn(f"{self.url}: no create-only put; a concurrent writer of {key} may be overwritten",
+                          RuntimeWarning, stacklevel=2)
+            if self.fs.exists(self._path(key)):
+                raise FileExistsError(key) from None
+            self._call("write", self.fs.pipe_file, self._path(key), data)
+
+    def records(self, prefix: str) -> dict[str, float]:
+        """Records under ``prefix`` (a folder): name -> last-modified time."""
+        return {path.rsplit("/", 1)[-1]: _mtime(info) for path, info in self._find(prefix).items()}
+
+    def record_mtime(self, key: str) -> float:
+        """Last-modified time of record ``key``, in the remote's clock. Raises FileNotFoundError."""
+        self.fs.invalidate_cache()
+        return _mtime(self._call("stat", self.fs.info, self._path(key), missing_ok=True))
+
+    def delete_records(self, keys: list[str]) -> None:
+        """Delete these keys; absent ones are ignored."""
+        if not keys:
+            return
+        paths = [self._path(k) for k in keys]
+        if self.local:
+            for p in paths:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            return
+        try:
+            self._call("delete", self.fs.rm, paths, missing_ok=True)
+        except FileNotFoundError:
+            pass
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _find(self, prefix: str) -> dict[str, dict[str, Any]]:
+        self.fs.invalidate_cache()
+        try:
+            return self._call("list", self.fs.find, self._path(prefix), detail=True, missing_ok=True)
+        except FileNotFoundError:
+            return {}
+
+    def _put_file(self, path: str, key: str) -> None:
+        if self.local:
+            self._local_put(key, src=path, create=False)
+        else:
+            self._call("upload", self.fs.put_file, path, self._path(key), missing_ok=False,
+                       chunksize=_PART_BYTES, max_concurrency=self._concurrency)
+
+    def _local_put(self, key: str, *, data: bytes | None = None, src: str | None = None, create: bool) -> None:
+        # Write under a temporary name, fsync, then rename (or link: fails if the key exists).
+        final = self._path(key)
+        tmp = f"{final}.tmp-{uuid.uuid4().hex}"
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            if src is not None:
+                self.fs.put_file(src, tmp)
+            else:
+                with open(tmp, "wb") as f:
+                    f.write(data or b"")
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if create:
+                os.link(tmp, final)  # FileExistsError if someone was first
+            else:
+                os.replace(tmp, final)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise RemoteError(f"write {key} on {self.url}: {e}", transient=not isinstance(e, PermissionError)) from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r})"
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    t = info.get("LastModified", info.get("mtime", info.get("last_modified", 0.0)))
+    if isinstance(t, datetime.datetime):
+        return t.timestamp()
+    if isinstance(t, str):
+        return datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    return float(t or 0.0)
+
