@@ -1,0 +1,592 @@
+"""A registry in Redis, shared by the hosts of a store (redis-py).
+
+URL: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS). The password may be given in the
+URL; messages show it masked. Every key starts with ``ps:{<namespace>}:``, so several stores share
+one database (the braces are a Redis Cluster hash tag: a store's keys share one slot, as its scripts
+need). Values are JSON, never pickle. A step is written as 20 zero-padded digits (``key(step)``)
+in keys and values alike, so string order is step order for every 64-bit step:
+
+==================  ======  ==========================================================
+key (after prefix)  type    content
+==================  ======  ==========================================================
+``steps``           zset    every ``key(step)``, all with score 0 (ordered by ``ZRANGEBYLEX``)
+``versions``        hash    key(step) -> the version record (``Version.to_json``)
+``manifests``       hash    key(step) -> the manifest (``Manifest.to_json``)
+``refs``            hash    key(step) -> JSON list of the version's object digests
+``persisted``       hash    key(step) -> URL of the remote the version is durable in
+``tags``            hash    tag name -> key(step)
+``tensors``         hash    tensor digest -> ``[object digest, offset, length]``
+``objects``         hash    object digest -> ``{"size": n, "tensors": [digests]}``
+``leases``          set     ids of leases that may be live
+``lease:<id>``      string  ``{"step": key(step), "holder", "pid", "host", "acquired_at"}``, with a TTL
+==================  ======  ==========================================================
+
+The registry is as durable as the server is configured to be (``appendonly yes`` for a store that
+must survive a Redis restart); object bytes never pass through it.
+
+**Atomicity: Lua scripts, not WATCH/MULTI.** Every change that reads before it writes (publish's
+step check, a tag or persisted mark on a version that must exist, a lease on a version that must
+exist, a prune that must spare the latest and every leased version, forgetting objects with their
+index entries) is one script. Redis runs a script atomically: no command of another client runs
+between its check and its writes, so a prune and a lease acquisition on the same version are
+serialized and exactly one of them wins. Optimistic WATCH would have to watch every lease key and
+retry whenever a reader comes or goes; a busy fleet of readers could starve a prune. A script never
+retries and costs one round trip. Scripts are sent by SHA (``EVALSHA``, ``EVAL`` once if the server
+does not know them yet).
+
+**Watch: pub/sub.** Scripts that change versions, tags or persisted marks ``PUBLISH`` on the
+``events`` channel in the same atomic step; lease releases (and leases found expired) on
+``lease-events``. ``watch()`` returns only once the server has confirmed the subscription, so a
+change made after it returned is always heard. A lease watch also listens to the server's
+``__keyevent@<db>__:expired`` channel, which wakes it when a lease expires *if* the server runs with
+``notify-keyspace-events Ex`` (off by default: then expiry is noticed by whoever re-reads
+``leases()``, as ``wait_for_readers`` does periodically).
+
+**Leases: keys with a TTL** (``lease_ttl_s``, 10 s by default). Each registry object runs one daemon
+heartbeat thread while it holds leases, extending their TTLs every ``lease_ttl_s / 3``; a process that
+dies stops renewing and its leases expire with nobody's help. A lease lost anyway (the process stalled
+longer than the TTL) is taken again if its version still exists, else reported with a warning.
+Liveness is the TTL alone, so leases of other hosts count like local ones.
+
+**Fork:** a child re-connects on first use (a connection pool must not cross a fork); the parent's
+leases are neither renewed (the heartbeat thread does not survive fork) nor released by the child.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import warnings
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from paramstore import liveness
+from paramstore.errors import (
+    InvalidArgumentError, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
+)
+from paramstore.manifest import Manifest, Version
+
+from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
+
+__all__ = ["RedisRegistry", "mask_url"]
+
+DEFAULT_LEASE_TTL_S = 10.0
+_MAX_STEP = 1 << 64
+
+
+def _key(step: int) -> str:
+    if not 0 <= step < _MAX_STEP:
+        raise VersionNotFoundError(f"no version at step {step}")
+    return f"{step:020d}"
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` query) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}")
+    return urlunsplit(parts._replace(query=re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", parts.query)))
+
+
+class _Script(NamedTuple):
+    src: str
+    sha: str
+
+
+def _script(src: str) -> _Script:
+    return _Script(src, hashlib.sha1(src.encode()).hexdigest())
+
+
+# Live leases as a flat list {id, record, ...}; ids whose key expired are dropped from the set, and
+# a drop is announced on the lease channel. Shared by the scripts that list and that prune.
+_LIVE_LEASES = """
+local function live_leases(set, prefix, channel)
+  local out, dropped = {}, 0
+  for _, id in ipairs(redis.call('smembers', set)) do
+    local rec = redis.call('get', prefix .. id)
+    if rec then out[#out + 1] = id; out[#out + 1] = rec
+    else redis.call('srem', set, id); dropped = dropped + 1 end
+  end
+  if dropped > 0 then redis.call('publish', channel, 'expired') end
+  return out
+end
+"""
+
+# KEYS: steps versions manifests refs tags objects tensors
+# ARGV: step, require_newest, version, manifest, refs, tags, objects, tensors (flat JSON lists), channel
+# Returns nil, or the step that stands in the way.
+_PUBLISH = _script("""
+local step = ARGV[1]
+if ARGV[2] == '1' then
+  local top = redis.call('zrange', KEYS[1], -1, -1)[1]
+  if top and top >= step then return top end
+elseif redis.call('zscore', KEYS[1], step) then
+  return step
+end
+redis.call('zadd', KEYS[1], 0, step)
+redis.call('hset', KEYS[2], step, ARGV[3])
+redis.call('hset', KEYS[3], step, ARGV[4])
+redis.call('hset', KEYS[4], step, ARGV[5])
+for _, tag in ipairs(cjson.decode(ARGV[6])) do redis.call('hset', KEYS[5], tag, step) end
+local objects = cjson.decode(ARGV[7])
+for i = 1, #objects, 2 do redis.call('hsetnx', KEYS[6], objects[i], objects[i + 1]) end
+local tensors = cjson.decode(ARGV[8])
+for i = 1, #tensors, 2 do redis.call('hset', KEYS[7], tensors[i], tensors[i + 1]) end
+redis.call('publish', ARGV[9], step)
+return false
+""")
+
+# KEYS: steps, a hash. ARGV: step, field, value, channel. Sets the field if the version exists.
+_SET_IF_VERSION = _script("""
+if not redis.call('zscore', KEYS[1], ARGV[1]) then return 0 end
+redis.call('hset', KEYS[2], ARGV[2], ARGV[3])
+redis.call('publish', ARGV[4], ARGV[1])
+return 1
+""")
+
+# KEYS: tags. ARGV: name, channel. Returns the step the tag pointed at, or nil.
+_DELETE_TAG = _script("""
+local step = redis.call('hget', KEYS[1], ARGV[1])
+if step then
+  redis.call('hdel', KEYS[1], ARGV[1])
+  redis.call('publish', ARGV[2], step)
+end
+return step
+""")
+
+# KEYS: steps, leases, lease:<id>. ARGV: step, id, record, ttl in ms. Returns 1, or 0 if the version is gone.
+_ACQUIRE = _script("""
+if not redis.call('zscore', KEYS[1], ARGV[1]) then return 0 end
+redis.call('set', KEYS[3], ARGV[3], 'PX', ARGV[4])
+redis.call('sadd', KEYS[2], ARGV[2])
+return 1
+""")
+
+# KEYS: leases, lease:<id>. ARGV: id, channel.
+_RELEASE = _script("""
+redis.call('srem', KEYS[1], ARGV[1])
+if redis.call('del', KEYS[2]) == 0 then return 0 end
+redis.call('publish', ARGV[2], ARGV[1])
+return 1
+""")
+
+# KEYS: leases. ARGV: lease key prefix, lease channel.
+_LEASES = _script(_LIVE_LEASES + "return live_leases(KEYS[1], ARGV[1], ARGV[2])")
+
+# KEYS: steps versions manifests refs persisted tags leases
+# ARGV: lease key prefix, lease channel, events channel, steps... Returns the steps removed.
+_REMOVE = _script(_LIVE_LEASES + """
+local held = {}
+local live = live_leases(KEYS[7], ARGV[1], ARGV[2])
+for i = 2, #live, 2 do held[cjson.decode(live[i]).step] = true end
+local latest = redis.call('zrange', KEYS[1], -1, -1)[1]
+local removed, gone = {}, {}
+for i = 4, #ARGV do
+  local s = ARGV[i]
+  if s ~= latest and not held[s] and redis.call('zrem', KEYS[1], s) == 1 then
+    for k = 2, 5 do redis.call('hdel', KEYS[k], s) end
+    removed[#removed + 1] = s
+    gone[s] = true
+  end
+end
+if #removed > 0 then
+  local tags = redis.call('hgetall', KEYS[6])
+  for i = 1, #tags, 2 do
+    if gone[tags[i + 1]] then redis.call('hdel', KEYS[6], tags[i]) end
+  end
+  redis.call('publish', ARGV[3], 'removed')
+end
+return removed
+""")
+
+# KEYS: objects, tensors. ARGV: object digests. Index entries that point elsewhere stay.
+_FORGET = _script("""
+for _, d in ipairs(ARGV) do
+  local raw = redis.call('hget', KEYS[1], d)
+  if raw then
+    redis.call('hdel', KEYS[1], d)
+    for _, t in ipairs(cjson.decode(raw).tensors) do
+      local loc = redis.call('hget', KEYS[2], t)
+      if loc and cjson.decode(loc)[1] == d then redis.call('hdel', KEYS[2], t) end
+    end
+  end
+end
+return 0
+""")
+
+# KEYS: steps versions tags. ARGV: lowest member (ZRANGEBYLEX syntax). One consistent read.
+_VERSIONS = _script("""
+local steps = redis.call('zrangebylex', KEYS[1], ARGV[1], '+')
+local recs = {}
+for i, s in ipairs(steps) do recs[i] = redis.call('hget', KEYS[2], s) end
+return {steps, recs, redis.call('hgetall', KEYS[3])}
+""")
+
+# A child forked while another thread held a registry's lock would inherit it locked: re-connecting
+# after fork replaces the per-object lock under this module lock, renewed in every child.
+_FORK_LOCK = threading.Lock()
+
+
+def _reinit_fork_lock() -> None:
+    global _FORK_LOCK
+    _FORK_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reinit_fork_lock)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _translated(fn: _F) -> _F:
+    """Raise redis-py's errors as RegistryError naming the (masked) URL."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "RedisRegistry", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except redis.RedisError as e:
+            raise RegistryError(f"Redis registry at {self.url}: {type(e).__name__}: {e}") from e
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _tags_by_step(flat: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, step in zip(flat[::2], flat[1::2]):
+        out.setdefault(step, []).append(name)
+    return out
+
+
+def _version(raw: str, tags: list[str]) -> Version:
+    return Version.from_json(json.loads(raw), tuple(sorted(tags)))
+
+
+class _PubSubWatch(Watch):
+    def __init__(self, client: redis.Redis, channels: list[str], url: str, timeout: float) -> None:
+        self._url = url
+        self._ps = client.pubsub()
+        self._pending = False
+        try:
+            self._ps.subscribe(*channels)
+            deadline = time.monotonic() + timeout
+            confirmed = 0
+            while confirmed < len(channels):  # armed only once the server has confirmed
+                msg = self._ps.get_message(timeout=max(0.0, deadline - time.monotonic()))
+                if msg is None:
+                    raise RegistryError(f"Redis registry at {url}: subscription not confirmed within {timeout} s")
+                confirmed += msg["type"] == "subscribe"
+                self._pending |= msg["type"] == "message"
+        except BaseException as e:
+            self._ps.close()
+            if isinstance(e, redis.RedisError):
+                raise RegistryError(f"Redis registry at {url}: cannot subscribe: {e}") from e
+            raise
+
+    def wait(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._pending:  # get_message blocks (select) until data or its timeout
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                msg = self._ps.get_message(timeout=left)
+                self._pending = msg is not None and msg["type"] == "message"
+            while self._ps.get_message(timeout=0.0) is not None:  # a burst of changes is one wake-up
+                pass
+        except redis.RedisError as e:
+            raise RegistryError(f"Redis registry at {self._url}: watch failed: {e}") from e
+        self._pending = False
+        return True
+
+    def close(self) -> None:
+        self._ps.close()
+
+
+class RedisRegistry(Registry):
+    """Registry kept in a Redis database, under the key prefix ``ps:{<namespace>}:``.
+
+    Args:
+        url: ``redis://[:password@]host:port/db`` or ``rediss://...`` (TLS); the password may be
+            in the URL (it is masked in messages).
+        namespace: separates stores sharing a database (a store's ``store_id``); no braces.
+        lease_ttl_s: a lease expires this long after its holder stopped renewing it.
+        connect_timeout_s: how long to wait for the server when connecting.
+
+    Raises:
+        RegistryError: the server cannot be reached (or refuses the password).
+        InvalidArgumentError: bad namespace or TTL.
+
+    Example:
+        >>> reg = RedisRegistry("redis://:secret@10.0.0.5:6379/0", store_id)
+        >>> reg.latest_step()
+    """
+
+    def __init__(self, url: str, namespace: str, *, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 connect_timeout_s: float = 5.0) -> None:
+        if not namespace or any(c in namespace for c in "{}"):
+            raise InvalidArgumentError(f"namespace must be a non-empty string without braces, got {namespace!r}")
+        if not lease_ttl_s > 0:
+            raise InvalidArgumentError(f"lease_ttl_s must be positive, got {lease_ttl_s!r}")
+        self._url, self.url = url, mask_url(url)
+        self._ttl_ms = max(1, int(lease_ttl_s * 1000))
+        self._timeout = connect_timeout_s
+        p = f"ps:{{{namespace}}}:"
+        self._k = {n: p + n for n in ("steps", "versions", "manifests", "refs", "persisted", "tags",
+                                      "tensors", "objects", "leases", "events", "lease-events")}
+        self._lease_prefix = p + "lease:"
+        self._closed = False
+        self._inherited: set[str] = set()  # a forked child's copy of its parent's leases
+        self._connect()
+
+    # -- connection --------------------------------------------------------------------------
+    def _connect(self) -> None:
+        try:
+            r = redis.Redis.from_url(self._url, decode_responses=True, socket_keepalive=True,
+                                     socket_connect_timeout=self._timeout)
+            r.ping()
+        except (redis.RedisError, ValueError) as e:
+            raise RegistryError(f"cannot reach the Redis registry at {self.url}: {e}") from e
+        self._r, self._db = r, r.connection_pool.connection_kwargs.get("db", 0)
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, str]] = {}  # lease id -> (step, record), renewed by _beat
+        self._beat: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def _client(self, *, closed_ok: bool = False) -> redis.Redis:
+        if self._closed and not closed_ok:
+            raise RuntimeError("registry is closed")
+        if self._pid != os.getpid():
+            with _FORK_LOCK:
+                if self._pid != os.getpid():  # inherited across fork: a pool of this process's own
+                    self._inherited |= set(self._held)  # (the parent's lock may be held: not taken)
+                    self._connect()
+        return self._r
+
+    def _run(self, script: _Script, keys: list[str], args: list[Any], *, closed_ok: bool = False) -> Any:
+        r = self._client(closed_ok=closed_ok)
+        try:
+            return r.evalsha(script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return r.eval(script.src, len(keys), *keys, *args)
+
+    def _keys(self, *names: str) -> list[str]:
+        return [self._k[n] for n in names]
+
+    def close(self) -> None:
+        """Disconnect; leases still held stay renewed until released (as a live process's would)."""
+        self._closed = True
+        if self._pid == os.getpid():
+            self._shutdown_if_idle()
+
+    def _shutdown_if_idle(self) -> None:
+        with self._lock:
+            idle = self._closed and not self._held
+        if idle:
+            self._r.connection_pool.disconnect()
+
+    # -- reads -------------------------------------------------------------------------------
+    @_translated
+    def latest_step(self) -> int | None:
+        top = self._client().zrange(self._k["steps"], -1, -1)
+        return int(top[0]) if top else None
+
+    @_translated
+    def get_version(self, step: int) -> Version:
+        key = _key(step)
+        pipe = self._client().pipeline(transaction=True)  # MULTI/EXEC: one consistent read
+        pipe.hget(self._k["versions"], key)
+        pipe.hgetall(self._k["tags"])
+        raw, tags = pipe.execute()
+        if raw is None:
+            raise VersionNotFoundError(f"no version at step {step}")
+        return _version(raw, [name for name, s in tags.items() if s == key])
+
+    @_translated
+    def get_manifest(self, step: int) -> Manifest:
+        raw = self._client().hget(self._k["manifests"], _key(step))
+        if raw is None:
+            raise VersionNotFoundError(f"no version at step {step}")
+        return Manifest.from_json(json.loads(raw))
+
+    @_translated
+    def versions(self, after: int | None = None) -> Iterator[Version]:
+        if after is not None and after >= _MAX_STEP - 1:
+            return iter([])
+        low = "-" if after is None or after < 0 else "(" + _key(after)
+        steps, recs, tags = self._run(_VERSIONS, self._keys("steps", "versions", "tags"), [low])
+        by_step = _tags_by_step(tags)
+        return iter([_version(raw, by_step.get(s, [])) for s, raw in zip(steps, recs)])
+
+    @_translated
+    def tags(self) -> dict[str, int]:
+        return {name: int(s) for name, s in self._client().hgetall(self._k["tags"]).items()}
+
+    @_translated
+    def locate_tensors(self, digests: list[str]) -> dict[str, TensorLocation]:
+        if not digests:
+            return {}
+        raws = self._client().hmget(self._k["tensors"], digests)
+        return {d: TensorLocation(*json.loads(raw)) for d, raw in zip(digests, raws) if raw is not None}
+
+    @_translated
+    def objects(self) -> dict[str, int]:
+        return {d: json.loads(raw)["size"] for d, raw in self._client().hgetall(self._k["objects"]).items()}
+
+    @_translated
+    def referenced_objects(self) -> set[str]:
+        out: set[str] = set()
+        for raw in self._client().hvals(self._k["refs"]):
+            out.update(json.loads(raw))
+        return out
+
+    @_translated
+    def persisted(self) -> dict[int, str]:
+        return {int(s): url for s, url in self._client().hgetall(self._k["persisted"]).items()}
+
+    # -- writes ------------------------------------------------------------------------------
+    @_translated
+    def publish(
+        self,
+        version: Version,
+        manifest: Manifest,
+        new_objects: dict[str, ObjectInfo],
+        new_tensors: dict[str, TensorLocation],
+        *,
+        require_newest: bool = True,
+    ) -> None:
+        step = _key(version.step)
+        objects = [x for d, info in new_objects.items()
+                   for x in (d, json.dumps({"size": info.size, "tensors": list(info.tensors)}))]
+        tensors = [x for d, loc in new_tensors.items() for x in (d, json.dumps(list(loc)))]
+        keys = self._keys("steps", "versions", "manifests", "refs", "tags", "objects", "tensors")
+        blocker = self._run(_PUBLISH, keys, [
+            step, int(require_newest), json.dumps(version.to_json()), json.dumps(manifest.to_json()),
+            json.dumps(sorted(manifest.objects())), json.dumps(list(version.tags)), json.dumps(objects),
+            json.dumps(tensors), self._k["events"],
+        ])
+        if blocker is None:
+            return
+        if not require_newest:
+            raise StepOrderError(f"step {version.step} already exists")
+        raise StepOrderError(f"step {version.step} is not above the latest committed step {int(blocker)} "
+                             "(another process committed it first)")
+
+    def _set_if_version(self, step: int, hash_name: str, field: str, value: str) -> None:
+        args = [_key(step), field, value, self._k["events"]]
+        if not self._run(_SET_IF_VERSION, self._keys("steps", hash_name), args):
+            raise VersionNotFoundError(f"no version at step {step}")
+
+    @_translated
+    def set_tag(self, name: str, step: int) -> None:
+        self._set_if_version(step, "tags", name, _key(step))
+
+    @_translated
+    def delete_tag(self, name: str) -> int:
+        step = self._run(_DELETE_TAG, self._keys("tags"), [name, self._k["events"]])
+        if step is None:
+            raise TagNotFoundError(f"no tag named {name!r}")
+        return int(step)
+
+    @_translated
+    def set_persisted(self, step: int, remote: str) -> None:
+        self._set_if_version(step, "persisted", _key(step), remote)
+
+    # -- leases ------------------------------------------------------------------------------
+    def _take(self, lease_id: str, step: int, record: str) -> bool:
+        keys = [*self._keys("steps", "leases"), self._lease_prefix + lease_id]
+        return bool(self._run(_ACQUIRE, keys, [_key(step), lease_id, record, self._ttl_ms], closed_ok=True))
+
+    @_translated
+    def acquire_lease(self, step: int, holder: str) -> Lease:
+        self._client()
+        lease = Lease(os.urandom(8).hex(), step, holder, os.getpid(), liveness.HOST, time.time())
+        record = json.dumps({"step": _key(step), "holder": holder, "pid": lease.pid, "host": lease.host,
+                             "acquired_at": lease.acquired_at})
+        with self._lock:  # registered under the lock, so a release cannot slip in before _held knows it
+            if not self._take(lease.id, step, record):
+                raise VersionNotFoundError(f"no version at step {step} (pruned?)")
+            self._held[lease.id] = (step, record)
+            if self._beat is None:
+                self._beat = threading.Thread(target=self._heartbeat, name="paramstore-lease-heartbeat", daemon=True)
+                self._beat.start()
+        return lease
+
+    @_translated
+    def release_lease(self, lease_id: str) -> None:
+        self._client(closed_ok=True)  # a snapshot may outlive its store: still release
+        if lease_id in self._inherited:
+            return  # a forked child: the lease is its parent's
+        with self._lock:
+            self._held.pop(lease_id, None)  # from now on the heartbeat cannot take it again
+        self._run(_RELEASE, [self._k["leases"], self._lease_prefix + lease_id], [lease_id, self._k["lease-events"]],
+                  closed_ok=True)
+        self._shutdown_if_idle()
+
+    @_translated
+    def leases(self) -> list[Lease]:
+        flat = self._run(_LEASES, self._keys("leases"), [self._lease_prefix, self._k["lease-events"]])
+        out = []
+        for lease_id, raw in zip(flat[::2], flat[1::2]):
+            r = json.loads(raw)
+            out.append(Lease(lease_id, int(r["step"]), r["holder"], r["pid"], r["host"], r["acquired_at"]))
+        return out
+
+    def _heartbeat(self) -> None:
+        """Extend this object's leases every TTL/3; exits when none is held (``acquire_lease`` restarts it)."""
+        lock, held = self._lock, self._held
+        warned = False
+        while True:
+            time.sleep(self._ttl_ms / 3000)
+            with lock:
+                mine = list(held.items())
+                if not mine:
+                    self._beat = None
+                    return
+            try:
+                pipe = self._r.pipeline(transaction=False)
+                for lease_id, _ in mine:
+                    pipe.pexpire(self._lease_prefix + lease_id, self._ttl_ms)
+                for (lease_id, (step, record)), kept in zip(mine, pipe.execute()):
+                    with lock:  # a lease released meanwhile is not in held: never taken again
+                        if kept or lease_id not in held or self._take(lease_id, step, record):
+                            continue
+                        held.pop(lease_id)
+                    warnings.warn(f"lease {lease_id} on step {step} expired (process stalled longer than "
+                                  f"{self._ttl_ms / 1000} s?) and its version is gone", RuntimeWarning, stacklevel=1)
+            except redis.RedisError as e:  # the next beat retries: a lease survives gaps up to 2/3 of its TTL
+                if not warned:
+                    warnings.warn(f"Redis registry at {self.url}: lease renewal failed: {e}", RuntimeWarning,
+                                  stacklevel=1)
+                    warned = True
+
+    # -- removal -----------------------------------------------------------------------------
+    @_translated
+    def remove_versions(self, steps: list[int]) -> list[int]:
+        wanted = sorted({_key(s) for s in steps if 0 <= s < _MAX_STEP})
+        if not wanted:
+            return []
+        keys = self._keys("steps", "versions", "manifests", "refs", "persisted", "tags", "leases")
+        removed = self._run(_REMOVE, keys, [self._lease_prefix, self._k["lease-events"], self._k["events"], *wanted])
+        return [int(s) for s in removed]
+
+    @_translated
+    def forget_objects(self, digests: set[str]) -> None:
+        if digests:
+            self._run(_FORGET, self._keys("objects", "tensors"), sorted(digests))
+
+    @_translated
+    def watch(self, what: str = "versions") -> Watch:
+        if what == "versions":
+            channels = [self._k["events"]]
+        elif what == "leases":
+            channels = [self._k["lease-events"], f"__keyevent@{self._db}__:expired"]
+        else:
+            raise ValueError(f"what must be 'versions' or 'leases', got {what!r}")
+        return _PubSubWatch(self._client(), channels, self.url, self._timeout)
