@@ -1,6 +1,8 @@
 """The ``paramstore`` command line.
 
-``paramstore --root PATH COMMAND [--json]``; the root may also come from ``$PARAMSTORE_ROOT``.
+``paramstore --root PATH [--remote URL] COMMAND [--json]``; the root may also come from
+``$PARAMSTORE_ROOT`` and the remote from ``$PARAMSTORE_REMOTE`` (credentials and endpoints the
+usual way for the protocol: for S3, ``AWS_*`` variables such as ``AWS_ENDPOINT_URL``, or ``~/.aws``).
 Every command but ``diff`` runs without importing torch, so they start fast.
 Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (message on stderr).
 """
@@ -21,6 +23,7 @@ from .root import StoreRoot, VersionSpec, open_root
 from .validate import check_tag
 
 if TYPE_CHECKING:
+    from .remote import Remote
     from .retention import Policy
 
 __all__ = ["main"]
@@ -43,13 +46,49 @@ def _when(ts: float) -> str:
 
 
 # -- commands: each returns (json-able result, text to print, exit code) ----------------------
+def _remote(args: argparse.Namespace) -> "Remote":
+    from .remote import Remote
+
+    if not args.remote:
+        raise ParamStoreError(f"{args.command} needs a remote: pass --remote URL or set PARAMSTORE_REMOTE")
+    return Remote(args.remote)
+
+
 def _ls(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    versions = list(root.registry.versions())
-    rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  TAGS"]
+    if args.remote_only:
+        versions, persisted = _remote(args).versions(), None
+    else:
+        versions, persisted = list(root.registry.versions()), root.registry.persisted()
+    rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  "
+            f"{'' if persisted is None else 'PERSISTED  '}TAGS"]
+    out = []
     for v in versions:
+        mark = "" if persisted is None else f"{'yes' if v.step in persisted else 'no':9}  "
         rows.append(f"{v.step:>10}  {_when(v.created_at)}  {_human(v.nbytes):>11}  {v.num_tensors:>7}  "
-                    f"{v.digest[:12]}  {','.join(v.tags)}")
-    return [v.as_dict() for v in versions], "\n".join(rows), 0
+                    f"{v.digest[:12]}  {mark}{','.join(v.tags)}")
+        out.append(v.as_dict() if persisted is None else {**v.as_dict(), "persisted": persisted.get(v.step)})
+    return out, "\n".join(rows), 0
+
+
+def _push(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    remote = _remote(args)
+    if args.version:
+        steps = [root.resolve(v) for v in args.version]
+    else:  # every local version not yet in this remote
+        done = {s for s, url in root.registry.persisted().items() if url == remote.url}
+        steps = [v.step for v in root.registry.versions() if v.step not in done]
+    reports = [remote.push(root, s) for s in steps]
+    lines = [f"pushed step {r.step}: {r.objects} objects ({_human(r.bytes)}) uploaded, {r.skipped} already there, "
+             f"{r.seconds:.1f} s" for r in reports]
+    return [r.as_dict() for r in reports], "\n".join(lines) or "nothing to push", 0
+
+
+def _pull(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    remote = _remote(args)
+    r = remote.pull(root, remote.resolve(args.version))
+    text = (f"pulled step {r.step}: {r.objects} objects ({_human(r.bytes)}) downloaded and verified, "
+            f"{r.skipped} already here, {r.seconds:.1f} s")
+    return r.as_dict(), text, 0
 
 
 def _show(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -169,25 +208,35 @@ def _policy_from_flags(args: argparse.Namespace) -> "Policy":
 
 
 def _prune(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .maintenance import prune
+    from .maintenance import prune, prune_remote
 
-    r = prune(root, _policy_from_flags(args), dry_run=args.dry_run)
+    policy = _policy_from_flags(args)
+    if args.tier == "remote":
+        r = prune_remote(_remote(args), policy, dry_run=args.dry_run)
+    else:
+        r = prune(root, policy, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"policy: {r.policy}"]
     lines += [f"keep   {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
     lines += [f"{'remove' if args.dry_run else 'removed'} {step:>10}" for step in r.removed]
     lines += [f"spared {step:>10}  (leased or latest meanwhile)" for step in r.spared]
-    lines.append(f"{verb} {len(r.removed)} versions, kept {len(r.kept)}; run `paramstore gc` to free their objects")
+    lines.append(f"{verb} {len(r.removed)} versions, kept {len(r.kept)}; run `paramstore gc"
+                 f"{' --tier remote' if args.tier == 'remote' else ''}` to free their objects")
     return r.as_dict(), "\n".join(lines), 0
 
 
 def _gc(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .maintenance import gc
+    from .maintenance import gc, gc_remote
 
-    r = gc(root, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
-    text = (f"{verb} {len(r.objects)} objects ({_human(r.bytes_freed)}) and "
-            f"{len(r.temporary_files)} temporary files of dead processes")
+    if args.tier == "remote":
+        r = gc_remote(_remote(args), dry_run=args.dry_run, grace=args.grace)
+        text = (f"{verb} {len(r.objects)} remote objects ({_human(r.bytes_freed)}) and "
+                f"{len(r.temporary_files)} orphaned manifests and stale locks")
+    else:
+        r = gc(root, dry_run=args.dry_run)
+        text = (f"{verb} {len(r.objects)} objects ({_human(r.bytes_freed)}) and "
+                f"{len(r.temporary_files)} temporary files of dead processes")
     return r.as_dict(), text, 0
 
 
@@ -199,6 +248,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--root", default=os.environ.get("PARAMSTORE_ROOT"),
                    help="store directory (default: $PARAMSTORE_ROOT)")
+    p.add_argument("--remote", default=os.environ.get("PARAMSTORE_REMOTE"),
+                   help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
@@ -206,7 +257,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    add("ls", _ls, "list versions")
+    add("ls", _ls, "list versions (and whether each is persisted to a remote)").add_argument(
+        "--remote", dest="remote_only", action="store_true", help="list the remote's versions instead")
+    add("push", _push, "upload versions to the remote (default: every one not yet there)").add_argument(
+        "version", type=_version_arg, nargs="*")
+    add("pull", _pull, "download a version from the remote, verified, into this store").add_argument(
+        "version", type=_version_arg)
     add("show", _show, "show a version and its tensors").add_argument("version", type=_version_arg)
     sp = add("diff", _diff, "compare two versions: tensors changed, added, removed; bytes; max |Δ|")
     sp.add_argument("a", type=_version_arg)
@@ -233,8 +289,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-tag", action="append", metavar="T", help="keep versions tagged T (repeatable)")
     sp.add_argument("--keep-within", metavar="DURATION", help="e.g. 2h, 30m, 1d12h (from the newest version)")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
-    add("gc", _gc, "delete objects and temporary files no version references").add_argument(
-        "--dry-run", action="store_true")
+    sp.add_argument("--tier", choices=("local", "remote"), default="local")
+    sp = add("gc", _gc, "delete objects and temporary files no version references")
+    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--tier", choices=("local", "remote"), default="local")
+    sp.add_argument("--grace", type=float, metavar="SECONDS",
+                    help="remote: spare unreferenced objects younger than this (default: the lock TTL, 600)")
     return p
 
 

@@ -18,7 +18,8 @@ __all__ = ["verify", "du", "diff", "hash_object", "leased"]
 
 
 @contextlib.contextmanager
-def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False) -> Iterator[list[int]]:
+def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False,
+           holder: str = "paramstore cli") -> Iterator[list[int]]:
     """Hold a lease on each step while a command reads its objects (so retention cannot prune it).
 
     Yields the steps leased: all of them, or with ``skip_missing`` those still present.
@@ -29,7 +30,7 @@ def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False)
     try:
         for s in steps:
             try:
-                held.append((s, reg.acquire_lease(s, f"paramstore cli (pid {os.getpid()})").id))
+                held.append((s, reg.acquire_lease(s, f"{holder} (pid {os.getpid()})").id))
             except VersionNotFoundError:
                 if not skip_missing:
                     raise

@@ -104,7 +104,6 @@ class Persister:
         while True:
             try:
                 self._remote.push(self._root, step, show_progress=False)
-                self._root.registry.set_persisted(step, self._remote.url)
                 return self._root.registry.get_version(step)
             except RemoteError as e:
                 if not e.transient or time.monotonic() + delay > deadline:

@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping
 from .errors import CorruptObjectError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError
 from .format import rehash
 from .manifest import Manifest, Version
+from .ops import leased
 from .progress import progress
 from .root import StoreRoot, VersionSpec
 
@@ -179,12 +180,18 @@ class Remote:
 
     # -- push --------------------------------------------------------------------------------
     def push(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> TransferReport:
-        """Upload version ``step`` of the local store (the caller holds a lease on it).
+        """Upload version ``step`` of the local store and mark it persisted there.
 
-        Idempotent: a version already in the remote is left alone (its digest must match).
-        Raises VersionNotFoundError (not in the local store), RemoteError, StepOrderError (the
-        remote holds another version at this step).
+        Holds a local lease on the version meanwhile. Idempotent: a version already in the remote
+        is left alone (its digest must match). Raises VersionNotFoundError (not in the local
+        store), RemoteError, StepOrderError (the remote holds another version at this step).
         """
+        with leased(root, [step], holder="paramstore push"):
+            report = self._push(root, step, show_progress)
+            root.registry.set_persisted(step, self.url)
+            return report
+
+    def _push(self, root: StoreRoot, step: int, show_progress: bool | None) -> TransferReport:
         t0 = time.monotonic()
         version, manifest = root.registry.get_version(step), root.registry.get_manifest(step)
         with self.shared_lock("push") as lock:

@@ -366,16 +366,7 @@ class ParamStore:
 
         Raises RemoteError, VersionNotFoundError.
         """
-        remote = self._need_remote()
-        step = self._root.resolve(version)
-        reg = self._root.registry
-        lease = reg.acquire_lease(step, f"paramstore push (pid {os.getpid()})")
-        try:
-            report = remote.push(self._root, step, show_progress=show_progress)
-            reg.set_persisted(step, remote.url)
-            return report
-        finally:
-            reg.release_lease(lease.id)
+        return self._need_remote().push(self._root, self._root.resolve(version), show_progress=show_progress)
 
     def pull(self, version: VersionSpec = "latest", *, show_progress: bool | None = None) -> TransferReport:
         """Download a remote version into this store (verified), without checking it out.

@@ -147,3 +147,20 @@ def store(store_root):
         yield s
     finally:
         s.close()
+
+
+# -- a real S3 API (moto's server on 127.0.0.1) -----------------------------------------------
+@pytest.fixture(scope="session")
+def s3_server():
+    from s3_server import S3Server
+
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_remote(s3_server):
+    """(url, options) of an empty prefix in a fresh bucket."""
+    bucket = s3_server.new_bucket()
+    return f"s3://{bucket}/store", s3_server.options()

@@ -103,8 +103,11 @@ class RemoteTier:
         try:
             raw = self.get_record(MARKER)
         except FileNotFoundError:
-            self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
-            return
+            try:
+                self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
+                return
+            except FileExistsError:  # another process created it at the same moment
+                raw = self.get_record(MARKER)
         try:
             fmt = json.loads(raw).get("format")
         except (ValueError, AttributeError):
