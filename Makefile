@@ -4,7 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install sysdeps demo test bench clean
+
+# Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
+# tests start their own) and libibverbs1 (Mooncake's wheels link it even for TCP).
+SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-gnu/libibverbs.so.1
 
 # torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
 # several GB of CUDA packages); the package's own range is then already satisfied.
@@ -16,7 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) sysdeps
+
+sysdeps:
+	@missing=""; for d in $(SYSDEPS); do test -e "$${d#*:}" || missing="$$missing $${d%%:*}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q $$missing; \
+	  else echo "missing Debian packages:$$missing (apt-get install them; their tests are skipped)"; fi; \
+	fi
 
 demo: install
 	$(BIN)/python examples/quickstart.py
