@@ -241,26 +241,37 @@ class Remote:
         record, manifest = self._record(step), self.get_manifest(step)
         # Shared GC lock on the local host for the whole pull: the objects we rely on stay put.
         with self.shared_lock("pull"), root.gc_lock():
+            moved = self._fetch(root, record.objects, f"pull {step}", show_progress)
             try:
-                root.registry.get_version(step)
-                return TransferReport(step, 0, 0, len(record.objects), time.monotonic() - t0)
+                root.registry.get_version(step)  # registered already (pulled meanwhile, or a shared registry)
             except VersionNotFoundError:
-                pass
-            todo = [o for o in record.objects if not root.tier.exists(o)]
-            total = sum(record.objects[o] for o in todo)
-            with progress(total, f"pull {step}", enabled=show_progress) as bar, \
-                    ThreadPoolExecutor(self._concurrency) as pool:
-                def down(o: str) -> None:
-                    self._download_verified(root, o)
-                    bar.update(record.objects[o])
-                list(pool.map(down, sorted(todo, key=lambda o: -record.objects[o])))
-            new_objects, new_tensors = _index(manifest, record.objects)
-            try:
-                root.registry.publish(record.version, manifest, new_objects, new_tensors, require_newest=False)
-            except StepOrderError:
-                pass  # pulled meanwhile by another process of this host
-            root.registry.set_persisted(step, self.url)
-        return TransferReport(step, len(todo), total, len(record.objects) - len(todo), time.monotonic() - t0)
+                new_objects, new_tensors = _index(manifest, record.objects)
+                try:
+                    root.registry.publish(record.version, manifest, new_objects, new_tensors, require_newest=False)
+                except StepOrderError:
+                    pass  # pulled meanwhile by another process of this host
+                root.registry.set_persisted(step, self.url)
+        nbytes = sum(record.objects[o] for o in moved)
+        return TransferReport(step, len(moved), nbytes, len(record.objects) - len(moved), time.monotonic() - t0)
+
+    def fetch(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> list[str]:
+        """Download the objects of remote version ``step`` the local tier lacks (verified).
+
+        For a version already registered (a registry shared by several hosts) whose bytes are not
+        on this host. The caller holds a lease on the version. Returns the digests downloaded.
+        """
+        with self.shared_lock("pull"):
+            return self._fetch(root, self._record(step).objects, f"fetch {step}", show_progress)
+
+    def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None) -> list[str]:
+        todo = sorted((o for o in objects if not root.tier.exists(o)), key=lambda o: -objects[o])
+        with progress(sum(objects[o] for o in todo), what, enabled=show_progress) as bar, \
+                ThreadPoolExecutor(self._concurrency) as pool:
+            def down(o: str) -> None:
+                self._download_verified(root, o)
+                bar.update(objects[o])
+            list(pool.map(down, todo))
+        return todo
 
     def _download_verified(self, root: StoreRoot, digest: str) -> None:
         tmp = os.path.join(root.tier.tmp_dir, tmp_name())

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from paramstore.backends.registries import Registry, open_registry
 from paramstore.backends.registries.lmdb import LmdbRegistry
 from paramstore.backends.tiers.local import LocalTier
 
@@ -40,7 +41,7 @@ class StoreRoot:
 
     path: str
     info: dict[str, Any]
-    registry: LmdbRegistry
+    registry: Registry
     tier: LocalTier
 
     def resolve(self, version: VersionSpec) -> int:
@@ -85,8 +86,12 @@ class StoreRoot:
         self.registry.close()
 
 
-def open_root(path: str | os.PathLike[str], *, create: bool) -> StoreRoot:
+def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | None = None,
+              name: str = "default") -> StoreRoot:
     """Open the store at ``path``; with ``create``, make one if ``path`` is missing or empty.
+
+    ``registry``: None for the LMDB registry in ``<path>/meta``, or a ``redis://`` URL shared by
+    several hosts; then ``name`` tells the stores sharing that server apart.
 
     Raises:
         NotAStoreError: ``path`` holds no store (and ``create`` is false, or it holds other files),
@@ -111,9 +116,9 @@ def open_root(path: str | os.PathLike[str], *, create: bool) -> StoreRoot:
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:
         raise NotAStoreError(f"{path} holds a store of format {info.get('format') if isinstance(info, dict) else '?'}; "
                              f"this paramstore reads format {STORE_FORMAT}")
-    registry = LmdbRegistry(os.path.join(path, "meta"), create=True)
+    reg = open_registry(registry, os.path.join(path, "meta"), name)
     tier = LocalTier(path, create=True)
-    return StoreRoot(path, info, registry, tier)
+    return StoreRoot(path, info, reg, tier)
 
 
 # Descriptors of GC locks held right now. A flock belongs to the open file description, which a

@@ -71,6 +71,9 @@ class ParamStore:
         remote_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
             ``secret``, ``profile``...; by default the usual AWS environment and config files).
         persist_retry_for: seconds a push is retried through transient remote failures.
+        registry: None for the single-host LMDB registry in ``root/meta``, or ``redis://[:password@]
+            host:port/db``: a registry shared by the hosts of a store (see ``paramstore.backends``).
+        name: with a shared registry, the store's name there (stores sharing a server differ by name).
 
     Raises:
         NotAStoreError: ``root`` holds something other than a store, or is missing and
@@ -96,10 +99,12 @@ class ParamStore:
         remote: str | Remote | None = None,
         remote_options: Mapping[str, Any] | None = None,
         persist_retry_for: float = 900.0,
+        registry: str | None = None,
+        name: str = "default",
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
-        self._root = open_root(root, create=create)
+        self._root = open_root(root, create=create, registry=registry, name=name)
         self.root = self._root.path
         self._lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
@@ -309,7 +314,9 @@ class ParamStore:
                     raise
                 continue  # pruned between resolving "latest" (or a tag) and leasing: resolve again
             try:
-                return Snapshot(reg.get_version(step), reg.get_manifest(step), self._root.tier,
+                manifest = reg.get_manifest(step)
+                self._ensure_local(step, manifest)
+                return Snapshot(reg.get_version(step), manifest, self._root.tier,
                                 on_close=functools.partial(_release, reg, lease.id, os.getpid()))
             except FileNotFoundError as e:
                 _release(reg, lease.id, os.getpid())
@@ -341,6 +348,12 @@ class ParamStore:
             if self._remote is None:
                 raise
             return self._remote.resolve(version)
+
+    def _ensure_local(self, step: int, manifest: Any) -> None:
+        # A version registered by another host (shared registry) may lack bytes here: fetch them.
+        tier = self._root.tier
+        if self._remote is not None and not all(tier.exists(o) for o in manifest.objects()):
+            self._remote.fetch(self._root, step)
 
     def _pull_if_remote(self, step: int) -> bool:
         try:

@@ -164,3 +164,14 @@ def s3_remote(s3_server):
     """(url, options) of an empty prefix in a fresh bucket."""
     bucket = s3_server.new_bucket()
     return f"s3://{bucket}/store", s3_server.options()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """``redis://127.0.0.1:<port>/0`` of a redis-server started for this session (skips without one)."""
+    import redis_server
+
+    if not os.path.exists(redis_server.BINARY):
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    with redis_server.running() as url:
+        yield url

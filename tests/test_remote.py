@@ -419,3 +419,16 @@ def test_cli_push_pull_ls_prune_gc(s3_server, s3_remote, shm_dir):
     with ParamStore(os.path.join(shm_dir, "c"), remote=url, remote_options={"endpoint_url": s3_server.endpoint}) as c:
         with c.checkout(3) as snap:
             assert snap.step == 3
+
+
+# -- hosts sharing a Redis registry and a remote ---------------------------------------------------
+def test_shared_registry_host_fetches_missing_bytes_from_the_remote(redis_url, s3_remote, shm_dir):
+    url, opts = s3_remote
+    sd = model(6)
+    common = dict(remote=url, remote_options=opts, registry=redis_url, name=f"run-{os.getpid()}-{time.time()}")
+    with ParamStore(os.path.join(shm_dir, "trainer"), **common) as trainer:
+        trainer.commit(4, sd).persisted.result(60)
+        with ParamStore(os.path.join(shm_dir, "rollout"), **common) as rollout:
+            assert [v.step for v in rollout.versions()] == [4]  # registered once, for every host
+            assert_checkout_equal(rollout, 4, sd)  # bytes fetched from the remote, verified
+            assert rollout.latest().step == 4
