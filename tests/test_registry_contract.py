@@ -1,7 +1,8 @@
 """The registry contract (``backends/registries/base.py``), run against every implementation.
 
-Each test runs on LMDB (in ``tmp_path``) and on Redis (a real redis-server this module starts on a
-free loopback port, see ``redis_server.py``; each test gets its own namespace). Versions and
+Each test runs on LMDB (in ``tmp_path``) and on Redis (a real redis-server started once per session
+on a free loopback port: conftest's ``redis_url``, see ``redis_server.py``; each test gets its own
+namespace). Versions and
 manifests are built with :mod:`paramstore.manifest`. What only another process can show (a watch
 woken from elsewhere, a lease holder killed with SIGKILL) uses this file run as a script: see
 :func:`_child`.
@@ -85,14 +86,6 @@ def steps(reg: Registry, after: int | None = None) -> list[int]:
 def open_spec(spec: Spec, lease_ttl_s: float = TTL) -> Registry:
     url, meta, namespace = spec
     return RedisRegistry(url, namespace, lease_ttl_s=lease_ttl_s) if url else LmdbRegistry(meta, create=True)
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    if not os.path.exists(redis_server.BINARY):
-        pytest.skip(needs_server.kwargs["reason"])
-    with redis_server.running() as url:
-        yield url
 
 
 @pytest.fixture(params=["lmdb", "redis"])
