@@ -231,7 +231,10 @@ class Committer:
 
     def _dedup_publish(self, job: _Job, digests: list[list[str]]) -> Version:
         flat = [d for ds in digests for d in ds]
-        known = self._registry.locate_tensors(sorted(set(flat)))
+        # Only bytes this host holds: with a registry shared by hosts the index also names objects
+        # that live elsewhere.
+        known = {d: loc for d, loc in self._registry.locate_tensors(sorted(set(flat))).items()
+                 if self._tier.exists(loc.object)}
         located: dict[str, TensorLocation] = {}  # digests stored by this commit
         new_objects: dict[str, ObjectInfo] = {}
         entries: dict[str, TensorEntry] = {}

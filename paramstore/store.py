@@ -73,7 +73,8 @@ class ParamStore:
         persist_retry_for: seconds a push is retried through transient remote failures.
         registry: None for the single-host LMDB registry in ``root/meta``, or ``redis://[:password@]
             host:port/db``: a registry shared by the hosts of a store (see ``paramstore.backends``).
-        name: with a shared registry, the store's name there (stores sharing a server differ by name).
+        name: with a shared registry, the store's name there (required: every host of one store
+            passes the same name; stores sharing a server differ by name).
 
     Raises:
         NotAStoreError: ``root`` holds something other than a store, or is missing and
@@ -100,11 +101,13 @@ class ParamStore:
         remote_options: Mapping[str, Any] | None = None,
         persist_retry_for: float = 900.0,
         registry: str | None = None,
-        name: str = "default",
+        name: str | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
-        self._root = open_root(root, create=create, registry=registry, name=name)
+        if registry is not None and not name:
+            raise InvalidArgumentError("a shared registry needs name=: the store's name, the same on every host")
+        self._root = open_root(root, create=create, registry=registry, name=name or "")
         self.root = self._root.path
         self._lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
