@@ -4,8 +4,8 @@ Each test runs on LMDB (in ``tmp_path``) and on Redis (a real redis-server start
 on a free loopback port: conftest's ``redis_url``, see ``redis_server.py``; each test gets its own
 namespace). Versions and
 manifests are built with :mod:`paramstore.manifest`. What only another process can show (a watch
-woken from elsewhere, a lease holder killed with SIGKILL) uses this file run as a script: see
-:func:`_child`.
+woken from elsewhere, a lease holder or a peer killed with SIGKILL) uses this file run as a script:
+see :func:`_child`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import blake3
+import lmdb
 import pytest
+import redis
 
 import redis_server
 from paramstore import liveness
 from paramstore.backends.registries import (
-    LmdbRegistry, ObjectInfo, RedisRegistry, Registry, TensorLocation, open_registry,
+    LmdbRegistry, ObjectInfo, Peer, RedisRegistry, Registry, TensorLocation, open_registry,
 )
 from paramstore.errors import (
     InvalidArgumentError, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
@@ -395,6 +397,188 @@ def test_fork(opened, spec):
     reg.release_lease(lease.id)
 
 
+# -- peers -------------------------------------------------------------------------------------
+def PEER(name: str, pid: int | None = None) -> Peer:
+    """A peer named ``name`` (its id), of this process unless ``pid`` is given."""
+    return Peer(name, f"10.0.0.{len(name)}:15012", f"host-{name}", pid or os.getpid(), 1.7e9)
+
+
+def test_peers_announce_refresh_withdraw(opened):
+    reg, other = opened(), opened()
+    assert reg.peers() == []
+    a, b = PEER("a"), PEER("b")
+    reg.announce_peer(b)
+    reg.announce_peer(a)
+    assert other.peers() == [a, b]  # ordered by id, seen through another handle
+    reg.announce_objects(a.id, {D("o1"): 4096})
+    a2 = a._replace(session="10.0.0.9:15013", started_at=1.8e9)
+    reg.announce_peer(a2)  # refresh: new fields, its objects stay announced
+    assert other.peers() == [a2, b] and other.holders([D("o1")]) == {D("o1"): [(a2, 4096)]}
+    reg.withdraw_peer(a.id)
+    assert other.peers() == [b] and other.holders([D("o1")]) == {}  # its objects went with it
+    with pytest.raises(InvalidArgumentError):
+        reg.announce_objects(a.id, {D("o1"): 4096})
+    reg.withdraw_peer(a.id)  # already gone, or never announced: no error
+    reg.withdraw_peer("never-announced")
+    reg.announce_objects(b.id, {D("o2"): 8})
+    reg.close()  # closing the registry object that announced a peer withdraws it
+    assert other.peers() == [] and other.holders([D("o2")]) == {}
+
+
+def test_holders(opened):
+    reg, other = opened(), opened()
+    a, b, c = PEER("a"), PEER("b"), PEER("c")
+    for p in (c, a, b):
+        reg.announce_peer(p)
+    o1, o2, o3, o4 = D("o1"), D("o2"), D("o3"), D("o4")
+    reg.announce_objects(b.id, {o1: 100, o2: 200})
+    reg.announce_objects(a.id, {o1: 10})
+    reg.announce_objects(c.id, {o3: 3000, o1: 1000})
+    assert other.holders([o4, o3, o1, o2, o1]) == {o1: [(a, 10), (b, 100), (c, 1000)], o2: [(b, 200)],
+                                                   o3: [(c, 3000)]}  # holders ordered by peer id
+    assert reg.holders([]) == {} and reg.holders([o4]) == {} and reg.holders(iter([o2])) == {o2: [(b, 200)]}
+    reg.announce_objects(a.id, {o1: 11, o4: 0})  # again: the new address replaces the old one
+    assert other.holders([o1, o4]) == {o1: [(a, 11), (b, 100), (c, 1000)], o4: [(a, 0)]}
+    reg.withdraw_objects(b.id, [o1, o2, o3])  # o3 was never b's: no error
+    reg.withdraw_objects(b.id, [])
+    reg.withdraw_objects("never-announced", [o1])
+    assert other.holders([o1, o2, o3]) == {o1: [(a, 11), (c, 1000)], o3: [(c, 3000)]}
+    assert other.peers() == [a, b, c]  # a peer holding nothing is still a peer
+    reg.withdraw_peer(c.id)
+    assert other.holders([o1, o2, o3, o4]) == {o1: [(a, 11)], o4: [(a, 0)]}
+
+
+def test_peer_arguments(reg, spec):
+    with pytest.raises(InvalidArgumentError):
+        reg.announce_objects("nobody", {D("o"): 1})  # not announced
+    a = PEER("a")
+    reg.announce_peer(a)
+    for bad in ({"not-a-digest": 1}, {D("o").upper(): 1}, {D("o"): -1}, {D("o"): 1 << 64}, {D("o"): 1.5},
+                {D("o"): True}, [D("o")]):
+        with pytest.raises(InvalidArgumentError):
+            reg.announce_objects(a.id, bad)
+    for bad_peer in (a._replace(id=""), a._replace(id="a b"), a._replace(id="x" * 129), a._replace(pid=0),
+                     a._replace(session=""), a._replace(host=None), tuple(a)):
+        with pytest.raises(InvalidArgumentError):
+            reg.announce_peer(bad_peer)
+    for bad_digests in (D("o"), ["xyz"]):  # a single string is not a list of digests
+        with pytest.raises(InvalidArgumentError):
+            reg.holders(bad_digests)
+        with pytest.raises(InvalidArgumentError):
+            reg.withdraw_objects(a.id, bad_digests)
+    with pytest.raises(InvalidArgumentError):
+        reg.withdraw_peer("a/b")
+    if not spec[0]:  # LMDB: the peer's process must run on this host
+        gone = subprocess.Popen([sys.executable, "-c", ""])
+        gone.wait()
+        with pytest.raises(InvalidArgumentError):
+            reg.announce_peer(PEER("gone", pid=gone.pid))
+    assert reg.peers() == [a] and reg.holders([D("o")]) == {}  # nothing bad was written
+
+
+def test_removal_leaves_announcements(reg):
+    """Pruning versions and forgetting objects (GC) do not touch what peers announced."""
+    o = D("o1")
+    publish(reg, 1, {D("t"): TL(o, 64)})
+    publish(reg, 2)
+    a = PEER("a")
+    reg.announce_peer(a)
+    reg.announce_objects(a.id, {o: 64})
+    assert reg.remove_versions([1]) == [1]
+    reg.forget_objects({o})
+    assert o not in reg.objects() and reg.holders([o]) == {o: [(a, 64)]}
+
+
+def test_peer_of_killed_process_disappears(reg, spec):
+    proc = child(spec, "peer", 1.0)  # Redis: a 1 s TTL
+    try:
+        peer_id = proc.stdout.readline().strip()
+        [p] = reg.peers()
+        assert p.id == peer_id and p.pid == proc.pid
+        assert reg.holders([D("k1"), D("k2")]) == {D("k1"): [(p, 111)], D("k2"): [(p, 222)]}
+    finally:
+        proc.kill()
+        proc.communicate()
+    killed = time.monotonic()
+    while reg.holders([D("k1"), D("k2")]):  # LMDB: at once (the process is dead); Redis: within the TTL
+        assert spec[0], "LMDB: the dead peer was still listed on the next read"
+        assert time.monotonic() - killed < 3, "the dead peer outlived its TTL"
+        time.sleep(0.05)
+    assert reg.peers() == []
+    if spec[0]:  # nothing of it lingers in the database
+        client = redis.Redis.from_url(spec[0])
+        try:
+            assert client.keys(f"ps:{{{spec[2]}}}:*") == []
+        finally:
+            client.close()
+
+
+def test_peer_fork(opened, spec):
+    """A forked child neither renews nor withdraws the peer its parent announced."""
+    reg = opened(lease_ttl_s=1.0)
+    parent = PEER("parent")
+    reg.announce_peer(parent)
+    reg.announce_objects(parent.id, {D("p"): 1})
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            assert reg.peers() == [parent]
+            reg.withdraw_peer(parent.id)  # the parent's: a child never withdraws it
+            mine = PEER("child", pid=os.getpid())
+            reg.announce_peer(mine)  # (Redis: the child's own heartbeat runs from now on)
+            reg.announce_objects(mine.id, {D("c"): 2})
+            os.write(ready_w, b"r")
+            os.read(go_r, 1)  # wait until the parent closes its end
+            reg.close()  # withdraws the child's peer only
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        assert os.read(ready_r, 1) == b"r", "the child failed"
+        kid = PEER("child", pid=pid)
+        assert reg.peers() == [kid, parent]
+        if spec[0]:
+            time.sleep(1.3)  # past the TTL: each peer renewed by its own process
+            assert reg.peers() == [kid, parent]
+        reg.withdraw_peer(parent.id)
+        if spec[0]:
+            time.sleep(0.5)  # the child's heartbeat beats meanwhile: it must not bring the parent's back
+        assert reg.peers() == [kid] and reg.holders([D("p"), D("c")]) == {D("c"): [(kid, 2)]}
+    finally:
+        os.close(go_w)
+        os.close(ready_r)
+        status = os.waitpid(pid, 0)[1]
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reg.peers() == []
+
+
+# -- LMDB only ---------------------------------------------------------------------------------
+def test_lmdb_store_from_before_peers_opens(tmp_path):
+    """A store created before the peer databases existed opens; they are created on the way."""
+    path = str(tmp_path / "meta")
+    env = lmdb.open(path, max_dbs=8, subdir=True, create=True)
+    for name in ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted"):
+        env.open_db(name.encode())
+    env.close()
+    reg = LmdbRegistry(path)
+    try:
+        publish(reg, 1)
+        reg.announce_peer(PEER("a"))
+        reg.announce_objects("a", {D("o"): 1})
+        assert reg.latest_step() == 1 and reg.holders([D("o")]) == {D("o"): [(PEER("a"), 1)]}
+    finally:
+        reg.close()
+
+
 # -- Redis only: URLs, errors, namespaces ------------------------------------------------------
 def test_open_registry(tmp_path, redis_url):
     lmdb_reg = open_registry(None, str(tmp_path / "meta"), "ns")
@@ -449,18 +633,55 @@ def test_namespaces_are_separate(redis_url):
         b.close()
 
 
+def test_lapsed_peer_is_announced_again(redis_url):
+    """A peer whose key expired while its process lives (a stall) comes back with its objects."""
+    namespace = uuid.uuid4().hex
+    reg, other = RedisRegistry(redis_url, namespace, lease_ttl_s=0.6), RedisRegistry(redis_url, namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        a = PEER("a")
+        reg.announce_peer(a)
+        reg.announce_objects(a.id, {D("o1"): 1, D("o2"): 2})
+        reg.withdraw_objects(a.id, [D("o2")])
+        client.delete(f"ps:{{{namespace}}}:peer:{a.id}")  # as if it had expired
+        assert other.peers() == [] and other.holders([D("o1")]) == {}  # and a reader dropped its objects
+
+        def relisted() -> None:
+            deadline = time.monotonic() + 3
+            while not other.peers():
+                assert time.monotonic() < deadline, "the heartbeat did not announce the lapsed peer again"
+                time.sleep(0.05)
+
+        with pytest.warns(RuntimeWarning, match="announced again"):
+            relisted()
+        assert other.holders([D("o1"), D("o2")]) == {D("o1"): [(a, 1)]}
+    finally:
+        client.close()
+        reg.close()
+        other.close()
+
+
 # -- the other process -------------------------------------------------------------------------
 def _child(spec_json: str, action: str, *args: str) -> None:
     """``publish STEP``: print the monotonic time before and after publishing it.
-    ``lease STEP TTL``: take a lease (Redis TTL in seconds), print its id, and wait to be killed."""
+    ``lease STEP TTL``: take a lease (Redis TTL in seconds), print its id, and wait to be killed.
+    ``peer TTL``: announce a peer of this process holding ``D("k1")`` at 111 and ``D("k2")`` at 222,
+    print its id, and wait to be killed."""
     spec = json.loads(spec_json)
-    reg = open_spec(spec, lease_ttl_s=float(args[1]) if action == "lease" else TTL)
+    ttl = {"lease": lambda: float(args[1]), "peer": lambda: float(args[0])}.get(action, lambda: TTL)()
+    reg = open_spec(spec, lease_ttl_s=ttl)
     if action == "publish":
         before = time.monotonic()
         publish(reg, int(args[0]))
         print(before, time.monotonic(), flush=True)
     elif action == "lease":
         print(reg.acquire_lease(int(args[0]), "child").id, flush=True)
+        time.sleep(60)
+    elif action == "peer":
+        peer = Peer(uuid.uuid4().hex, "127.0.0.1:15012", liveness.HOST, os.getpid(), time.time())
+        reg.announce_peer(peer)
+        reg.announce_objects(peer.id, {D("k1"): 111, D("k2"): 222})
+        print(peer.id, flush=True)
         time.sleep(60)
     reg.close()
 

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from paramstore.errors import InvalidArgumentError
 
-from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
+from .base import Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch
 from .lmdb import LmdbRegistry
 
 if TYPE_CHECKING:
     from .redis import RedisRegistry
 
-__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "LmdbRegistry", "RedisRegistry",
+__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "LmdbRegistry", "RedisRegistry",
            "open_registry"]
 
 

@@ -4,16 +4,23 @@ A registry keeps versions, manifests, tags and the tensor index (tensor digest -
 already lie) and tells waiting processes that something changed. Object bytes never pass through
 it. Implementations must make :meth:`Registry.publish` atomic: a version, its manifest, its tags
 and its index entries appear together or not at all.
+
+It also keeps *peer announcements*: which per-host peer process serves which object, at which
+address of its registered memory (:meth:`Registry.announce_peer`, :meth:`Registry.holders`). A
+peer and everything it announced go when it is withdrawn, when the registry object that announced
+it is closed, or when its process dies (found by whoever reads next, or by a TTL).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Iterator, NamedTuple
+import re
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
+from paramstore.errors import InvalidArgumentError
 from paramstore.manifest import Manifest, Version
 
-__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo"]
+__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer"]
 
 
 class Lease(NamedTuple):
@@ -25,6 +32,64 @@ class Lease(NamedTuple):
     pid: int
     host: str
     acquired_at: float
+
+
+class Peer(NamedTuple):
+    """A per-host server process that serves the objects its host holds to other hosts."""
+
+    id: str  # unique per peer process (e.g. a uuid's hex); letters, digits and ``._:-``, at most 128
+    session: str  # transport address other hosts connect to, e.g. "10.0.0.5:15012"
+    host: str  # host name
+    pid: int
+    started_at: float  # time.time() at announce
+
+
+_PEER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
+_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def check_peer_id(peer_id: object) -> str:
+    """``peer_id`` if it is a valid peer id, else InvalidArgumentError."""
+    if not isinstance(peer_id, str) or not _PEER_ID.match(peer_id):
+        raise InvalidArgumentError(f"a peer id is 1-128 letters, digits or '._:-', got {peer_id!r}")
+    return peer_id
+
+
+def check_peer(peer: object) -> Peer:
+    """``peer`` as a :class:`Peer` if its fields are valid, else InvalidArgumentError."""
+    if not isinstance(peer, Peer):
+        raise InvalidArgumentError(f"expected a Peer, got {type(peer).__name__}")
+    check_peer_id(peer.id)
+    for field in ("session", "host"):
+        if not isinstance(getattr(peer, field), str) or not getattr(peer, field):
+            raise InvalidArgumentError(f"Peer.{field} must be a non-empty string, got {getattr(peer, field)!r}")
+    if isinstance(peer.pid, bool) or not isinstance(peer.pid, int) or peer.pid <= 0:
+        raise InvalidArgumentError(f"Peer.pid must be a positive int, got {peer.pid!r}")
+    if isinstance(peer.started_at, bool) or not isinstance(peer.started_at, (int, float)):
+        raise InvalidArgumentError(f"Peer.started_at must be a number, got {peer.started_at!r}")
+    return peer
+
+
+def check_digests(digests: Iterable[str]) -> list[str]:
+    """The distinct object digests (64 lowercase hex digits) in ``digests``, in order."""
+    if isinstance(digests, (str, bytes)):
+        raise InvalidArgumentError("expected an iterable of digests, got a single string")
+    out = list(dict.fromkeys(digests))
+    for d in out:
+        if not isinstance(d, str) or not _DIGEST.match(d):
+            raise InvalidArgumentError(f"an object digest is 64 lowercase hex digits, got {d!r}")
+    return out
+
+
+def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
+    """``objects`` (digest -> address) checked: addresses are ints in [0, 2**64)."""
+    if not isinstance(objects, Mapping):
+        raise InvalidArgumentError(f"expected a mapping digest -> address, got {type(objects).__name__}")
+    check_digests(objects)
+    for d, address in objects.items():
+        if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 1 << 64:
+            raise InvalidArgumentError(f"the address of {d} must be an int in [0, 2**64), got {address!r}")
+    return dict(objects)
 
 
 class TensorLocation(NamedTuple):
@@ -163,6 +228,49 @@ class Registry(abc.ABC):
     def forget_objects(self, digests: set[str]) -> None:
         """Drop object records and the tensor-index entries that point into them, atomically."""
 
+    # -- peers -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def announce_peer(self, peer: Peer) -> None:
+        """Register (or refresh) this process's peer as live. Objects it announced stay announced.
+
+        The peer stays live until :meth:`withdraw_peer`, until this registry object is closed, or
+        until its process dies (LMDB: ``peer.pid`` must be a process on this host; Redis: the
+        announcing process renews it, see the implementation). Raises InvalidArgumentError for
+        invalid fields.
+        """
+
+    @abc.abstractmethod
+    def withdraw_peer(self, peer_id: str) -> None:
+        """Remove a peer and everything it announced (no error if unknown).
+
+        In a forked child, the peers its parent announced through this object are left alone.
+        """
+
+    @abc.abstractmethod
+    def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
+        """The peer holds these objects (digest -> address in its registered memory).
+
+        Announcing a digest again moves it to the new address. Raises InvalidArgumentError if the
+        peer is not announced (or no longer live), or for a bad digest or address.
+        """
+
+    @abc.abstractmethod
+    def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
+        """The peer no longer serves these objects (no error for unknown peers or digests)."""
+
+    @abc.abstractmethod
+    def peers(self) -> list[Peer]:
+        """Live peers, ordered by id. Records of dead peers are dropped here, with their objects."""
+
+    @abc.abstractmethod
+    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+        """For each digest some live peer announced: ``[(peer, address)]``, ordered by peer id.
+
+        Digests nobody (live) holds are absent. One consistent read (Redis: one round trip).
+        Removing versions or forgetting objects does not touch announcements: a peer withdraws
+        what it no longer holds itself.
+        """
+
     @abc.abstractmethod
     def watch(self, what: str = "versions") -> "Watch":
         """Start watching for changes. Arm it *before* reading the state.
@@ -176,4 +284,4 @@ class Registry(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the registry's resources."""
+        """Release the registry's resources; withdraws the peers this object announced."""

@@ -2,22 +2,30 @@
 
 Databases (all values JSON unless said otherwise):
 
-=============  ==============================  ===========================================
-name           key                             value
-=============  ==============================  ===========================================
-``versions``   step, 8-byte big-endian         the version record (``Version.to_json``)
-``manifests``  step, 8-byte big-endian         the manifest (``Manifest.to_json``)
-``tags``       tag name, UTF-8                 step, 8-byte big-endian
-``tensors``    tensor digest, 32 raw bytes     object digest (32 raw bytes), offset, length
-``objects``    object digest, 32 raw bytes     size (8-byte big-endian) + its tensor digests (32 raw bytes each)
-``refs``       step, 8-byte big-endian         the version's object digests (32 raw bytes each)
-``leases``     lease id, UTF-8                 the lease (step, holder, pid, process start time, host, time)
-``persisted``  step, 8-byte big-endian         URL of the remote the version is durable in
-=============  ==============================  ===========================================
+================  ==============================  ===========================================
+name              key                             value
+================  ==============================  ===========================================
+``versions``      step, 8-byte big-endian         the version record (``Version.to_json``)
+``manifests``     step, 8-byte big-endian         the manifest (``Manifest.to_json``)
+``tags``          tag name, UTF-8                 step, 8-byte big-endian
+``tensors``       tensor digest, 32 raw bytes     object digest (32 raw bytes), offset, length
+``objects``       object digest, 32 raw bytes     size (8-byte big-endian) + its tensor digests (32 raw bytes each)
+``refs``          step, 8-byte big-endian         the version's object digests (32 raw bytes each)
+``leases``        lease id, UTF-8                 the lease (step, holder, pid, process start time, host, time)
+``persisted``     step, 8-byte big-endian         URL of the remote the version is durable in
+``peers``         peer id, UTF-8                  the peer (session, host, pid, process start time, node, time)
+``holders``       object digest (32 raw bytes)    the address in the peer's registered memory, 8-byte big-endian
+                  + peer id (UTF-8)
+``peer-objects``  peer id (UTF-8) + NUL           empty: the reverse of ``holders``, so a peer's objects go with it
+                  + object digest (32 raw bytes)
+================  ==============================  ===========================================
 
 ``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
 tensors so GC can drop their index entries. A lease is live while its process (pid *and* start time,
-see :mod:`paramstore.liveness`) runs; readers of ``leases`` release dead processes' leases.
+see :mod:`paramstore.liveness`) runs; readers of ``leases`` release dead processes' leases. A peer is
+live the same way (``node`` is the host that announced it, where its pid means something); whoever
+reads ``peers()`` or ``holders()`` first after a peer's process died drops it with its holdings.
+``holders`` keys sort by digest then peer id, so one cursor range gives an object's holders in order.
 
 This is the only module that touches LMDB. The environment is opened per process and reopened
 after ``fork`` (an LMDB environment must never be used across fork). Every publish and tag change
@@ -33,22 +41,26 @@ import os
 import struct
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 import lmdb
 
 from paramstore import liveness
-from paramstore.errors import StepOrderError, TagNotFoundError, VersionNotFoundError
+from paramstore.errors import InvalidArgumentError, StepOrderError, TagNotFoundError, VersionNotFoundError
 from paramstore.manifest import Manifest, Version
 
 from ._inotify import FileWatch
-from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
+from .base import (
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_peer, check_peer_id,
+)
 
 __all__ = ["LmdbRegistry"]
 
 _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
-_DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted")
+# Named databases missing from an older store are created when it is opened.
+_DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
+        "peer-objects")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 
 
@@ -122,6 +134,8 @@ class LmdbRegistry(Registry):
         self._lock = threading.Lock()
         self._pid = -1
         self._env: lmdb.Environment | None = None
+        self._announced: set[str] = set()  # peers announced through this object (withdrawn at close)
+        self._inherited_peers: set[str] = set()  # a forked child's copy of its parent's
         self._open()
 
     # -- environment -------------------------------------------------------------------------
@@ -156,6 +170,8 @@ class LmdbRegistry(Registry):
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
+                    self._inherited_peers |= self._announced  # the parent's: never withdrawn here
+                    self._announced = set()
                     self._open()  # inherited across fork: open this process's own environment
         return self._env
 
@@ -169,6 +185,8 @@ class LmdbRegistry(Registry):
 
     def close(self) -> None:
         if self._env is not None and self._pid == os.getpid():
+            for peer_id in sorted(self._announced):
+                self.withdraw_peer(peer_id)
             with _SHARED_LOCK:
                 entry = _SHARED[self._key]
                 entry[1] -= 1
@@ -391,6 +409,114 @@ class LmdbRegistry(Registry):
                     loc = txn.get(t, db=self._dbs["tensors"])
                     if loc is not None and _LOC.unpack(loc)[0] == key:
                         txn.delete(t, db=self._dbs["tensors"])
+
+    # -- peers -------------------------------------------------------------------------------
+    @staticmethod
+    def _peer_record(peer_id: str, raw: bytes) -> tuple[Peer, bool]:
+        r = json.loads(raw)
+        live = r["node"] == liveness.HOST and liveness.alive(r["pid"], r["start"])
+        return Peer(peer_id, r["session"], r["host"], r["pid"], r["started_at"]), live
+
+    def _drop_peer(self, txn: lmdb.Transaction, peer_id: str) -> None:
+        """Delete a peer's record and holdings (inside a write transaction)."""
+        pid = peer_id.encode()
+        txn.delete(pid, db=self._dbs["peers"])
+        prefix = pid + b"\0"
+        cur = txn.cursor(db=self._dbs["peer-objects"])
+        if cur.set_range(prefix):
+            while cur.key().startswith(prefix):
+                txn.delete(cur.key()[len(prefix):] + pid, db=self._dbs["holders"])
+                if not cur.delete():
+                    break
+
+    def _drop_dead(self, dead: Iterable[str]) -> None:
+        """Drop peers found dead (re-checked inside the write transaction)."""
+        with self._write() as txn:
+            for peer_id in dead:
+                raw = txn.get(peer_id.encode(), db=self._dbs["peers"])
+                if raw is None or not self._peer_record(peer_id, raw)[1]:
+                    self._drop_peer(txn, peer_id)
+
+    def announce_peer(self, peer: Peer) -> None:
+        check_peer(peer)
+        self.env  # noqa: B018 -- after fork: reopened (and the parent's peers set aside) first
+        start = liveness.this_process()[1] if peer.pid == os.getpid() else liveness.start_time(peer.pid)
+        if start is None:
+            raise InvalidArgumentError(f"peer {peer.id}: no process {peer.pid} runs on this host")
+        record = {"session": peer.session, "host": peer.host, "pid": peer.pid, "start": start, "node": liveness.HOST,
+                  "started_at": peer.started_at}
+        with self._write(db=self._dbs["peers"]) as txn:
+            txn.put(peer.id.encode(), json.dumps(record).encode())
+        self._announced.add(peer.id)
+
+    def withdraw_peer(self, peer_id: str) -> None:
+        check_peer_id(peer_id)
+        self.env  # noqa: B018 -- after fork: reopened (and the parent's peers set aside) first
+        if peer_id in self._inherited_peers:
+            return  # a forked child: the peer is its parent's
+        self._announced.discard(peer_id)
+        with self._write() as txn:
+            self._drop_peer(txn, peer_id)
+
+    def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
+        check_peer_id(peer_id)
+        objects = check_holdings(objects)
+        pid = peer_id.encode()
+        with self._write() as txn:
+            raw = txn.get(pid, db=self._dbs["peers"])
+            if raw is None or not self._peer_record(peer_id, raw)[1]:
+                raise InvalidArgumentError(f"peer {peer_id} is not announced (or its process is gone)")
+            for d, address in objects.items():
+                key = bytes.fromhex(d)
+                txn.put(key + pid, _STEP.pack(address), db=self._dbs["holders"])
+                txn.put(pid + b"\0" + key, b"", db=self._dbs["peer-objects"])
+
+    def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
+        check_peer_id(peer_id)
+        digests = check_digests(digests)
+        pid = peer_id.encode()
+        with self._write() as txn:
+            for d in digests:
+                key = bytes.fromhex(d)
+                txn.delete(key + pid, db=self._dbs["holders"])
+                txn.delete(pid + b"\0" + key, db=self._dbs["peer-objects"])
+
+    def peers(self) -> list[Peer]:
+        live, dead = [], []
+        with self.env.begin(db=self._dbs["peers"]) as txn:
+            for k, v in txn.cursor():
+                peer, ok = self._peer_record(k.decode(), v)
+                (live if ok else dead).append(peer if ok else peer.id)
+        if dead:
+            self._drop_dead(dead)
+        return live
+
+    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+        digests = check_digests(digests)
+        out: dict[str, list[tuple[Peer, int]]] = {}
+        seen: dict[str, Peer | None] = {}  # peer id -> the peer, None if dead or unknown
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._dbs["holders"])
+            for d in digests:
+                key = bytes.fromhex(d)
+                row = []
+                if cur.set_range(key):
+                    for k, v in cur.iternext():
+                        if k[:32] != key:
+                            break
+                        peer_id = k[32:].decode()
+                        if peer_id not in seen:
+                            raw = txn.get(k[32:], db=self._dbs["peers"])
+                            peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
+                            seen[peer_id] = peer if ok else None
+                        if seen[peer_id] is not None:
+                            row.append((seen[peer_id], _STEP.unpack(v)[0]))
+                if row:
+                    out[d] = row
+        dead = [p for p, peer in seen.items() if peer is None]
+        if dead:
+            self._drop_dead(dead)
+        return out
 
     def watch(self, what: str = "versions") -> Watch:
         return _EventsWatch(self._events[what])

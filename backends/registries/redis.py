@@ -6,20 +6,24 @@ one database (the braces are a Redis Cluster hash tag: a store's keys share one 
 need). Values are JSON, never pickle. A step is written as 20 zero-padded digits (``key(step)``)
 in keys and values alike, so string order is step order for every 64-bit step:
 
-==================  ======  ==========================================================
-key (after prefix)  type    content
-==================  ======  ==========================================================
-``steps``           zset    every ``key(step)``, all with score 0 (ordered by ``ZRANGEBYLEX``)
-``versions``        hash    key(step) -> the version record (``Version.to_json``)
-``manifests``       hash    key(step) -> the manifest (``Manifest.to_json``)
-``refs``            hash    key(step) -> JSON list of the version's object digests
-``persisted``       hash    key(step) -> URL of the remote the version is durable in
-``tags``            hash    tag name -> key(step)
-``tensors``         hash    tensor digest -> ``[object digest, offset, length]``
-``objects``         hash    object digest -> ``{"size": n, "tensors": [digests]}``
-``leases``          set     ids of leases that may be live
-``lease:<id>``      string  ``{"step": key(step), "holder", "pid", "host", "acquired_at"}``, with a TTL
-==================  ======  ==========================================================
+=====================  ======  ==========================================================
+key (after prefix)     type    content
+=====================  ======  ==========================================================
+``steps``              zset    every ``key(step)``, all with score 0 (ordered by ``ZRANGEBYLEX``)
+``versions``           hash    key(step) -> the version record (``Version.to_json``)
+``manifests``          hash    key(step) -> the manifest (``Manifest.to_json``)
+``refs``               hash    key(step) -> JSON list of the version's object digests
+``persisted``          hash    key(step) -> URL of the remote the version is durable in
+``tags``               hash    tag name -> key(step)
+``tensors``            hash    tensor digest -> ``[object digest, offset, length]``
+``objects``            hash    object digest -> ``{"size": n, "tensors": [digests]}``
+``leases``             set     ids of leases that may be live
+``lease:<id>``         string  ``{"step": key(step), "holder", "pid", "host", "acquired_at"}``, with a TTL
+``peers``              set     ids of peers that may be live
+``peer:<id>``          string  ``{"session", "host", "pid", "started_at"}``, with a TTL: live while it exists
+``holders:<digest>``   hash    peer id -> address of the object in that peer's registered memory
+``peer-objects:<id>``  set     the digests the peer announced (the reverse of ``holders:``)
+=====================  ======  ==========================================================
 
 The registry is as durable as the server is configured to be (``appendonly yes`` for a store that
 must survive a Redis restart); object bytes never pass through it.
@@ -48,8 +52,20 @@ dies stops renewing and its leases expire with nobody's help. A lease lost anywa
 longer than the TTL) is taken again if its version still exists, else reported with a warning.
 Liveness is the TTL alone, so leases of other hosts count like local ones.
 
+**Peers: a key with a TTL too** (``lease_ttl_s``), renewed by the same heartbeat while the registry
+object that announced it is open and the peer is not withdrawn; ``close()`` withdraws it. Holdings
+are one hash per object (``holders:<digest>``), so :meth:`~RedisRegistry.holders` is one script (one
+round trip) whose work is the number of digests asked plus their holders, whatever the number of
+peers; it lists a holder only while its ``peer:<id>`` key exists. Holdings carry no TTL: whoever
+reads (``peers()``, ``holders()``) and finds a peer's key gone drops its holdings, through
+``peer-objects:<id>``, in the same script. A peer lost anyway (its process stalled longer than the
+TTL) is announced again, with every object announced through this registry object, and a warning.
+So only the process that runs a peer should withdraw it: another process's withdrawal of a peer
+whose owner is alive is undone by the owner's next heartbeat.
+
 **Fork:** a child re-connects on first use (a connection pool must not cross a fork); the parent's
-leases are neither renewed (the heartbeat thread does not survive fork) nor released by the child.
+leases and peers are neither renewed (the heartbeat thread does not survive fork) nor released or
+withdrawn by the child.
 """
 
 from __future__ import annotations
@@ -62,7 +78,7 @@ import re
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -73,7 +89,9 @@ from paramstore.errors import (
 )
 from paramstore.manifest import Manifest, Version
 
-from .base import Lease, ObjectInfo, Registry, TensorLocation, Watch
+from .base import (
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_peer, check_peer_id,
+)
 
 __all__ = ["RedisRegistry", "mask_url"]
 
@@ -229,6 +247,96 @@ for i, s in ipairs(steps) do recs[i] = redis.call('hget', KEYS[2], s) end
 return {steps, recs, redis.call('hgetall', KEYS[3])}
 """)
 
+# Peers. ARGV[1] is the key prefix ``ps:{ns}:`` (a peer's keys are named by its id and the digests).
+# drop_peer deletes a peer and its holdings; shared by withdrawal and by readers that find it dead.
+_DROP_PEER = """
+local function drop_peer(p, id)
+  local objs = p .. 'peer-objects:' .. id
+  for _, d in ipairs(redis.call('smembers', objs)) do redis.call('hdel', p .. 'holders:' .. d, id) end
+  redis.call('del', objs, p .. 'peer:' .. id)
+  redis.call('srem', p .. 'peers', id)
+end
+"""
+
+# ARGV: prefix, id, record, ttl in ms, then digest, address pairs to announce with it.
+_ANNOUNCE_PEER = _script("""
+local p, id = ARGV[1], ARGV[2]
+redis.call('set', p .. 'peer:' .. id, ARGV[3], 'PX', ARGV[4])
+redis.call('sadd', p .. 'peers', id)
+for i = 5, #ARGV, 2 do
+  redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
+  redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
+end
+return 1
+""")
+
+# ARGV: prefix, id, digest, address, ... Returns 0 if the peer is not live.
+_ANNOUNCE_OBJECTS = _script("""
+local p, id = ARGV[1], ARGV[2]
+if redis.call('exists', p .. 'peer:' .. id) == 0 then return 0 end
+for i = 3, #ARGV, 2 do
+  redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
+  redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
+end
+return 1
+""")
+
+# ARGV: prefix, id, digests...
+_WITHDRAW_OBJECTS = _script("""
+local p, id = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  redis.call('hdel', p .. 'holders:' .. ARGV[i], id)
+  redis.call('srem', p .. 'peer-objects:' .. id, ARGV[i])
+end
+return 0
+""")
+
+# ARGV: prefix, id.
+_WITHDRAW_PEER = _script(_DROP_PEER + "drop_peer(ARGV[1], ARGV[2]) return 0")
+
+# ARGV: prefix. Returns {id, record, ...} of live peers; drops the dead.
+_PEERS = _script(_DROP_PEER + """
+local p, out = ARGV[1], {}
+for _, id in ipairs(redis.call('smembers', p .. 'peers')) do
+  local rec = redis.call('get', p .. 'peer:' .. id)
+  if rec then out[#out + 1] = id; out[#out + 1] = rec else drop_peer(p, id) end
+end
+return out
+""")
+
+# ARGV: prefix, digests... Returns {rows, peers}: rows[i] = {id, address, ...} of the i-th digest's
+# live holders, peers = {id, record, ...} of those holders. Holders found dead are dropped.
+_HOLDERS = _script(_DROP_PEER + """
+local p, rows, recs = ARGV[1], {}, {}
+for i = 2, #ARGV do
+  local held, row = redis.call('hgetall', p .. 'holders:' .. ARGV[i]), {}
+  for j = 1, #held, 2 do
+    local id = held[j]
+    if recs[id] == nil then
+      recs[id] = redis.call('get', p .. 'peer:' .. id)
+      if not recs[id] then drop_peer(p, id) end
+    end
+    if recs[id] then row[#row + 1] = id; row[#row + 1] = held[j + 1] end
+  end
+  rows[i - 1] = row
+end
+local peers = {}
+for id, rec in pairs(recs) do
+  if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
+end
+return {rows, peers}
+""")
+
+
+def _peer(peer_id: str, raw: str) -> Peer:
+    r = json.loads(raw)
+    return Peer(peer_id, r["session"], r["host"], r["pid"], r["started_at"])
+
+
+def _pairs(flat: list[Any]) -> Iterator[tuple[Any, Any]]:
+    return zip(flat[::2], flat[1::2])
+
+
 # A child forked while another thread held a registry's lock would inherit it locked: re-connecting
 # after fork replaces the per-object lock under this module lock, renewed in every child.
 _FORK_LOCK = threading.Lock()
@@ -341,8 +449,10 @@ class RedisRegistry(Registry):
         self._k = {n: p + n for n in ("steps", "versions", "manifests", "refs", "persisted", "tags",
                                       "tensors", "objects", "leases", "events", "lease-events")}
         self._lease_prefix = p + "lease:"
+        self._prefix = p
         self._closed = False
         self._inherited: set[str] = set()  # a forked child's copy of its parent's leases
+        self._inherited_peers: set[str] = set()  # ... and of its parent's peers
         self._connect()
 
     # -- connection --------------------------------------------------------------------------
@@ -356,6 +466,8 @@ class RedisRegistry(Registry):
         self._r, self._db = r, r.connection_pool.connection_kwargs.get("db", 0)
         self._lock = threading.Lock()
         self._held: dict[str, tuple[int, str]] = {}  # lease id -> (step, record), renewed by _beat
+        # peer id -> (record, {digest: address}) of the peers this object announced, renewed by _beat
+        self._peers: dict[str, tuple[str, dict[str, int]]] = {}
         self._beat: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -366,6 +478,7 @@ class RedisRegistry(Registry):
             with _FORK_LOCK:
                 if self._pid != os.getpid():  # inherited across fork: a pool of this process's own
                     self._inherited |= set(self._held)  # (the parent's lock may be held: not taken)
+                    self._inherited_peers |= set(self._peers)
                     self._connect()
         return self._r
 
@@ -380,9 +493,19 @@ class RedisRegistry(Registry):
         return [self._k[n] for n in names]
 
     def close(self) -> None:
-        """Disconnect; leases still held stay renewed until released (as a live process's would)."""
+        """Withdraw this object's peers and disconnect; leases still held stay renewed until released
+        (as a live process's would)."""
         self._closed = True
         if self._pid == os.getpid():
+            with self._lock:
+                mine = list(self._peers)
+                self._peers.clear()  # no longer renewed, whatever happens below
+            for peer_id in mine:
+                try:
+                    self._run(_WITHDRAW_PEER, [], [self._prefix, peer_id], closed_ok=True)
+                except redis.RedisError as e:  # it expires within the TTL anyway
+                    warnings.warn(f"Redis registry at {self.url}: could not withdraw peer {peer_id}: {e}",
+                                  RuntimeWarning, stacklevel=2)
             self._shutdown_if_idle()
 
     def _shutdown_if_idle(self) -> None:
@@ -513,10 +636,14 @@ class RedisRegistry(Registry):
             if not self._take(lease.id, step, record):
                 raise VersionNotFoundError(f"no version at step {step} (pruned?)")
             self._held[lease.id] = (step, record)
-            if self._beat is None:
-                self._beat = threading.Thread(target=self._heartbeat, name="paramstore-lease-heartbeat", daemon=True)
-                self._beat.start()
+            self._start_heartbeat()
         return lease
+
+    def _start_heartbeat(self) -> None:
+        """Start the heartbeat thread unless it runs (``self._lock`` held)."""
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._heartbeat, name="paramstore-registry-heartbeat", daemon=True)
+            self._beat.start()
 
     @_translated
     def release_lease(self, lease_id: str) -> None:
@@ -539,32 +666,119 @@ class RedisRegistry(Registry):
         return out
 
     def _heartbeat(self) -> None:
-        """Extend this object's leases every TTL/3; exits when none is held (``acquire_lease`` restarts it)."""
-        lock, held = self._lock, self._held
+        """Extend this object's leases and peers every TTL/3; exits when it holds none (``acquire_lease``
+        and ``announce_peer`` restart it)."""
+        lock, held, peers = self._lock, self._held, self._peers
         warned = False
         while True:
             time.sleep(self._ttl_ms / 3000)
             with lock:
-                mine = list(held.items())
-                if not mine:
+                mine, ours = list(held.items()), list(peers)
+                if not mine and not ours:
                     self._beat = None
                     return
             try:
                 pipe = self._r.pipeline(transaction=False)
                 for lease_id, _ in mine:
                     pipe.pexpire(self._lease_prefix + lease_id, self._ttl_ms)
-                for (lease_id, (step, record)), kept in zip(mine, pipe.execute()):
+                for peer_id in ours:
+                    pipe.pexpire(self._prefix + "peer:" + peer_id, self._ttl_ms)
+                kept_all = pipe.execute()
+                for (lease_id, (step, record)), kept in zip(mine, kept_all):
                     with lock:  # a lease released meanwhile is not in held: never taken again
                         if kept or lease_id not in held or self._take(lease_id, step, record):
                             continue
                         held.pop(lease_id)
                     warnings.warn(f"lease {lease_id} on step {step} expired (process stalled longer than "
                                   f"{self._ttl_ms / 1000} s?) and its version is gone", RuntimeWarning, stacklevel=1)
+                for peer_id, kept in zip(ours, kept_all[len(mine):]):
+                    with lock:  # a peer withdrawn meanwhile is not in peers: never announced again
+                        if kept or peer_id not in peers:
+                            continue
+                        self._announce(peer_id, *peers[peer_id])
+                    warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) "
+                                  "and was announced again", RuntimeWarning, stacklevel=1)
             except redis.RedisError as e:  # the next beat retries: a lease survives gaps up to 2/3 of its TTL
                 if not warned:
                     warnings.warn(f"Redis registry at {self.url}: lease renewal failed: {e}", RuntimeWarning,
                                   stacklevel=1)
                     warned = True
+
+    # -- peers -------------------------------------------------------------------------------
+    def _announce(self, peer_id: str, record: str, objects: Mapping[str, int]) -> None:
+        args = [x for d, a in objects.items() for x in (d, a)]
+        self._run(_ANNOUNCE_PEER, [], [self._prefix, peer_id, record, self._ttl_ms, *args], closed_ok=True)
+
+    @_translated
+    def announce_peer(self, peer: Peer) -> None:
+        check_peer(peer)
+        self._client()
+        record = json.dumps({"session": peer.session, "host": peer.host, "pid": peer.pid,
+                             "started_at": peer.started_at})
+        with self._lock:  # registered under the lock, so a withdrawal cannot slip in before _peers knows it
+            self._inherited_peers.discard(peer.id)
+            objects = self._peers[peer.id][1] if peer.id in self._peers else {}
+            self._announce(peer.id, record, objects)  # (what a lapse may have dropped comes back)
+            self._peers[peer.id] = (record, objects)
+            self._start_heartbeat()
+
+    @_translated
+    def withdraw_peer(self, peer_id: str) -> None:
+        check_peer_id(peer_id)
+        self._client()
+        if peer_id in self._inherited_peers:
+            return  # a forked child: the peer is its parent's
+        with self._lock:
+            self._peers.pop(peer_id, None)  # from now on the heartbeat cannot announce it again
+        self._run(_WITHDRAW_PEER, [], [self._prefix, peer_id])
+
+    @_translated
+    def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
+        check_peer_id(peer_id)
+        objects = check_holdings(objects)
+        self._client()
+        args = [x for d, a in objects.items() for x in (d, a)]
+        with self._lock:
+            mine = self._peers.get(peer_id)
+            if mine is not None:
+                mine[1].update(objects)  # renewed with the peer from now on
+            if self._run(_ANNOUNCE_OBJECTS, [], [self._prefix, peer_id, *args]):
+                return
+            if mine is None:
+                raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
+            self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
+        warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
+                      "announced again", RuntimeWarning, stacklevel=2)
+
+    @_translated
+    def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
+        check_peer_id(peer_id)
+        digests = check_digests(digests)
+        self._client()
+        with self._lock:  # first forgotten here, so the heartbeat cannot announce them again
+            mine = self._peers.get(peer_id)
+            for d in digests if mine is not None else ():
+                mine[1].pop(d, None)
+        if digests:
+            self._run(_WITHDRAW_OBJECTS, [], [self._prefix, peer_id, *digests])
+
+    @_translated
+    def peers(self) -> list[Peer]:
+        flat = self._run(_PEERS, [], [self._prefix])
+        return sorted((_peer(peer_id, raw) for peer_id, raw in _pairs(flat)), key=lambda peer: peer.id)
+
+    @_translated
+    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+        digests = check_digests(digests)
+        if not digests:
+            return {}
+        rows, flat = self._run(_HOLDERS, [], [self._prefix, *digests])
+        peers = {peer_id: _peer(peer_id, raw) for peer_id, raw in _pairs(flat)}
+        out = {}
+        for d, row in zip(digests, rows):
+            if row:
+                out[d] = sorted(((peers[peer_id], int(a)) for peer_id, a in _pairs(row)), key=lambda x: x[0].id)
+        return out
 
     # -- removal -----------------------------------------------------------------------------
     @_translated
