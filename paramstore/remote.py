@@ -265,21 +265,31 @@ class Remote:
 
     def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None) -> list[str]:
         todo = sorted((o for o in objects if not root.tier.exists(o)), key=lambda o: -objects[o])
+        # Downloads on one pool, verification on another: a hash never holds up the next download.
         with progress(sum(objects[o] for o in todo), what, enabled=show_progress) as bar, \
-                ThreadPoolExecutor(self._concurrency) as pool:
-            def down(o: str) -> None:
-                self._download_verified(root, o)
+                ThreadPoolExecutor(self._concurrency) as io, ThreadPoolExecutor(os.cpu_count() or 2) as cpu:
+            def down(o: str) -> Any:
+                tmp = self._download(root, o)
                 bar.update(objects[o])
-            list(pool.map(down, todo))
+                return cpu.submit(self._verify_and_place, root, o, tmp)
+            for checked in list(io.map(down, todo)):
+                checked.result()
         return todo
 
-    def _download_verified(self, root: StoreRoot, digest: str) -> None:
+    def _download(self, root: StoreRoot, digest: str) -> str:
         tmp = os.path.join(root.tier.tmp_dir, tmp_name())
         try:
-            try:
-                self.tier.download_object(digest, tmp)
-            except FileNotFoundError:
-                raise RemoteError(f"object {digest} of {self.url} is missing") from None
+            self.tier.download_object(digest, tmp)
+        except FileNotFoundError:
+            raise RemoteError(f"object {digest} of {self.url} is missing") from None
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return tmp
+
+    def _verify_and_place(self, root: StoreRoot, digest: str, tmp: str) -> None:
+        try:
             got = rehash_file(tmp)
             if got != digest:
                 raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: its bytes hash to {got}")
@@ -298,6 +308,7 @@ class Remote:
         while True:
             self.tier.put_record(key, body)
             try:
+                self.tier.get_record(_EXCLUSIVE)  # one GET; a missing key costs more through stat
                 mtime = self.tier.record_mtime(_EXCLUSIVE)
             except FileNotFoundError:
                 break

@@ -139,7 +139,13 @@ class RemoteTier:
         return f"objects/{digest[:2]}/{digest}{_SUFFIX}"
 
     def has_object(self, digest: str) -> bool:
-        return bool(self._call("exists", self.fs.exists, self._path(self.object_key(digest))))
+        # One ranged GET: s3fs's exists() costs a HEAD and a LIST for a missing key.
+        try:
+            self._call("exists", self.fs.cat_file, self._path(self.object_key(digest)), start=0, end=1,
+                       missing_ok=True)
+        except FileNotFoundError:
+            return False
+        return True
 
     def objects(self) -> dict[str, tuple[int, float]]:
         """Every object: digest -> (size, last-modified time, seconds since the epoch)."""
