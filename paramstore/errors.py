@@ -23,6 +23,7 @@ __all__ = [
     "LoadError",
     "RegistryError",
     "RemoteError",
+    "TransferError",
 ]
 
 
@@ -92,3 +93,19 @@ class RemoteError(ParamStoreError, OSError):
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+class TransferError(ParamStoreError, ConnectionError):
+    """A peer-to-peer transfer failed: the peer is unreachable, died or froze, refused the range,
+    or the read ran past its timeout; also raised when the transfer engine cannot start.
+
+    ``peer`` is the peer's session (``host:port``, None when no peer was involved) and ``code`` the
+    transfer engine's return code (None when it gave none; see
+    :class:`paramstore.backends.transports.MooncakeTransport` for the codes). After a failed read
+    the destination buffer holds garbage.
+    """
+
+    def __init__(self, message: str, *, peer: str | None = None, code: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.code = code

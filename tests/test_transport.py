@@ -1,0 +1,225 @@
+"""MooncakeTransport between real processes on 127.0.0.1 over TCP (``MC_FORCE_TCP=1``).
+
+A server is this file run as a script: it maps a /dev/shm file the test filled with random bytes
+(read-only, ``MAP_SHARED``), registers it, prints its session and address, and serves until its
+stdin closes. The test process reads from it into its own registered memory and compares bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import pytest
+
+from paramstore.backends.transports import MooncakeTransport
+from paramstore.backends.transports.mooncake import _engine_class
+from paramstore.errors import InvalidArgumentError, StoreClosedError, TransferError
+
+os.environ.setdefault("MC_FORCE_TCP", "1")
+try:
+    _engine_class()  # sets Mooncake's environment defaults (quiet logs), then imports it
+except TransferError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+MiB = 1 << 20
+SHM = "/dev/shm"
+
+
+class Server(NamedTuple):
+    proc: subprocess.Popen
+    session: str
+    addr: int
+    data: np.ndarray  # the bytes it serves
+
+
+def _serve(path: str) -> None:
+    """Server process: map ``path`` read-only, register it, announce, serve until stdin closes."""
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    t = MooncakeTransport("127.0.0.1")
+    print(json.dumps({"session": t.session, "addr": t.register(m)}), flush=True)
+    sys.stdin.read()
+    t.close()
+
+
+@pytest.fixture
+def spawn(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start servers of ``nbytes`` random bytes; all are killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(nbytes: int, seed: int) -> Server:
+        path = f"{SHM}/ps-transport-test-{os.getpid()}-{seed}"
+        data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        data.tofile(path)
+        proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        try:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+        finally:
+            os.unlink(path)  # the server's mapping keeps the bytes
+        assert line, "server did not start"
+        info = json.loads(line)
+        return Server(proc, info["session"], info["addr"], data)
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[MooncakeTransport]:
+    with MooncakeTransport("127.0.0.1", timeout=20) as t:
+        yield t
+
+
+def _dest(t: MooncakeTransport, nbytes: int) -> tuple[mmap.mmap, int]:
+    m = mmap.mmap(-1, nbytes)
+    return m, t.register(m)
+
+
+def test_whole_buffer_and_scattered_ranges(transport: MooncakeTransport, spawn) -> None:
+    srv = spawn(64 * MiB, seed=1)
+    m, dst = _dest(transport, 64 * MiB)
+    got = np.frombuffer(m, np.uint8)
+    transport.read(srv.session, [(dst, srv.addr, 64 * MiB)])  # (a) the whole buffer, 4 slices
+    assert np.array_equal(got, srv.data)
+
+    got[:] = 0  # (b) 2000 scattered ranges, 1 B to 64 KiB, packed front to back into the destination
+    rng = np.random.default_rng(7)
+    reads, at = [], 0
+    for off, n in zip(rng.integers(0, 63 * MiB, 2000), rng.integers(1, 64 << 10, 2000)):
+        reads.append((dst + at, srv.addr + int(off), int(n)))
+        at += int(n)
+    transport.read(srv.session, reads)
+    for local, remote, n in reads:
+        at, off = local - dst, remote - srv.addr
+        assert np.array_equal(got[at:at + n], srv.data[off:off + n])
+    transport.unregister(dst)
+
+
+def test_out_of_range_fails_fast(transport: MooncakeTransport, spawn) -> None:
+    srv = spawn(1 * MiB, seed=2)
+    _, dst = _dest(transport, 2 * MiB)
+    for remote in (srv.addr + MiB, srv.addr + MiB // 2):  # outside; crossing the end
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as e:
+            transport.read(srv.session, [(dst, remote, MiB)])
+        assert time.monotonic() - t0 < 2
+        assert e.value.peer == srv.session and e.value.code == -1
+
+
+def test_peer_killed_mid_read_then_another_peer(transport: MooncakeTransport, spawn) -> None:
+    doomed, live = spawn(128 * MiB, seed=3), spawn(8 * MiB, seed=4)
+    m, dst = _dest(transport, 128 * MiB)
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        doomed.proc.send_signal(signal.SIGKILL)
+
+    threading.Timer(0.3, kill).start()
+    deadline = time.monotonic() + 10
+    with pytest.raises(TransferError) as e:
+        while time.monotonic() < deadline:  # 128 MiB takes ~50-100 ms: the kill lands mid-read
+            transport.read(doomed.session, [(dst, doomed.addr, 128 * MiB)])
+    assert killed_at and time.monotonic() - killed_at[0] < 3, "no prompt failure after the kill"
+    assert e.value.peer == doomed.session
+
+    transport.read(live.session, [(dst, live.addr, 8 * MiB)])  # (f) the same transport still works
+    assert np.array_equal(np.frombuffer(m, np.uint8)[:8 * MiB], live.data)
+    transport.unregister(dst)
+
+
+def test_frozen_peer_times_out_and_its_buffer_stays_mapped(transport: MooncakeTransport, spawn) -> None:
+    srv = spawn(64 * MiB, seed=5)
+    m, dst = _dest(transport, 64 * MiB)
+    transport.read(srv.session, [(dst, srv.addr, MiB)])
+    srv.proc.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        transport.read(srv.session, [(dst, srv.addr, 64 * MiB)], timeout=0.5)
+    assert e.value.code == -2 and time.monotonic() - t0 < 2
+    transport.unregister(dst)
+    with pytest.raises(BufferError):
+        m.close()  # slices still in flight would write into it: kept mapped
+    srv.proc.send_signal(signal.SIGCONT)
+    _, small_dst = _dest(transport, MiB)
+    deadline = time.monotonic() + 10
+    while True:  # each read lets the transport forget the slices the engine has finished
+        try:
+            transport.read(srv.session, [(small_dst, srv.addr, MiB)])
+            m.close()
+            break
+        except (TransferError, BufferError):
+            assert time.monotonic() < deadline, "the abandoned slices never finished"
+            time.sleep(0.1)
+    transport.unregister(small_dst)
+
+
+def test_nobody_listening(transport: MooncakeTransport) -> None:
+    _, dst = _dest(transport, MiB)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        transport.read("127.0.0.1:1", [(dst, 1 << 40, MiB)])
+    assert time.monotonic() - t0 < 5 and e.value.peer == "127.0.0.1:1"
+    transport.unregister(dst)
+
+
+def test_registration_rules(transport: MooncakeTransport) -> None:
+    m = mmap.mmap(-1, 4 * MiB)
+    addr = transport.register(m)
+    assert transport.register(m) == addr  # idempotent
+    with pytest.raises(InvalidArgumentError):
+        transport.register(memoryview(m)[MiB:])  # overlaps
+    with pytest.raises(BufferError):
+        m.close()  # kept mapped while registered
+    with pytest.raises(InvalidArgumentError):
+        transport.read("127.0.0.1:1", [(addr + 3 * MiB, 0, 2 * MiB)])  # destination runs past the buffer
+    ro = memoryview(bytes(MiB))
+    ro_addr = transport.register(ro)
+    with pytest.raises(InvalidArgumentError):
+        transport.read("127.0.0.1:1", [(ro_addr, 0, MiB)])  # read-only: cannot be a destination
+    transport.read("127.0.0.1:1", [])  # nothing to do
+    for a in (addr, ro_addr):
+        transport.unregister(a)
+    with pytest.raises(InvalidArgumentError):
+        transport.unregister(addr)
+    m.close()
+
+
+def test_refused_after_fork_and_close(transport: MooncakeTransport) -> None:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            transport.register(mmap.mmap(-1, 4096))
+        except StoreClosedError:
+            os._exit(0)
+        os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0
+    t = MooncakeTransport()
+    t.close()
+    t.close()
+    with pytest.raises(StoreClosedError):
+        t.read("127.0.0.1:1", [])
+
+
+def test_missing_mooncake_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(TransferError, match=r"pip install 'paramstore\[mooncake\]'.*libibverbs1"):
+        MooncakeTransport()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
