@@ -46,6 +46,30 @@ def _when(ts: float) -> str:
 
 
 # -- commands: each returns (json-able result, text to print, exit code) ----------------------
+def _serve(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+    import signal
+    import threading
+
+    from paramstore.backends.transports.mooncake import MooncakeTransport
+
+    from .peer import PeerServer
+
+    if args.registry is None:
+        raise ParamStoreError("serve needs a registry shared by the hosts: --registry redis://... --name NAME")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with MooncakeTransport(args.host) as transport:
+        server = PeerServer(root, transport)
+        print(f"serving {len(server.served)} objects of {root.path} at {transport.session} "
+              f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
+        try:
+            stop.wait()
+        finally:
+            server.close()
+    return {"session": transport.session, "peer": server.peer.id}, "stopped", 0
+
+
 def _remote(args: argparse.Namespace) -> "Remote":
     from .remote import Remote
 
@@ -250,6 +274,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="store directory (default: $PARAMSTORE_ROOT)")
     p.add_argument("--remote", default=os.environ.get("PARAMSTORE_REMOTE"),
                    help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
+    p.add_argument("--registry", default=os.environ.get("PARAMSTORE_REGISTRY"),
+                   help="registry shared by hosts, redis://[:password@]host:port/db (default: "
+                        "$PARAMSTORE_REGISTRY; none: the LMDB registry in the root)")
+    p.add_argument("--name", default=os.environ.get("PARAMSTORE_NAME"),
+                   help="the store's name in a shared registry (default: $PARAMSTORE_NAME)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
@@ -290,6 +319,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-within", metavar="DURATION", help="e.g. 2h, 30m, 1d12h (from the newest version)")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     sp.add_argument("--tier", choices=("local", "remote"), default="local")
+    add("serve", _serve, "serve this host's objects to other hosts (Mooncake transfer engine; "
+        "no authentication: private networks only)").add_argument(
+        "--host", default=os.environ.get("PARAMSTORE_HOST", "127.0.0.1"),
+        help="address other hosts reach this one at (default: $PARAMSTORE_HOST or 127.0.0.1)")
     sp = add("gc", _gc, "delete objects and temporary files no version references")
     sp.add_argument("--dry-run", action="store_true")
     sp.add_argument("--tier", choices=("local", "remote"), default="local")
@@ -306,7 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.root:
             raise ParamStoreError("no store root: pass --root PATH or set PARAMSTORE_ROOT")
-        root = open_root(args.root, create=False)
+        if args.registry and not args.name:
+            raise ParamStoreError("a shared registry needs --name (or $PARAMSTORE_NAME): the store's name")
+        root = open_root(args.root, create=args.command == "serve", registry=args.registry, name=args.name or "")
         try:
             result, text, code = args.fn(root, args)
         finally:

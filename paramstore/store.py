@@ -31,6 +31,7 @@ from .errors import (
 from . import maintenance
 from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
 from .manifest import Version
+from .peer import FetchReport, PeerServer, fetch
 from .persist import Persister
 from .remote import Remote, TransferReport
 from .retention import Policy
@@ -40,6 +41,7 @@ from .tensors import collect
 from .validate import check_metadata, check_metrics, check_tag
 
 from paramstore.backends.registries.base import Lease, Registry
+from paramstore.backends.transports.base import Transport
 from paramstore.backends.tiers.local import SlabPool
 
 __all__ = ["ParamStore"]
@@ -129,6 +131,10 @@ class ParamStore:
             self._root, self._remote, retry_for=persist_retry_for,
             on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None)
         self._prepare = prepare_buffers
+        self._peer: PeerServer | None = None
+        self._transport: Transport | None = None
+        self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
+        self.last_fetch: FetchReport | None = None  # what the last checkout fetched from peers
         self._closed = False
         self._owner = os.getpid()
         # A script that commits and exits without close() must not lose the in-flight commit.
@@ -353,10 +359,41 @@ class ParamStore:
             return self._remote.resolve(version)
 
     def _ensure_local(self, step: int, manifest: Any) -> None:
-        # A version registered by another host (shared registry) may lack bytes here: fetch them.
+        # A version registered by another host (shared registry) may lack bytes here: fetch them
+        # from the peers that hold them, then from the remote tier.
         tier = self._root.tier
-        if self._remote is not None and not all(tier.exists(o) for o in manifest.objects()):
+        missing = [o for o in manifest.objects() if not tier.exists(o)]
+        if missing and self._root.registry.peers():
+            sizes = self._root.registry.objects()
+            self.last_fetch = fetch(self._root, self._get_transport(), {o: sizes[o] for o in missing if o in sizes},
+                                    server=self._peer)
+            missing = [o for o in missing if not tier.exists(o)]
+        if missing and self._remote is not None:
             self._remote.fetch(self._root, step)
+
+    # -- peers -------------------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", *, transport: Transport | None = None) -> PeerServer:
+        """Serve this host's objects to other hosts (one server per host is enough).
+
+        Registers the host's shared-memory objects with a Mooncake transfer engine listening on
+        ``host`` (an address other hosts reach; the engine has no authentication: use a private
+        network) and announces them in the registry, which must be shared by the hosts
+        (``registry="redis://..."``). Checkouts in this process then also announce what they fetch.
+        """
+        self._check_open()
+        if self._peer is None:
+            if transport is not None:
+                self._transport = transport
+            self._transport_host = host
+            self._peer = PeerServer(self._root, self._get_transport())
+        return self._peer
+
+    def _get_transport(self) -> Transport:
+        if self._transport is None:
+            from paramstore.backends.transports.mooncake import MooncakeTransport
+
+            self._transport = MooncakeTransport(self._transport_host)
+        return self._transport
 
     def _pull_if_remote(self, step: int) -> bool:
         try:
@@ -564,6 +601,10 @@ class ParamStore:
             self._persister.close()  # every committed version is pushed (or has failed) first
         if self._maintainer is not None:
             self._maintainer.close()
+        if self._peer is not None:
+            self._peer.close()
+        if self._transport is not None:
+            self._transport.close()
         self._pool.close()
         self._root.close()
 

@@ -1,0 +1,75 @@
+"""One "host" of the multi-host tests: its own store root, peer server and transfer engine.
+
+Run as ``python peer_host.py ROOT REGISTRY NAME ROLE [ARGS]``; it prints one JSON line per event
+on stdout and reads commands from stdin:
+
+* ``trainer``: serves, then for each stdin line ``commit STEP SEED CHANGED`` commits
+  :func:`model` and prints ``{"committed": step, "session": ...}``.
+* ``rollout``: serves, then for each stdin line ``checkout STEP`` checks the step out, compares
+  every tensor with :func:`model` and prints what it read from which peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("MC_FORCE_TCP", "1")
+
+from paramstore import ParamStore  # noqa: E402
+
+TENSORS, SHAPE = 16, (1024, 1024)  # 16 x 4 MiB float32 = 64 MiB
+
+
+def model(seed: int, changed: int = TENSORS) -> dict[str, torch.Tensor]:
+    """Version ``seed``: the first ``changed`` tensors depend on ``seed``, the others on nothing."""
+    out = {}
+    for i in range(TENSORS):
+        g = torch.Generator().manual_seed((seed if i < changed else 0) * 1000 + i)
+        out[f"layer{i:02d}.weight"] = torch.randn(SHAPE, generator=g)
+    return out
+
+
+def say(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def main() -> None:
+    root, registry, name, role = sys.argv[1:5]
+    with ParamStore(root, registry=registry, name=name, shard_size_bytes=int(os.environ.get("PEER_HOST_SHARD", 32 << 20))) as store:
+        server = store.serve("127.0.0.1")
+        say(ready=True, session=server.peer.session, peer=server.peer.id)
+        for line in sys.stdin:
+            cmd, *args = line.split()
+            if cmd == "commit":
+                step, seed, changed = map(int, args)
+                store.commit(step, model(seed, changed)).result()
+                server.sync()  # announce now rather than on the next rescan
+                say(committed=step)
+            elif cmd == "checkout":
+                step, seed, changed = map(int, args)
+                with store.checkout(step) as snap:
+                    want = model(seed, changed)
+                    ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
+                report = store.last_fetch
+                say(step=step, ok=ok, bytes_from=dict(report.bytes_from) if report else {},
+                    fetched=len(report.fetched) if report else 0, missing=len(report.missing) if report else 0,
+                    rejected=dict(report.rejected) if report else {})
+            elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
+                for digest in server.served:
+                    with open(store._root.tier.object_path(digest), "r+b") as f:
+                        for pos in range(4096, os.fstat(f.fileno()).st_size, 1 << 20):
+                            f.seek(pos)
+                            byte = f.read(1)
+                            f.seek(pos)
+                            f.write(bytes([byte[0] ^ 0xFF]))
+                say(corrupted=len(server.served))
+            elif cmd == "quit":
+                break
+
+
+if __name__ == "__main__":
+    main()

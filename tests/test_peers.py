@@ -1,0 +1,124 @@
+"""Peer-to-peer between "hosts" on one machine: separate roots, separate processes, each with its own
+Mooncake transfer engine over TCP on 127.0.0.1, sharing a real redis-server as the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import peer_host
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
+
+MODEL_BYTES = peer_host.TENSORS * 4 * 1024 * 1024
+HOST_SCRIPT = os.path.join(os.path.dirname(__file__), "peer_host.py")
+
+
+class Host:
+    """A host process; ``send`` a command, ``expect`` its JSON reply."""
+
+    def __init__(self, root: str, registry: str, name: str, role: str) -> None:
+        env = dict(os.environ, MC_FORCE_TCP="1")
+        self.proc = subprocess.Popen([sys.executable, HOST_SCRIPT, root, registry, name, role],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        hello = self.expect(60)
+        self.session, self.peer = hello["session"], hello["peer"]
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, timeout: float = 120) -> dict:
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not out or not out[0]:
+            raise AssertionError(f"host {self.proc.pid} said nothing within {timeout} s (exit {self.proc.poll()})")
+        return json.loads(out[0])
+
+    def ask(self, line: str, timeout: float = 120) -> dict:
+        self.send(line)
+        return self.expect(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(20)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def hosts(redis_url, shm_dir):
+    name = f"peers-{uuid.uuid4().hex[:8]}"
+    made: list[Host] = []
+
+    def start(role: str) -> Host:
+        made.append(Host(os.path.join(shm_dir, f"host{len(made)}"), redis_url, name, role))
+        return made[-1]
+
+    yield start
+    for h in made:
+        h.close()
+
+
+def test_three_rollout_hosts_fetch_from_the_trainer_and_each_other(hosts):
+    trainer = hosts("trainer")
+    rollouts = [hosts("rollout") for _ in range(3)]
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    for r in rollouts:  # at once
+        r.send("checkout 1 1 16")
+    replies = [r.expect() for r in rollouts]
+    assert all(rep["ok"] and rep["missing"] == 0 for rep in replies), replies
+    egress = sum(rep["bytes_from"].get(trainer.session, 0) for rep in replies)
+    total = sum(sum(rep["bytes_from"].values()) for rep in replies)
+    assert total >= 3 * MODEL_BYTES * 0.99  # every host got a whole model...
+    print(f"trainer egress {egress / MODEL_BYTES:.2f} model sizes for 3 hosts")
+    assert egress <= 1.8 * MODEL_BYTES  # ...most of it from each other (swarm), not from the trainer
+
+
+def test_delta_moves_only_changed_objects(hosts):
+    trainer, rollout = hosts("trainer"), hosts("rollout")
+    trainer.ask("commit 1 1 0")  # the base model
+    first = rollout.ask("checkout 1 1 0")
+    assert first["ok"]
+    trainer.ask("commit 2 2 2")  # 2 of 16 tensors changed (12.5% of the bytes)
+    second = rollout.ask("checkout 2 2 2")
+    assert second["ok"]
+    moved = sum(second["bytes_from"].values())
+    changed_bytes = 2 * 4 * 1024 * 1024
+    assert changed_bytes <= moved <= 1.1 * changed_bytes + (64 << 10)
+
+
+def test_corrupt_peer_is_rejected_and_bytes_come_from_another(hosts):
+    trainer, bad = hosts("trainer"), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    assert bad.ask("checkout 1 1 16")["ok"]
+    assert bad.ask("corrupt")["corrupted"] > 0  # every MiB of its objects now has a wrong byte
+    reply = hosts("rollout").ask("checkout 1 1 16")
+    assert reply["bytes_from"].get(bad.session, 0) > 0  # it did serve (corrupt) slices...
+    assert reply["ok"] and reply["missing"] == 0  # ...which verification rejected
+
+
+def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
+    trainer, first = hosts("trainer"), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    assert first.ask("checkout 1 1 16")["ok"]
+    second = hosts("rollout")
+    second.send("checkout 1 1 16")
+    time.sleep(0.05)  # mid-transfer (or just before it): either way it must finish from the trainer
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    reply = second.expect()
+    assert reply["ok"] and reply["missing"] == 0
