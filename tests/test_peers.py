@@ -122,3 +122,32 @@ def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
     first.proc.wait()
     reply = second.expect()
     assert reply["ok"] and reply["missing"] == 0
+
+
+def test_paramstore_serve_cli(redis_url, shm_dir):
+    from paramstore import ParamStore
+
+    name = f"serve-{uuid.uuid4().hex[:8]}"
+    root = os.path.join(shm_dir, "served")
+    with ParamStore(root, registry=redis_url, name=name) as s:
+        s.commit(1, peer_host.model(3, 16)).result()
+    env = dict(os.environ, MC_FORCE_TCP="1", PARAMSTORE_REGISTRY=redis_url, PARAMSTORE_NAME=name)
+    serve = subprocess.Popen([sys.executable, "-m", "paramstore.cli", "--root", root, "serve"],
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = serve.stderr.readline()
+        while line and "serving" not in line:
+            line = serve.stderr.readline()
+        session = line.split(" at ")[1].split()[0]
+        rollout = Host(os.path.join(shm_dir, "rollout"), redis_url, name, "rollout")
+        try:
+            reply = rollout.ask("checkout 1 3 16")
+            assert reply["ok"] and set(reply["bytes_from"]) == {session}  # all from the CLI's peer
+            assert reply["bytes_from"][session] >= MODEL_BYTES
+        finally:
+            rollout.close()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+    finally:
+        serve.kill()
+        serve.wait()
