@@ -62,7 +62,7 @@ class PeerServer:
         self._interval = interval
         self.peer = Peer(uuid.uuid4().hex, transport.session, liveness.HOST, os.getpid(), time.time())
         self._served: dict[str, tuple[mmap.mmap, int]] = {}  # digest -> (read-only map, address)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # held across sync() and serve(): the rescan thread and callers
         self._stop = threading.Event()
         root.registry.announce_peer(self.peer)
         self.sync()
@@ -71,39 +71,36 @@ class PeerServer:
 
     def sync(self) -> None:
         """Serve every object the tier holds now; stop serving those GC removed."""
-        present = set(self._root.tier.list())
         with self._lock:
+            present = set(self._root.tier.list())
             gone = [d for d in self._served if d not in present]
-        if gone:
-            self._root.registry.withdraw_objects(self.peer.id, gone)
-            for d in gone:
-                self._drop(d)
-        self.serve(present)
+            if gone:
+                self._root.registry.withdraw_objects(self.peer.id, gone)
+                for d in gone:
+                    self._drop(d)
+            self.serve(present)
 
     def serve(self, digests: Iterable[str]) -> None:
         """Map, register and announce these local objects (those already served are skipped)."""
-        new: dict[str, int] = {}
-        for d in digests:
-            with self._lock:
+        with self._lock:
+            new: dict[str, int] = {}
+            for d in digests:
                 if d in self._served:
                     continue
-            try:
-                m = self._root.tier.map(d, private=False)
-            except FileNotFoundError:
-                continue  # collected meanwhile
-            addr = self._transport.register(m)
-            with self._lock:
-                self._served[d] = (m, addr)
-            new[d] = addr
-        if new:
-            self._root.registry.announce_objects(self.peer.id, new)
+                try:
+                    m = self._root.tier.map(d, private=False)
+                except FileNotFoundError:
+                    continue  # collected meanwhile
+                self._served[d] = (m, self._transport.register(m))
+                new[d] = self._served[d][1]
+            if new:
+                self._root.registry.announce_objects(self.peer.id, new)
 
     def _drop(self, digest: str) -> None:
         with self._lock:
-            m, addr = self._served.pop(digest)
-        self._transport.unregister(addr)
-        with contextlib.suppress(BufferError):
-            m.close()
+            entry = self._served.pop(digest, None)
+        if entry is not None:
+            _retire(self._transport, entry[1], entry[0])
 
     def _loop(self) -> None:
         with self._root.registry.watch() as watch:
@@ -221,10 +218,8 @@ class _Fetch:
                         with self.lock:
                             self.report.rejected[peer[0].session] += 1
             finally:
-                _unregister(self.transport, self.addr)
+                _retire(self.transport, self.addr, m)  # its slices were announced: readers may be mid-read
         finally:
-            with contextlib.suppress(BufferError):
-                m.close()
             if placed:
                 self.root.tier.publish_file(path, self.digest)
                 if self.server is not None:
@@ -296,6 +291,19 @@ def _slice_key(digest: str, index: int) -> str:
     return blake3.blake3(b"paramstore/slice/v1\0" + bytes.fromhex(digest) + index.to_bytes(8, "big")).hexdigest()
 
 
-def _unregister(transport: Transport, addr: int) -> None:
-    with contextlib.suppress(ParamStoreError):
-        transport.unregister(addr)
+#: How long memory stays registered after its announcement is withdrawn: a host that looked the
+#: holders up just before may still be reading it.
+RETIRE_AFTER_S = 2.0
+
+
+def _retire(transport: Transport, addr: int, m: mmap.mmap) -> None:
+    """Unregister and unmap ``m`` after :data:`RETIRE_AFTER_S` (on a timer thread)."""
+    def done() -> None:
+        with contextlib.suppress(ParamStoreError):
+            transport.unregister(addr)
+        with contextlib.suppress(BufferError):
+            m.close()
+
+    timer = threading.Timer(RETIRE_AFTER_S, done)
+    timer.daemon = True
+    timer.start()
