@@ -39,6 +39,9 @@ test: install
 bench: install
 	$(BIN)/python tools/bench_core.py
 	$(BIN)/python tools/bench_retention.py
+	$(BIN)/python tools/bench_remote.py
+	$(BIN)/python tools/bench_transport.py
+	$(BIN)/python tools/bench_peers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
