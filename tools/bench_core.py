@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from baselines import bare_copy, make_state_dict, preallocate_like  # noqa: E402
+from benchlib import log, stats  # noqa: E402
 
 GIB = 1 << 30
 PARTS = ("commit", "checkout", "load", "dedup", "ls", "safetensors")
@@ -61,17 +62,6 @@ PARTS = ("commit", "checkout", "load", "dedup", "ls", "safetensors")
 # ------------------------------------------------------------------------------------------------
 # small helpers
 # ------------------------------------------------------------------------------------------------
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def stats(xs: list[float]) -> dict[str, Any]:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return {"median": None, "best": None, "n": 0, "all": []}
-    return {"median": statistics.median(xs), "best": min(xs), "n": len(xs), "all": xs}
-
-
 def paired(ps: list[float], base: list[float]) -> dict[str, Any]:
     """Median of per-round ratios, and best / best."""
     pairs = [(a, b) for a, b in zip(ps, base) if a is not None and b]

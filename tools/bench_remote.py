@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from baselines import make_state_dict
+from benchlib import log, stats  # noqa: E402
 
 MIB = 1 << 20
 BUCKET = "paramstore-bench"
@@ -68,17 +69,6 @@ SUFFIX = ".safetensors"
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def stats(xs: list[float]) -> dict[str, Any]:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return {"median": None, "best": None, "n": 0, "all": []}
-    return {"median": statistics.median(xs), "best": min(xs), "n": len(xs), "all": xs}
-
-
 def speedup(ps: list[float], raw: list[float]) -> dict[str, Any]:
     """Throughput ratio paramstore / raw = raw time / paramstore time: the median of the
     per-round ratios, and best raw / best paramstore."""
