@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from baselines import bare_copy, make_state_dict, preallocate_like  # noqa: E402
-from benchlib import log, stats  # noqa: E402
+from benchlib import CpuMeter, log, stats, wait_quiet  # noqa: E402
 
 GIB = 1 << 30
 PARTS = ("commit", "checkout", "load", "dedup", "ls", "safetensors")
@@ -181,52 +181,6 @@ class CpuSteal:
         d = [b - a for a, b in zip(self.start, end)]
         total = sum(d[:8]) or 1
         return {"busy_pct": 100.0 * (total - d[3] - d[4]) / total, "steal_pct": 100.0 * d[7] / total}
-
-
-def _proc_ticks(pid: int) -> int:
-    """utime + stime (+ waited-for children) of a process, in clock ticks (0 if gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return sum(int(x) for x in fields[11:15])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-class CpuMeter:
-    """Machine CPU use between start and stop, split into ours (this process and the reader) and
-    foreign (everything else on the machine: the noise)."""
-
-    def __init__(self, pids: Callable[[], list[int]]) -> None:
-        self._pids = pids
-        self.start()
-
-    def _sample(self) -> tuple[int, int, int]:
-        s = CpuSteal.read() or [0] * 8
-        total, busy = sum(s[:8]), sum(s[:8]) - s[3] - s[4]
-        return total, busy, sum(_proc_ticks(p) for p in self._pids())
-
-    def start(self) -> None:
-        self._t0 = self._sample()
-
-    def stop(self) -> dict[str, float]:
-        t1 = self._sample()
-        total = max(1, t1[0] - self._t0[0])
-        busy, ours = t1[1] - self._t0[1], t1[2] - self._t0[2]
-        return {"busy_pct": round(100.0 * busy / total, 1), "foreign_pct": round(100.0 * max(0, busy - ours) / total, 1)}
-
-
-def wait_quiet(meter: CpuMeter, max_wait: float, threshold_pct: float = 10.0) -> dict[str, float]:
-    """Wait (up to ``max_wait`` s) for a second in which other processes use < ``threshold_pct``
-    of the machine's CPU (one busy core of two is 50%)."""
-    t0 = time.perf_counter()
-    while True:
-        meter.start()
-        time.sleep(1.0)
-        u = meter.stop()
-        if u["foreign_pct"] < threshold_pct or time.perf_counter() - t0 >= max_wait:
-            return {"waited_s": round(time.perf_counter() - t0, 1), **u}
-        time.sleep(1.0)
 
 
 def machine() -> dict[str, Any]:
@@ -490,7 +444,7 @@ class Ctx:
         if self.quiet_budget <= 0 or self.meter is None:
             return
         q = wait_quiet(CpuMeter(lambda: [os.getpid()] + ([self.reader.proc.pid] if self.reader else [])),
-                       min(10.0, self.quiet_budget))
+                       min(10.0, self.quiet_budget), pause_s=1.0)
         self.quiet_budget -= q["waited_s"]
 
     @property
@@ -1026,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in PARTS:
             if name not in only:
                 continue
-            q = wait_quiet(meter, args.wait_quiet) if args.wait_quiet > 0 else {}
+            q = wait_quiet(meter, args.wait_quiet, pause_s=1.0) if args.wait_quiet > 0 else {}
             log(f"--- {name} (machine before: {q})")
             t0 = time.perf_counter()
             meter.start()

@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from baselines import make_state_dict
-from benchlib import log, stats  # noqa: E402
+from benchlib import CpuMeter, log, stats, wait_quiet  # noqa: E402
 
 MIB = 1 << 20
 BUCKET = "paramstore-bench"
@@ -189,44 +189,6 @@ def raw_get(fs: Any, sizes: dict[str, int], prefix: str, dest: str, cfg: dict[st
     return time.perf_counter() - t0
 
 
-class CpuMeter:
-    """CPU of the whole machine between start and stop, split into ours (this process: both
-    sides and the moto server) and foreign (everything else: the noise)."""
-
-    @staticmethod
-    def _sample() -> tuple[int, int, int]:
-        try:
-            with open("/proc/stat") as f:
-                t = [int(x) for x in f.readline().split()[1:9]]
-            with open("/proc/self/stat") as f:
-                mine = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
-        except (OSError, ValueError):
-            return 0, 0, 0
-        return sum(t), sum(t) - t[3] - t[4], mine
-
-    def start(self) -> None:
-        self._t0 = self._sample()
-
-    def stop(self) -> dict[str, float]:
-        t1 = self._sample()
-        total = max(1, t1[0] - self._t0[0])
-        busy, ours = t1[1] - self._t0[1], t1[2] - self._t0[2]
-        return {"busy_pct": round(100.0 * busy / total, 1), "foreign_pct": round(100.0 * max(0, busy - ours) / total, 1)}
-
-
-def wait_quiet(max_wait: float, threshold_pct: float = 10.0) -> dict[str, float]:
-    """Wait (up to ``max_wait`` s) for half a second in which other processes use less than
-    ``threshold_pct`` of the machine's CPU (other people's test runs share this machine)."""
-    m = CpuMeter()
-    t0 = time.perf_counter()
-    while True:
-        m.start()
-        time.sleep(0.5)
-        u = m.stop()
-        if u["foreign_pct"] < threshold_pct or time.perf_counter() - t0 >= max_wait:
-            return {"waited_s": round(time.perf_counter() - t0, 1), **u}
-
-
 def transfer_round(i: int, s3: S3, src: str, step: int, files: dict[str, str], shm: str,
                    wait: float) -> dict[str, Any]:
     """One round: push then pull, each side by side (paramstore first in even rounds)."""
@@ -247,7 +209,7 @@ def transfer_round(i: int, s3: S3, src: str, step: int, files: dict[str, str], s
         r["ps_open_s"] = time.perf_counter() - t0
         cfg = transfer_settings(pusher)
         fs = s3.raw_fs(cfg["parts"])
-        r["quiet"] = wait_quiet(wait) if wait > 0 else None
+        r["quiet"] = wait_quiet(CpuMeter(), wait, window_s=0.5) if wait > 0 else None
 
         # -- push ------------------------------------------------------------------------------
         def ps_push() -> None:
