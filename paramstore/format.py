@@ -21,8 +21,10 @@ Digests (blake3, hex):
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -30,6 +32,8 @@ import blake3
 
 __all__ = [
     "rehash",
+    "tensor_spans",
+    "ObjectHasher",
     "ITEMSIZE",
     "DATA_ALIGN",
     "TensorSpec",
@@ -197,25 +201,110 @@ def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> 
     return h.hexdigest()
 
 
-def rehash(buf: memoryview) -> tuple[str, dict[int, str]]:
+def rehash(buf: memoryview) -> tuple[str, dict[tuple[int, int], str]]:
     """Recompute an object's digest from all of its bytes (what ``verify`` and a pull check).
 
-    Returns the object digest and each tensor's digest keyed by absolute offset. Raises
+    Returns the object digest and each tensor's digest keyed by its absolute ``(begin, end)``
+    (an empty tensor starts where the next one does). Raises
     ``ValueError`` if ``buf`` is not a well-formed paramstore object (a malformed header, or
     tensors that do not tile the data section exactly).
     """
+    start, spans = tensor_spans(buf)
+    digests = {(b, e): tensor_digest(buf[b:e]) for b, e in spans}
+    return object_digest(buf[:start], [digests[s] for s in spans]), digests
+
+
+def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """``(data_start, [(begin, end), ...])``: the tensors' byte ranges of an object, in file order.
+
+    Reads only the header from ``buf``; ``size`` is the object's size (default ``len(buf)``).
+    Raises ``ValueError`` unless the tensors tile the data section exactly.
+    """
+    size = len(buf) if size is None else size
     start, entries = parse_header(buf)
     try:
         spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
                        for e in entries.values())
-    except (KeyError, TypeError, IndexError) as e:
+    except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"malformed header entry: {e!r}") from e
     pos = start
     for b, e in spans:
         if b != pos or e < b:
             raise ValueError("data offsets do not tile the file")
         pos = e
-    if pos != len(buf):
-        raise ValueError(f"{len(buf) - pos} bytes past the last tensor")
-    digests = {b: tensor_digest(buf[b:e]) for b, e in spans}
-    return object_digest(buf[:start], [digests[b] for b, _ in spans]), digests
+    if pos != size:
+        raise ValueError(f"{size - pos} bytes past the last tensor")
+    return start, spans
+
+
+class ObjectHasher:
+    """An object's digest, computed while its bytes arrive in any order; each byte hashed once.
+
+    The receiver calls :meth:`arrived` for each range of ``buf`` that holds its final bytes. Each
+    tensor is hashed from its start as far as the bytes are there, so when bytes come roughly in
+    order, hashing overlaps the transfer and little is left when the last byte lands. Thread-safe;
+    the hashing runs in the thread calling :meth:`arrived` (blake3 releases the GIL).
+    """
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+        self._have: list[list[int]] = []  # merged [begin, end) ranges that arrived, sorted
+        self._lock = threading.Lock()
+        self._start = -1  # data start, once the header arrived
+        self._spans: list[tuple[int, int]] = []
+        self._pos: list[int] = []  # per tensor: hashed up to here
+        self._hashers: list[blake3.blake3] = []
+        self._error = ""
+
+    def arrived(self, begin: int, end: int) -> None:
+        """``buf[begin:end]`` is final: hash whatever it makes ready."""
+        with self._lock:
+            self._add(begin, end)
+            if self._start < 0 and not self._error:
+                self._parse()
+            for i, (_, e) in enumerate(self._spans):
+                pos = self._pos[i]
+                reach = min(e, self._reach(pos))
+                if reach > pos:
+                    self._hashers[i].update(self._buf[pos:reach])
+                    self._pos[i] = reach
+
+    def digest(self) -> str:
+        """The object digest; ``ValueError`` if the bytes are not a well-formed object or some
+        have not arrived."""
+        with self._lock:
+            if self._error:
+                raise ValueError(self._error)
+            if self._start < 0 or any(p < e for p, (_, e) in zip(self._pos, self._spans)):
+                raise ValueError("not every byte has arrived")
+            return object_digest(self._buf[: self._start], [h.hexdigest() for h in self._hashers])
+
+    def _add(self, begin: int, end: int) -> None:
+        have = self._have
+        i = bisect.bisect_left(have, [begin, -1])
+        if i and have[i - 1][1] >= begin:
+            i -= 1
+        j = i
+        while j < len(have) and have[j][0] <= end:
+            begin, end = min(begin, have[j][0]), max(end, have[j][1])
+            j += 1
+        have[i:j] = [[begin, end]]
+
+    def _reach(self, pos: int) -> int:
+        """End of the arrived run holding ``pos`` (``pos`` itself if it has not arrived)."""
+        i = bisect.bisect_right(self._have, [pos, float("inf")]) - 1
+        return self._have[i][1] if i >= 0 and self._have[i][1] > pos else pos
+
+    def _parse(self) -> None:
+        if self._reach(0) < 8:
+            return
+        (n,) = struct.unpack_from("<Q", self._buf, 0)
+        if self._reach(0) < min(8 + n, len(self._buf)):
+            return
+        try:
+            self._start, self._spans = tensor_spans(self._buf)
+        except ValueError as e:
+            self._error = f"malformed ({e})"
+            return
+        self._pos = [b for b, _ in self._spans]
+        self._hashers = [blake3.blake3(max_threads=1) for _ in self._spans]

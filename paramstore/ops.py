@@ -40,10 +40,11 @@ def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False,
             reg.release_lease(lease_id)
 
 
-def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[int, str]]:
+def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
     """Rehash object ``digest`` from its bytes.
 
-    Returns the recomputed object digest and each tensor's digest keyed by absolute offset.
+    Returns the recomputed object digest and each tensor's digest keyed by its absolute
+    ``(begin, end)``.
     Raises CorruptObjectError if the file is not a well-formed paramstore object.
     """
     m = root.tier.map(digest, private=False)
@@ -73,11 +74,11 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
 
 def _verify(root: StoreRoot, selected: list[int], whole: bool, show_progress: bool) -> dict[str, Any]:
     reg = root.registry
-    refs: dict[str, list[tuple[int, str, int, str]]] = {}  # object -> (step, name, offset, digest)
+    refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}  # object -> (step, name, span, digest)
     for s in selected:
         man = reg.get_manifest(s)
         for name, e in man.tensors.items():
-            refs.setdefault(e.object, []).append((s, name, e.offset, e.digest))
+            refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
     corrupt: dict[str, str] = {}
     missing: list[str] = []
     sizes = {o: root.tier.size(o) for o in refs if root.tier.exists(o)}
@@ -94,7 +95,7 @@ def _verify(root: StoreRoot, selected: list[int], whole: bool, show_progress: bo
                 if got != obj:
                     corrupt[obj] = f"bytes hash to {got}"
                 else:
-                    bad = [f"step {s} {n!r}" for s, n, off, d in refs[obj] if tensor_digests.get(off) != d]
+                    bad = [f"step {s} {n!r}" for s, n, span, d in refs[obj] if tensor_digests.get(span) != d]
                     if bad:
                         corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
             bar.update(sizes[obj])

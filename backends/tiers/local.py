@@ -161,7 +161,7 @@ class SlabPool:
         self._pin = pin
         self._free: dict[int, list[Slab]] = {}
         self._lock = threading.Lock()
-        self._want: list[int] = []
+        self._want: dict[str, list[int]] = {}  # purpose ("commit", "fetch") -> sizes
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -201,15 +201,18 @@ class SlabPool:
                 return
         slab.discard()
 
-    def prepare(self, sizes: list[int]) -> None:
+    def prepare(self, sizes: list[int], *, purpose: str = "commit") -> None:
         """Make sure slabs of these sizes (one per entry) are ready, in the background.
 
-        Pooled slabs beyond these are deleted: the pool holds at most one commit's worth.
+        ``purpose`` names whose next use they are for (``"commit"``: the next commit's layout;
+        ``"fetch"``: the objects the last fetch received): a call replaces that purpose's sizes.
+        Pooled slabs beyond all purposes' sizes are deleted: the pool holds at most one commit's
+        and one fetch's worth.
         """
         with self._lock:
-            self._want = list(sizes)
+            self._want[purpose] = list(sizes)
             budget: dict[int, int] = {}
-            for s in sizes:
+            for s in self._wanted():
                 budget[s] = budget.get(s, 0) + 1
             extra = []
             for s, free in self._free.items():
@@ -242,12 +245,15 @@ class SlabPool:
         # Sizes wanted but not yet in the pool (called with the lock held).
         have = {s: len(v) for s, v in self._free.items()}
         out = []
-        for s in self._want:
+        for s in self._wanted():
             if have.get(s, 0) > 0:
                 have[s] -= 1
             else:
                 out.append(s)
         return out
+
+    def _wanted(self) -> list[int]:
+        return [s for sizes in self._want.values() for s in sizes]
 
     def close(self) -> None:
         """Stop preparing and delete every pooled slab (in a forked child: just forget them)."""
