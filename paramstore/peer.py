@@ -5,13 +5,13 @@
   the transport and announces ``{object digest: address}`` in the (shared) registry; it follows
   commits, pulls and GC. It serves only registered object memory, and only objects it announced.
 * :func:`fetch` — what a checkout runs for the objects of a version its host lacks: each object is
-  read straight into a new file of the local tier (registered memory, no intermediate copy), in
-  slices spread over every peer that announced it; a slice whose peer fails is read again from
-  another one. The file is re-hashed (blake3, both levels) and renamed into place only if it matches
-  its name; if the mixed read does not, the object is read again from one peer at a time, so a
-  peer serving bad bytes is skipped. Objects no peer could deliver are left for the remote tier.
-  Then the object is announced by this process's server, if it runs one (swarm: the next host can
-  fetch it from here).
+  read straight into a pre-faulted slab of the local tier (registered memory, no intermediate
+  copy), in slices spread over every peer that announced it or the slice; a slice whose peer fails
+  is read again from another one. Slices are hashed as they arrive (:class:`ObjectHasher`); the
+  slab is renamed into place only if the digest matches its name; if the mixed read does not, the
+  object is read again from one peer at a time, so a peer serving bad bytes is skipped. Objects no
+  peer could deliver are left for the remote tier. Then the object is announced by this process's
+  server, if it runs one (swarm: the next host can fetch it from here).
 
 Delta comes from content addressing: unchanged tensors stay in the objects a host already holds, so
 only objects with changed tensors move.
@@ -28,17 +28,18 @@ import time
 import uuid
 import warnings
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Mapping
 
 import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
+from .format import ObjectHasher, rehash
 from .root import StoreRoot
 
 from paramstore.backends.registries.base import Peer
-from paramstore.backends.tiers.local import tmp_name
+from paramstore.backends.tiers.local import SlabPool
 from paramstore.backends.transports.base import Transport
 
 __all__ = ["PeerServer", "fetch", "FetchReport"]
@@ -100,7 +101,7 @@ class PeerServer:
         with self._lock:
             entry = self._served.pop(digest, None)
         if entry is not None:
-            _retire(self._transport, entry[1], entry[0])
+            _retire(self._transport, entry[1], entry[0].close)
 
     def _loop(self) -> None:
         with self._root.registry.watch() as watch:
@@ -146,118 +147,159 @@ class FetchReport:
         return sum(self.bytes_from.values())
 
 
-def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, server: PeerServer | None = None,
-          concurrency: int = 4) -> FetchReport:
+def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, pool: SlabPool,
+          server: PeerServer | None = None, concurrency: int = 4) -> FetchReport:
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
-    The caller holds a lease on the version. ``server``: this process's peer server, if it runs
-    one: it then announces each slice as it arrives (other hosts fetching the same version read
-    it from here: a swarm) and each object once verified. Objects no peer delivered intact are in
-    the report's ``missing``.
+    The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
+    faulted ahead of time when the pool prepared one of that size). ``server``: this process's
+    peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
+    the same version read it from here: a swarm) and each object once verified. Objects no peer
+    delivered intact are in the report's ``missing``.
     """
     report = FetchReport()
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
     lock = threading.Lock()
-
-    def one(digest: str) -> None:
-        ok = _Fetch(root, transport, digest, objects[digest], server, report, lock).run()
-        with lock:
-            (report.fetched if ok else report.missing).append(digest)
-
     random.shuffle(todo)  # hosts fetching at once start on different objects
-    with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        list(pool.map(one, todo))
+    with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-fetch") as readers, \
+            ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
+        def one(digest: str) -> None:
+            ok = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers).run()
+            with lock:
+                (report.fetched if ok else report.missing).append(digest)
+
+        list(readers.map(one, todo))
     return report
 
 
 class _Fetch:
-    """One object: slices from whoever holds them (whole object, or just the slice), verified."""
+    """One object: slices from whoever holds them (whole object, or just the slice), verified.
 
-    def __init__(self, root: StoreRoot, transport: Transport, digest: str, size: int,
-                 server: PeerServer | None, report: FetchReport, lock: threading.Lock) -> None:
-        self.root, self.transport, self.digest, self.size = root, transport, digest, size
-        self.server, self.report, self.lock = server, report, lock
+    Slices are read in rounds, from the next :data:`BURST_SLICES` missing ones. Those another
+    fetching host already holds are read from it. While other hosts fetch the same object too
+    (they announce its fetch key), a round reads one slice from a host holding the whole object
+    (its origin) only when no fetching host holds any of them, so the origin serves each slice
+    about once; alone, a round reads twice as many as the last one, up to :data:`BURST_SLICES`. Each slice that arrives is hashed at once (:class:`ObjectHasher`), so
+    little hashing is left after the last one.
+    """
+
+    def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
+                 server: PeerServer | None, report: FetchReport, lock: threading.Lock,
+                 hashers: ThreadPoolExecutor) -> None:
+        self.root, self.transport, self.pool, self.digest, self.size = root, transport, pool, digest, size
+        self.server, self.report, self.lock, self.hashers = server, report, lock, hashers
         self.me = server.peer.id if server is not None else None
         n = -(-size // SLICE_BYTES)
         self.keys = [_slice_key(digest, i) for i in range(n)]
+        self.fetch_key = _slice_key(digest, -1)  # announced while this host fetches the object
         start = random.randrange(n)  # hosts fetching at once start on different slices
         self.order = [(start + i) % n for i in range(n)]
         self.bad: set[str] = set()  # peers that failed this object
+        self.hashing: list[Future[None]] = []
         # A read that timed out may leave slices in flight that write later: the file is then
         # never verified nor published (the object is left to another source).
         self.tainted = False
 
     def run(self) -> bool:
-        from .remote import rehash_file  # one verification routine for every tier
-
-        path = os.path.join(self.root.tier.tmp_dir, tmp_name())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.posix_fallocate(fd, 0, self.size)
-            m = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
+        slab = self.pool.take(self.size)
         placed = False
         announced: list[str] = []
         try:
-            self.addr = self.transport.register(m)
+            self.addr = self.transport.register(slab.map)
+            buf = memoryview(slab.map)
             try:
+                self.hasher = ObjectHasher(buf)
                 if self._swarm(announced) and not self.tainted:
-                    m.flush()
-                    placed = rehash_file(path) == self.digest
+                    placed = self._hashed() == self.digest
                 if announced:
                     self.root.registry.withdraw_objects(self.me, announced)  # type: ignore[arg-type]
                 if not placed:  # one whole-object holder at a time: a bad peer is found and skipped
-                    for peer in self._holders([self.digest]).get(self.digest, []):
-                        if self.tainted:
-                            break
-                        if len(self._read({peer: [(i, peer[1] + i * SLICE_BYTES) for i in self.order]})) == len(self.order) \
-                                and not self.tainted and rehash_file(path) == self.digest:
-                            placed = True
-                            break
-                        with self.lock:
-                            self.report.rejected[peer[0].session] += 1
+                    placed = self._one_peer_at_a_time(buf)
             finally:
-                _retire(self.transport, self.addr, m)  # its slices were announced: readers may be mid-read
+                wait(self.hashing)
+                buf.release()
+                _retire(self.transport, self.addr, slab.close)  # its slices were announced: readers may be mid-read
         finally:
             if placed:
-                self.root.tier.publish_file(path, self.digest)
+                self.root.tier.publish_file(slab.path, self.digest)
                 if self.server is not None:
                     self.server.serve([self.digest])
             else:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(slab.path)
         return placed
+
+    def _hashed(self) -> str:
+        wait(self.hashing)
+        try:
+            return self.hasher.digest()
+        except ValueError as e:
+            return str(e)
+
+    def _one_peer_at_a_time(self, buf: memoryview) -> bool:
+        for peer in self._holders([self.digest]).get(self.digest, []):
+            if self.tainted:
+                return False
+            whole = {peer: [(i, peer[1] + i * SLICE_BYTES) for i in self.order]}
+            if len(self._read(whole)) == len(self.order) and not self.tainted:
+                wait(self.hashing)
+                try:
+                    if rehash(buf)[0] == self.digest:
+                        return True
+                except ValueError:
+                    pass
+            with self.lock:
+                self.report.rejected[peer[0].session] += 1
+        return False
 
     def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
         found = self.root.registry.holders(keys)
         return {k: [(p, a) for p, a in v if p.id != self.me and p.id not in self.bad] for k, v in found.items()}
 
     def _swarm(self, announced: list[str]) -> bool:
-        """Read every slice, each from a peer holding it; prefer peers holding only slices (other
-        hosts fetching this object now) so the object's origin serves each slice about once."""
+        """Read every slice, each from a peer holding it; True once all arrived."""
+        if self.server is not None:
+            self._announce({self.fetch_key: 0}, announced)
         pending = list(self.order)
+        burst = 1
         while pending:
-            found = self._holders([self.digest] + [self.keys[i] for i in pending])
+            window = pending[:BURST_SLICES]
+            found = self._holders([self.digest, self.fetch_key] + [self.keys[i] for i in window])
+            crowd = bool(found.get(self.fetch_key))  # other hosts fetch it too
             whole = found.get(self.digest, [])
             plan: dict[tuple[Peer, int], list[tuple[int, int]]] = {}
-            for i in pending[:_SLICES_PER_ROUND]:
+            rest = []
+            for i in window:
                 partial = found.get(self.keys[i], [])
                 if partial:
                     peer = random.choice(partial)
                     plan.setdefault((peer[0], 0), []).append((i, peer[1]))
-                elif whole:
-                    peer = random.choice(whole)
-                    plan.setdefault((peer[0], 0), []).append((i, peer[1] + i * SLICE_BYTES))
+                else:
+                    rest.append(i)
+            # from whole-object holders: alone, a growing burst; in a crowd, one slice, and only
+            # when no other fetching host holds one we lack (so the origin serves each about once)
+            for i in rest[:burst if not crowd else 0 if plan else 1] if whole else []:
+                peer = random.choice(whole)
+                plan.setdefault((peer[0], 0), []).append((i, peer[1] + i * SLICE_BYTES))
             if not plan:
                 return False  # nobody (left) holds what is missing
             done = self._read(plan)
-            if done and self.server is not None:
-                new = {self.keys[i]: self.addr + i * SLICE_BYTES for i in done}
-                self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
-                announced.extend(new)
-            pending = [i for i in pending if i not in done]
+            if done:
+                self.hashing.append(self.hashers.submit(self._arrived, done))
+                if self.server is not None:
+                    self._announce({self.keys[i]: self.addr + i * SLICE_BYTES for i in done}, announced)
+            arrived = set(done)
+            pending = [i for i in pending if i not in arrived]
+            burst = 1 if crowd else min(2 * burst, BURST_SLICES)
         return True
+
+    def _announce(self, new: dict[str, int], announced: list[str]) -> None:
+        self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
+        announced.extend(new)
+
+    def _arrived(self, done: list[int]) -> None:
+        for b, e in _runs([(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES)) for i in sorted(done)]):
+            self.hasher.arrived(b, e)
 
     def _read(self, plan: Mapping[tuple[Peer, int], list[tuple[int, int]]]) -> list[int]:
         """Read each peer's slices (in parallel across peers); returns the slices that arrived."""
@@ -268,7 +310,7 @@ class _Fetch:
             ranges = [(self.addr + i * SLICE_BYTES, remote, min(SLICE_BYTES, self.size - i * SLICE_BYTES))
                       for i, remote in mine]
             try:
-                self.transport.read(peer.session, ranges)
+                self.transport.read(peer.session, _contiguous(ranges))
             except TransferError as e:
                 with self.lock:
                     self.bad.add(peer.id)
@@ -278,17 +320,45 @@ class _Fetch:
                 self.report.bytes_from[peer.session] += sum(n for _, _, n in ranges)
                 done.extend(i for i, _ in mine)
 
-        with ThreadPoolExecutor(len(plan)) as pool:
-            list(pool.map(read, plan.items()))
+        if len(plan) == 1:
+            read(next(iter(plan.items())))
+        else:
+            with ThreadPoolExecutor(len(plan)) as pool:
+                list(pool.map(read, plan.items()))
         return done
 
 
-_SLICES_PER_ROUND = 1  # one slice per object per round: more rounds, far less origin egress (3 hosts: 1.1x vs 2x at 2)
+#: Slices a round reads at most when no other host is fetching the object (64 MiB).
+BURST_SLICES = 16
+
+
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``(begin, end)`` spans with touching neighbours merged."""
+    out: list[tuple[int, int]] = []
+    for b, e in spans:
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((b, e))
+    return out
+
+
+def _contiguous(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Reads ``(local, remote, n)`` with each run contiguous on both sides merged into one."""
+    out: list[tuple[int, int, int]] = []
+    for local, remote, n in ranges:
+        if out and out[-1][0] + out[-1][2] == local and out[-1][1] + out[-1][2] == remote:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((local, remote, n))
+    return out
 
 
 def _slice_key(digest: str, index: int) -> str:
-    """The name slice ``index`` of object ``digest`` is announced under while a host fetches it."""
-    return blake3.blake3(b"paramstore/slice/v1\0" + bytes.fromhex(digest) + index.to_bytes(8, "big")).hexdigest()
+    """The name slice ``index`` of object ``digest`` is announced under while a host fetches it
+    (index -1: the object itself is being fetched by the announcing host)."""
+    return blake3.blake3(b"paramstore/slice/v1\0" + bytes.fromhex(digest)
+                         + index.to_bytes(8, "big", signed=True)).hexdigest()
 
 
 #: How long memory stays registered after its announcement is withdrawn: a host that looked the
@@ -296,13 +366,14 @@ def _slice_key(digest: str, index: int) -> str:
 RETIRE_AFTER_S = 2.0
 
 
-def _retire(transport: Transport, addr: int, m: mmap.mmap) -> None:
-    """Unregister and unmap ``m`` after :data:`RETIRE_AFTER_S` (on a timer thread)."""
+def _retire(transport: Transport, addr: int, close: Callable[[], None]) -> None:
+    """Unregister the memory at ``addr``, then ``close`` it, after :data:`RETIRE_AFTER_S` (on a
+    timer thread)."""
     def done() -> None:
         with contextlib.suppress(ParamStoreError):
             transport.unregister(addr)
         with contextlib.suppress(BufferError):
-            m.close()
+            close()
 
     timer = threading.Timer(RETIRE_AFTER_S, done)
     timer.daemon = True

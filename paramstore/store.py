@@ -60,9 +60,10 @@ class ParamStore:
         root: the store directory; created if missing or empty (unless ``create=False``).
         create: create the store if it does not exist.
         shard_size_bytes: target size of one object (a tensor larger than this gets its own).
-        prepare_buffers: after each commit, create and fault the next commit's shared-memory
-            buffers in the background, so the next snapshot copy runs at memory speed. Costs
-            one spare model size of shared memory.
+        prepare_buffers: after each commit, and after each checkout that fetched objects from
+            peers, create and fault in the background the shared-memory buffers of the next
+            version of the same layout, so the next snapshot copy or fetch writes at memory speed.
+            Costs one spare model size of shared memory.
         pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
         retention: a policy (for the shared-memory tier) or ``{"local": policy, "remote": policy}``;
             when given, prune and GC run in the background after each commit (and, for the remote,
@@ -366,7 +367,9 @@ class ParamStore:
         if missing and self._root.registry.peers():
             sizes = self._root.registry.objects()
             self.last_fetch = fetch(self._root, self._get_transport(), {o: sizes[o] for o in missing if o in sizes},
-                                    server=self._peer)
+                                    pool=self._pool, server=self._peer)
+            if self._prepare:  # destinations for the next version (same layout), faulted in the background
+                self._pool.prepare([sizes[o] for o in manifest.objects() if o in sizes], purpose="fetch")
             missing = [o for o in missing if not tier.exists(o)]
         if missing and self._remote is not None:
             self._remote.fetch(self._root, step)

@@ -5,8 +5,9 @@ on stdout and reads commands from stdin:
 
 * ``trainer``: serves, then for each stdin line ``commit STEP SEED CHANGED`` commits
   :func:`model` and prints ``{"committed": step, "session": ...}``.
-* ``rollout``: serves, then for each stdin line ``checkout STEP`` checks the step out, compares
-  every tensor with :func:`model` and prints what it read from which peer.
+* ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
+  out, compares every tensor with :func:`model` and prints what it read from which peer, and how
+  many fetched objects landed in slabs the store had prepared (faulted in) beforehand.
 """
 
 from __future__ import annotations
@@ -51,11 +52,15 @@ def main() -> None:
                 say(committed=step)
             elif cmd == "checkout":
                 step, seed, changed = map(int, args)
+                store._pool.wait_prepared(60)  # what the last fetch prepared (in a real host: idle time)
+                ready = {os.stat(s.path).st_ino for v in store._pool._free.values() for s in v}
                 with store.checkout(step) as snap:
                     want = model(seed, changed)
                     ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
                 report = store.last_fetch
-                say(step=step, ok=ok, bytes_from=dict(report.bytes_from) if report else {},
+                prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready
+                                 for d in (report.fetched if report else []))
+                say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from) if report else {},
                     fetched=len(report.fetched) if report else 0, missing=len(report.missing) if report else 0,
                     rejected=dict(report.rejected) if report else {})
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)

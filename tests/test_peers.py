@@ -101,6 +101,19 @@ def test_delta_moves_only_changed_objects(hosts):
     assert changed_bytes <= moved <= 1.1 * changed_bytes + (64 << 10)
 
 
+def test_next_fetch_lands_in_prefaulted_slabs(hosts):
+    """After a fetch the store prepares slabs for the next version of the same layout; the next
+    fetch reads into them (no page faults on the way) and they become its objects."""
+    trainer, rollout = hosts("trainer"), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    first = rollout.ask("checkout 1 1 16")
+    assert first["ok"] and first["fetched"] == 2 and first["prefaulted"] == 0  # nothing prepared yet
+    trainer.ask("commit 2 2 16")  # every tensor changed: two new objects of the same sizes
+    second = rollout.ask("checkout 2 2 16")
+    assert second["ok"] and second["fetched"] == 2
+    assert second["prefaulted"] == 2, second
+
+
 def test_corrupt_peer_is_rejected_and_bytes_come_from_another(hosts):
     trainer, bad = hosts("trainer"), hosts("rollout")
     trainer.ask("commit 1 1 16")

@@ -52,7 +52,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import uuid
 from typing import Any
 
@@ -129,12 +128,12 @@ def _union(ivs: list[tuple[float, float]]) -> float:
 def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: str) -> None:
     """A host: reads one JSON command per stdin line, answers one JSON line on stdout."""
     import numpy as np
-    from paramstore.backends.tiers.local import _populate
     from paramstore.backends.transports.mooncake import (
         DEFAULT_SLICE_BYTES,
         DEFAULT_WINDOW,
     )
 
+    import paramstore.format
     import paramstore.peer
     import paramstore.remote
     import paramstore.store
@@ -142,14 +141,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
 
     for kv in filter(None, tune.split(",")):  # experiments: peer.py's knobs overridden in this host
         k, v = kv.split("=")
-        if k == "populate" and int(v):  # fault the fetch's destination file before reading into it
-            def populated(fd: int, size: int) -> mmap.mmap:
-                m = mmap.mmap(fd, size)
-                _populate(m)
-                return m
-
-            paramstore.peer.mmap = types.SimpleNamespace(mmap=populated)  # type: ignore[assignment]
-        elif k == "concurrency":
+        if k == "concurrency":
             paramstore.store.fetch = functools.partial(paramstore.peer.fetch, concurrency=int(v))
         else:
             assert hasattr(paramstore.peer, k), k
@@ -159,7 +151,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
         print(json.dumps(kw), flush=True)
 
     with ParamStore(root, registry=registry, name=name, shard_size_bytes=shard_mib * MiB,
-                    prepare_buffers=False, pin_memory=False) as store:
+                    prepare_buffers=role == "rollout", pin_memory=False) as store:
         server = store.serve("127.0.0.1")
         transport = store._get_transport()
         reg, tier = store._root.registry, store._root.tier
@@ -169,8 +161,9 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
         for m in ("peers", "objects", "acquire_lease", "get_manifest", "get_version"):
             prof.wrap(reg, m, "registry (checkout)")
         prof.wrap(transport, "read", "transfer")
-        prof.wrap(paramstore.remote, "rehash_file", "verify")
-        prof.wrap(os, "posix_fallocate", "allocate")
+        prof.wrap(paramstore.format.ObjectHasher, "arrived", "verify (as slices arrive)")
+        prof.wrap(paramstore.format.ObjectHasher, "digest", "verify (final)")
+        prof.wrap(store._pool, "take", "allocate")
         prof.wrap(tier, "publish_file", "publish")
         prof.wrap(server, "serve", "serve")
         model: dict[str, Any] | None = None
@@ -178,6 +171,9 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
         for line in sys.stdin:
             cmd = json.loads(line)
             op = cmd["op"]
+            # the last fetch's destinations for the next one are prepared in the background (a
+            # rollout host's idle time); let that finish before measuring anything
+            store._pool.wait_prepared(120)
             if op == "quit":
                 break
             if op == "commit":  # trainer
@@ -255,7 +251,12 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
                         races += 1
                         time.sleep(0.05)
                 served_addrs = {a for _, a in server._served.values()}
-                stray = [a for a in transport._regions if a not in served_addrs]
+                t_end = time.monotonic() + paramstore.peer.RETIRE_AFTER_S + 2
+                while True:  # memory of dropped objects stays registered RETIRE_AFTER_S
+                    stray = [a for a in transport._regions if a not in served_addrs]
+                    if not stray or time.monotonic() > t_end:
+                        break
+                    time.sleep(0.1)
                 say(dropped=len(gone), races=races, served=len(server.served), registered=len(transport._regions),
                     stray=[_mapped_file(a) for a in stray])
 
@@ -540,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", nargs="?", const="-", metavar="OUT",
                    help="write every measurement as JSON (to OUT; to stdout without OUT)")
     p.add_argument("--tune", default="", metavar="K=V,...",
-                   help="experiment: override paramstore.peer knobs in the hosts (SLICE_BYTES, _SLICES_PER_ROUND, "
-                   "concurrency; populate=1: fault the destination before reading)")
+                   help="experiment: override paramstore.peer knobs in the hosts (SLICE_BYTES, BURST_SLICES, "
+                   "RETIRE_AFTER_S; concurrency: objects fetched at once)")
     p.add_argument("--host-role", choices=("trainer", "rollout"), help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--registry", help=argparse.SUPPRESS)

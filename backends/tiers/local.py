@@ -238,8 +238,14 @@ class SlabPool:
                 wanted = not self._closed and size in self._missing()
                 if wanted:
                     self._free.setdefault(size, []).append(slab)
+                    self._wake.notify_all()  # wait_prepared()
             if not wanted:  # closed, or prepare() changed its mind meanwhile
                 slab.discard()
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait until every slab :meth:`prepare` asked for is ready; False on timeout."""
+        with self._lock:
+            return self._wake.wait_for(lambda: self._closed or not self._missing(), timeout)
 
     def _missing(self) -> list[int]:
         # Sizes wanted but not yet in the pool (called with the lock held).
