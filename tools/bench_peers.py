@@ -15,7 +15,9 @@ of its tensors changed; ``--hosts`` rollout hosts check them out. Each round:
    (``MooncakeTransport.read`` of the whole objects) into pre-faulted memory; and, for information,
    ``raw`` into a new /dev/shm file whose pages are not mapped yet, as a fetch's destination. The
    four run in a rotating order. Ratio = raw time / checkout time (median of per-round ratios);
-   goal >= 0.8. Inside the host the checkout is split by timing the calls it makes: transport reads,
+   goal >= 0.8. For information, the pre-faulted raw read is followed by a blake3 of the bytes it
+   read (all cores): "raw then hash" is what a verified fetch costs without overlap (its CPU is
+   reported apart from the read's). Inside the host the checkout is split by timing the calls it makes: transport reads,
    registry calls, blake3 verification, posix_fallocate, publish (fsync + rename) and serve (map,
    register, announce); "busy" is the wall time during which at least one fetch thread was in
    that part.
@@ -127,6 +129,7 @@ def _union(ivs: list[tuple[float, float]]) -> float:
 
 def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: str) -> None:
     """A host: reads one JSON command per stdin line, answers one JSON line on stdout."""
+    import blake3
     import numpy as np
     from paramstore.backends.transports.mooncake import (
         DEFAULT_SLICE_BYTES,
@@ -225,6 +228,11 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
                     transport.read(cmd["peer"], reads)
                 w1 = time.time()
                 dt = time.perf_counter() - t0
+                hash_s = hash_cpu_s = None
+                if cmd.get("hash"):  # for information: what verifying the bytes costs after a plain read
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    blake3.blake3(dst, max_threads=blake3.blake3.AUTO)
+                    hash_s, hash_cpu_s = time.perf_counter() - t1, time.process_time() - c1
                 ok = None
                 if cmd.get("check"):  # the buffer holds the objects fetched by a checkout (same bytes)
                     got, off, ok = np.frombuffer(dst, np.uint8), 0, True
@@ -235,7 +243,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
                     del got
                 transport.unregister(dst_addr)
                 dst.close()
-                say(s=dt, start=w1 - dt, end=w1, ok=ok)
+                say(s=dt, start=w1 - dt, end=w1, ok=ok, hash_s=hash_s, hash_cpu_s=hash_cpu_s)
             elif op == "drop":  # forget every object but those of step `keep`
                 keep = set(reg.get_manifest(cmd["keep"]).objects()) if cmd.get("keep") is not None else set()
                 gone = [d for d in tier.list() if d not in keep]
@@ -416,9 +424,14 @@ def run(a: argparse.Namespace, url: str, base: str) -> dict[str, Any]:
                     check = r == 0 and "paramstore" in row  # round 0: the raw bytes are the fetched objects
                     one.ask("alloc", objects=v1["objects"], cold=mode == "raw_cold")
                     rep, cpu = phase(functools.partial(one.ask, mode, peer=trainer.session, objects=v1["objects"],
-                                                       check=check))
+                                                       check=check, hash=mode == "raw"))
                     assert rep["ok"] is not False, f"{mode} read: bytes differ from the fetched objects"
                     row[mode] = rep["s"]
+                    if rep.get("hash_s") is not None:  # the read's CPU is reported without the hash's
+                        row["raw_then_hash"] = rep["s"] + rep["hash_s"]
+                        row["hash_cpu"] = rep["hash_cpu_s"]
+                        cpu -= rep["hash_cpu_s"]
+                        cpu_by["rollouts"] -= rep["hash_cpu_s"]
                     row[f"{mode}_cpu_by"] = dict(cpu_by)
                 row[f"{mode}_cpu"] = cpu
             # info: every rollout reads the model raw from the trainer at once (what the CPUs allow)
@@ -459,12 +472,15 @@ def run(a: argparse.Namespace, url: str, base: str) -> dict[str, Any]:
             "checkout_s": _med([x["paramstore"]["s"] for x in rounds]), "raw_s": _med([x["raw"] for x in rounds]),
             "transport_s": _med([x["transport"] for x in rounds]),
             "fetch_vs_raw_cold": _med([x["raw_cold"] / x["paramstore"]["s"] for x in rounds]),
+            "fetch_vs_raw_then_hash": _med([x["raw_then_hash"] / x["paramstore"]["s"] for x in rounds]),
+            "raw_then_hash_s": _med([x["raw_then_hash"] for x in rounds]),
+            "swarm_vs_raw_all": _med([x["swarm"]["wall_s"] / x["raw_all"]["wall_s"] for x in rounds]),
             "raw_cold_s": _med([x["raw_cold"] for x in rounds]),
             "swarm_s": _med([x["swarm"]["wall_s"] for x in rounds]),
             "raw_all_vs_one": _med([x["raw_all"]["wall_s"] / x["raw"] for x in rounds]),
             "raw_all_s": _med([x["raw_all"]["wall_s"] for x in rounds]),
             "cpu_s": {k: _med([x[k] for x in rounds])
-                      for k in ("paramstore_cpu", "raw_cpu", "transport_cpu", "raw_cold_cpu")}
+                      for k in ("paramstore_cpu", "raw_cpu", "transport_cpu", "raw_cold_cpu", "hash_cpu")}
             | {"swarm": _med([x["swarm"]["cpu_s"] for x in rounds]),
                "raw_all": _med([x["raw_all"]["cpu_s"] for x in rounds])},
         }
@@ -497,12 +513,15 @@ def report(res: dict[str, Any]) -> str:
             f"({s['transport_s']:.2f} s)", "(info)", None),
         row("fetch: raw time into new /dev/shm pages (as a fetch's) / checkout time", f"{s['fetch_vs_raw_cold']:.2f}x "
             f"({s['raw_cold_s']:.2f} s)", "(info)", None),
+        row("fetch: (raw read, then blake3 of its bytes on every core) / checkout time",
+            f"{s['fetch_vs_raw_then_hash']:.2f}x ({s['raw_then_hash_s']:.2f} s)", "(info)", None),
         row(f"swarm: trainer egress, {n} hosts at once", f"{s['swarm_egress']:.2f}x model bytes", "<= 1.5x",
             s["swarm_egress"] <= 1.5),
         row(f"swarm: wall of {n} fetches / one fetch", f"{s['swarm_wall_vs_one']:.2f}x ({s['swarm_s']:.2f} s)",
             "<= 2x", s["swarm_wall_vs_one"] <= 2),
         row(f"info: {n} raw reads at once from the trainer / one raw read", f"{s['raw_all_vs_one']:.2f}x "
             f"({s['raw_all_s']:.2f} s)", "(the CPUs' limit)", None),
+        row(f"info: swarm wall / {n} raw reads at once", f"{s['swarm_vs_raw_all']:.2f}x", "(info)", None),
         row("delta: bytes moved / changed bytes (10% of tensors)", f"{s['delta_moved_vs_changed']:.3f}x",
             "<= 1.1x", s["delta_moved_vs_changed"] <= 1.1),
     ]
@@ -516,7 +535,7 @@ def report(res: dict[str, Any]) -> str:
                    f"({by('paramstore_cpu_by')}), raw {c['raw_cpu']:.2f} ({by('raw_cpu_by')}), transport "
                    f"{c['transport_cpu']:.2f}, raw into new pages {c['raw_cold_cpu']:.2f} ({by('raw_cold_cpu_by')}); "
                    f"{n} checkouts at once {c['swarm']:.2f} ({by('swarm_cpu_by')}), {n} raw reads at once "
-                   f"{c['raw_all']:.2f}")]
+                   f"{c['raw_all']:.2f}; blake3 of the model's bytes {c['hash_cpu']:.2f}")]
     p = [x["paramstore"] for x in res["rounds"]]
     parts = sorted({k for x in p for k in x["prof"] if k not in ("calls", "none_s")})
     lines += ["", "one checkout, split (median busy wall s: at least one fetch thread in it; thread-s summed):"]
