@@ -179,8 +179,9 @@ class _Fetch:
     fetching host already holds are read from it. While other hosts fetch the same object too
     (they announce its fetch key), a round reads one slice from a host holding the whole object
     (its origin) only when no fetching host holds any of them, so the origin serves each slice
-    about once; alone, a round reads twice as many as the last one, up to :data:`BURST_SLICES`. Each slice that arrives is hashed at once (:class:`ObjectHasher`), so
-    little hashing is left after the last one.
+    about once; alone, a round reads twice as many as the last one, up to :data:`BURST_SLICES`.
+    Each slice that arrives is hashed at once (:class:`ObjectHasher`), so little hashing is left
+    after the last one.
     """
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
@@ -205,7 +206,11 @@ class _Fetch:
         placed = False
         announced: list[str] = []
         try:
-            self.addr = self.transport.register(slab.map)
+            try:
+                self.addr = self.transport.register(slab.map)
+            except BaseException:
+                slab.close()
+                raise
             buf = memoryview(slab.map)
             try:
                 self.hasher = ObjectHasher(buf)
