@@ -205,7 +205,8 @@ class SlabPool:
         """Make sure slabs of these sizes (one per entry) are ready, in the background.
 
         ``purpose`` names whose next use they are for (``"commit"``: the next commit's layout;
-        ``"fetch"``: the objects the last fetch received): a call replaces that purpose's sizes.
+        ``"fetch"``: the objects of the version a peer fetch was last for): a call replaces that
+        purpose's sizes.
         Pooled slabs beyond all purposes' sizes are deleted: the pool holds at most one commit's
         and one fetch's worth.
         """
