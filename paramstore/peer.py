@@ -303,8 +303,8 @@ class _Fetch:
         announced.extend(new)
 
     def _arrived(self, done: list[int]) -> None:
-        for b, e in _runs([(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES)) for i in sorted(done)]):
-            self.hasher.arrived(b, e)
+        for i in sorted(done):
+            self.hasher.arrived(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES))
 
     def _read(self, plan: Mapping[tuple[Peer, int], list[tuple[int, int]]]) -> list[int]:
         """Read each peer's slices (in parallel across peers); returns the slices that arrived."""
@@ -335,17 +335,6 @@ class _Fetch:
 
 #: Slices a round reads at most when no other host is fetching the object (64 MiB).
 BURST_SLICES = 16
-
-
-def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted ``(begin, end)`` spans with touching neighbours merged."""
-    out: list[tuple[int, int]] = []
-    for b, e in spans:
-        if out and out[-1][1] == b:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((b, e))
-    return out
 
 
 def _contiguous(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
