@@ -36,10 +36,11 @@ import torch
 from .errors import WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
+from .staging import Slab, SlabPool
 from .tensors import ST_TO_TORCH, Collected
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
-from paramstore.backends.tiers.local import LocalTier, Slab, SlabPool
+from paramstore.backends.tiers.local import LocalTier
 
 __all__ = ["CommitHandle", "Committer"]
 
@@ -260,7 +261,7 @@ class Committer:
                 header, placed = _compact(slab, plan, [p for p, _ in keep])
                 obj = object_digest(header, [d for _, d in keep])
                 size = slab.size
-                self._tier.publish(slab, obj)
+                self._tier.put(obj, slab.path, move=True)
             except BaseException:
                 slab.discard()
                 raise

@@ -37,9 +37,9 @@ from . import liveness
 from .errors import ParamStoreError, TransferError
 from .format import ObjectHasher, rehash
 from .root import StoreRoot
+from .staging import SlabPool
 
 from paramstore.backends.registries.base import Peer
-from paramstore.backends.tiers.local import SlabPool
 from paramstore.backends.transports.base import Transport
 
 __all__ = ["PeerServer", "fetch", "FetchReport"]
@@ -226,7 +226,7 @@ class _Fetch:
                 _retire(self.transport, self.addr, slab.close)  # its slices were announced: readers may be mid-read
         finally:
             if placed:
-                self.root.tier.publish_file(slab.path, self.digest)
+                self.root.tier.put(self.digest, slab.path, move=True)
                 if self.server is not None:
                     self.server.serve([self.digest])
             else:

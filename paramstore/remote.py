@@ -40,10 +40,10 @@ from .format import rehash
 from .manifest import Manifest, Version
 from .ops import leased
 from .progress import progress
+from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
 
 from paramstore.backends.registries.base import ObjectInfo, TensorLocation
-from paramstore.backends.tiers.local import tmp_name
 from paramstore.backends.tiers.remote import RemoteTier
 
 __all__ = ["Remote", "TransferReport", "DEFAULT_LOCK_TTL"]
@@ -200,11 +200,11 @@ class Remote:
             objects = sorted(manifest.objects())
             sizes = {o: root.tier.size(o) for o in objects}
             with ThreadPoolExecutor(self._concurrency) as pool:
-                present = dict(zip(objects, pool.map(self.tier.has_object, objects)))
+                present = dict(zip(objects, pool.map(self.tier.exists, objects)))
                 todo = [o for o in objects if not present[o]]
                 with progress(sum(sizes[o] for o in todo), f"push {step}", enabled=show_progress) as bar:
                     def up(o: str) -> None:
-                        self.tier.upload_object(root.tier.object_path(o), o)
+                        self.tier.put(o, root.tier.object_path(o))
                         bar.update(sizes[o])
                     list(pool.map(up, sorted(todo, key=lambda o: -sizes[o])))
             self.tier.put_record(_manifest_key(step), json.dumps(manifest.to_json()).encode())
@@ -279,7 +279,7 @@ class Remote:
     def _download(self, root: StoreRoot, digest: str) -> str:
         tmp = os.path.join(root.tier.tmp_dir, tmp_name())
         try:
-            self.tier.download_object(digest, tmp)
+            self.tier.get_file(digest, tmp)
         except FileNotFoundError:
             raise RemoteError(f"object {digest} of {self.url} is missing") from None
         except BaseException:
@@ -293,7 +293,7 @@ class Remote:
             got = rehash_file(tmp)
             if got != digest:
                 raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: its bytes hash to {got}")
-            root.tier.publish_file(tmp, digest)
+            root.tier.put(digest, tmp, move=True)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

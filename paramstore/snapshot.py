@@ -55,7 +55,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self.manifest = manifest
         # Releases the lease on close, or when the snapshot is garbage collected unclosed.
         self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
-        self._maps: dict[str, mmap.mmap] = {o: tier.map(o) for o in sorted(manifest.objects())}
+        self._maps: dict[str, mmap.mmap] = {o: tier.map(o, private=True) for o in sorted(manifest.objects())}
         self._bufs: dict[str, torch.Tensor] | None = {
             o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()
         }

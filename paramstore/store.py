@@ -37,12 +37,12 @@ from .remote import Remote, TransferReport
 from .retention import Policy
 from .root import VersionSpec, open_root
 from .snapshot import Snapshot
+from .staging import SlabPool
 from .tensors import collect
 from .validate import check_metadata, check_metrics, check_tag
 
 from paramstore.backends.registries.base import Lease, Registry
 from paramstore.backends.transports.base import Transport
-from paramstore.backends.tiers.local import SlabPool
 
 __all__ = ["ParamStore"]
 

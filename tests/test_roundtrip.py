@@ -23,7 +23,7 @@ from conftest import (
     tree,
 )
 from paramstore import ParamStore
-from paramstore.backends.tiers.local import SlabPool
+from paramstore.staging import SlabPool
 from paramstore.format import parse_header
 
 

@@ -167,7 +167,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
         prof.wrap(paramstore.format.ObjectHasher, "arrived", "verify (as slices arrive)")
         prof.wrap(paramstore.format.ObjectHasher, "digest", "verify (final)")
         prof.wrap(store._pool, "take", "allocate")
-        prof.wrap(tier, "publish_file", "publish")
+        prof.wrap(tier, "put", "publish")
         prof.wrap(server, "serve", "serve")
         model: dict[str, Any] | None = None
         say(ready=True, session=server.peer.session)

@@ -1,6 +1,24 @@
-"""Storage tiers: where object bytes live. ``LocalTier`` is the shared-memory default."""
+"""Storage tiers: where object bytes live.
 
-from .base import Tier
-from .local import LocalTier, Slab, SlabPool
+Every tier implements :class:`Tier` (``base.py``): ``LocalTier`` is the shared-memory default,
+``RemoteTier`` (``paramstore[s3]``) any fsspec URL. ``testing.TierTests`` is the conformance suite a
+tier's tests subclass.
+"""
 
-__all__ = ["Tier", "LocalTier", "Slab", "SlabPool"]
+from typing import TYPE_CHECKING, Any
+
+from .base import Tier, check_digest, object_key
+from .local import LocalTier
+
+if TYPE_CHECKING:
+    from .remote import RemoteTier
+
+__all__ = ["Tier", "LocalTier", "RemoteTier", "object_key", "check_digest"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteTier":  # imported on use: it pulls in fsspec
+        from .remote import RemoteTier
+
+        return RemoteTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

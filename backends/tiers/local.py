@@ -2,18 +2,13 @@
 
 Layout under the tier directory::
 
-    objects/<d[:2]>/<digest>.safetensors   immutable, published objects
+    objects/<d[:2]>/<digest>.safetensors   immutable, published objects (see base.object_key)
     tmp/slab-<pid>-<start>-<n>             buffers being written (or prepared for the next commit),
                                            named by the owning process (pid and start time)
 
-How a byte gets here on commit: the committer takes a *slab* (a file in ``tmp/`` mapped
-read-write), copies the tensors straight into it, hashes them, then :meth:`LocalTier.publish`
-renames the slab to its digest. That copy is the only one: readers map the same pages.
-
-Fresh tmpfs pages are slow to touch (first-touch page faults run at ~1.25 GB/s against ~10 GB/s
-for faulted pages), so :class:`SlabPool` creates and faults the slabs the *next* commit will need
-in a background thread (``madvise(MADV_POPULATE_WRITE)``), from the sizes of the last commit's layout. Slabs a
-commit did not need (every tensor deduplicated) go back to the pool.
+How a byte gets here on commit: the committer copies the tensors into a *slab* of ``tmp/``
+(:mod:`paramstore.staging`), hashes them there, then :meth:`LocalTier.put` with ``move=True``
+fsyncs the file and renames it to its digest. That copy is the only one: readers map the same pages.
 
 Readers map objects copy-on-write (``MAP_PRIVATE``): zero-copy, and writing through a view only
 changes that process's private copy of the page, never the store. A published object is never
@@ -22,269 +17,39 @@ modified; on tmpfs an object unlinked by GC stays readable by whoever still maps
 
 from __future__ import annotations
 
-import ctypes
-import itertools
+import contextlib
 import mmap
 import os
-import threading
-import warnings
-from dataclasses import dataclass
+import shutil
+import uuid
 from typing import Iterator
 
-from paramstore import liveness
-from paramstore.format import OBJECT_SUFFIX
-from paramstore.liveness import libc
+from .base import OBJECTS_DIR, Tier, check_range, digest_of_key, object_key
 
-from .base import Tier
-
-__all__ = ["LocalTier", "Slab", "SlabPool", "tmp_name"]
-
-_counter = itertools.count()
-
-
-@dataclass
-class Slab:
-    """A writable buffer backed by a file in the tier's ``tmp/`` directory."""
-
-    path: str
-    size: int
-    map: mmap.mmap
-    pinned: bool = False
-
-    def truncate(self, size: int) -> None:
-        """Shrink the file (and the usable buffer) to ``size`` bytes."""
-        if size == self.size:
-            return
-        _unpin(self)
-        self.map.close()
-        os.truncate(self.path, size)
-        self.size = size
-        self.map = _map_file(self.path, size, populate=False)
-
-    def close(self) -> None:
-        """Unmap (the file stays)."""
-        _unpin(self)
-        self.map.close()
-
-    def discard(self) -> None:
-        """Unmap and delete the file."""
-        self.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def _map_file(path: str, size: int, *, populate: bool) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    if populate:
-        _populate(m)
-    return m
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_MADV_HUGEPAGE = 14
-
-
-def _populate(m: mmap.mmap) -> None:
-    """Allocate and fault every page of a writable mapping, without holding the GIL.
-
-    ``MAP_POPULATE`` would do it inside ``mmap()``, which holds the GIL for the whole time; this
-    uses ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which releases the GIL) and, on older
-    kernels, writes zeros with ``memset`` (also outside the GIL).
-    """
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_HUGEPAGE)  # on huge=advise tmpfs
-    if libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), _MADV_POPULATE_WRITE) != 0:
-        ctypes.memset(addr, 0, len(m))  # the space is reserved (posix_fallocate): no SIGBUS
-
-
-_pin_warned = False
-
-
-def _pin(slab: Slab) -> None:
-    """Register the slab as page-locked memory with CUDA, once; warn once if refused.
-
-    Pinned host memory lets a device-to-host copy run asynchronously at full PCIe bandwidth.
-    Skipped without CUDA. (Not exercised on the CPU-only hosts this was developed on.)
-    """
-    global _pin_warned
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return
-    if not torch.cuda.is_available() or slab.size == 0:
-        return
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
-    err = torch.cuda.cudart().cudaHostRegister(addr, slab.size, 0)
-    if int(err) == 0:
-        slab.pinned = True
-    elif not _pin_warned:
-        _pin_warned = True
-        warnings.warn(
-            f"cudaHostRegister refused {slab.size} bytes (error {int(err)}; memlock limit?); "
-            "staging into unpinned shared memory",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-def _unpin(slab: Slab) -> None:
-    if slab.pinned:
-        import torch
-
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
-        torch.cuda.cudart().cudaHostUnregister(addr)
-        slab.pinned = False
-
-
-def tmp_name() -> str:
-    """A fresh name for a file in ``tmp/``: ``slab-<pid>-<start time>-<n>``; GC deletes the files
-    of owners that are no longer alive."""
-    pid, start = liveness.this_process()
-    return f"slab-{pid}-{start}-{next(_counter)}"
-
-
-class SlabPool:
-    """Slabs created and page-faulted ahead of time, keyed by exact size.
-
-    ``prepare(sizes)`` fills the pool in a background thread; ``take(size)`` returns a prepared
-    slab of that size or, if none is ready, creates one on the spot (slower: faults on the hot path).
-    """
-
-    def __init__(self, tmp_dir: str, *, pin: bool = True) -> None:
-        self._tmp = tmp_dir
-        self._pin = pin
-        self._free: dict[int, list[Slab]] = {}
-        self._lock = threading.Lock()
-        self._want: dict[str, list[int]] = {}  # purpose ("commit", "fetch") -> sizes
-        self._wake = threading.Condition(self._lock)
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._owner = os.getpid()
-
-    def new(self, size: int) -> Slab:
-        """Create a slab of ``size`` bytes now: space reserved, every page faulted in."""
-        path = os.path.join(self._tmp, tmp_name())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            # Reserve the space now: a full tmpfs then fails here with ENOSPC (an error on the
-            # commit) instead of SIGBUS when the copy touches a page that cannot be allocated.
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            os.close(fd)
-            os.unlink(path)
-            raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory in {self._tmp}: "
-                                   f"{e.strerror} (free space in /dev/shm, or use a smaller model/shard)") from e
-        os.close(fd)
-        slab = Slab(path, size, _map_file(path, size, populate=True))
-        if self._pin:
-            _pin(slab)
-        return slab
-
-    def take(self, size: int) -> Slab:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-        return self.new(size)
-
-    def give_back(self, slab: Slab) -> None:
-        """Return an unused slab for a later commit."""
-        with self._lock:
-            if not self._closed:
-                self._free.setdefault(slab.size, []).append(slab)
-                return
-        slab.discard()
-
-    def prepare(self, sizes: list[int], *, purpose: str = "commit") -> None:
-        """Make sure slabs of these sizes (one per entry) are ready, in the background.
-
-        ``purpose`` names whose next use they are for (``"commit"``: the next commit's layout;
-        ``"fetch"``: the objects of the version a peer fetch was last for): a call replaces that
-        purpose's sizes.
-        Pooled slabs beyond all purposes' sizes are deleted: the pool holds at most one commit's
-        and one fetch's worth.
-        """
-        with self._lock:
-            self._want[purpose] = list(sizes)
-            budget: dict[int, int] = {}
-            for s in self._wanted():
-                budget[s] = budget.get(s, 0) + 1
-            extra = []
-            for s, free in self._free.items():
-                while len(free) > budget.get(s, 0):
-                    extra.append(free.pop())
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._fill, name="paramstore-slabs", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-        for slab in extra:
-            slab.discard()
-
-    def _fill(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and not self._missing():
-                    self._wake.wait()
-                if self._closed:
-                    return
-                size = self._missing()[0]
-            slab = self.new(size)
-            with self._lock:
-                wanted = not self._closed and size in self._missing()
-                if wanted:
-                    self._free.setdefault(size, []).append(slab)
-                    self._wake.notify_all()  # wait_prepared()
-            if not wanted:  # closed, or prepare() changed its mind meanwhile
-                slab.discard()
-
-    def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Wait until every slab :meth:`prepare` asked for is ready; False on timeout."""
-        with self._lock:
-            return self._wake.wait_for(lambda: self._closed or not self._missing(), timeout)
-
-    def _missing(self) -> list[int]:
-        # Sizes wanted but not yet in the pool (called with the lock held).
-        have = {s: len(v) for s, v in self._free.items()}
-        out = []
-        for s in self._wanted():
-            if have.get(s, 0) > 0:
-                have[s] -= 1
-            else:
-                out.append(s)
-        return out
-
-    def _wanted(self) -> list[int]:
-        return [s for sizes in self._want.values() for s in sizes]
-
-    def close(self) -> None:
-        """Stop preparing and delete every pooled slab (in a forked child: just forget them)."""
-        if os.getpid() != self._owner:  # the parent still owns these files
-            self._free.clear()
-            self._closed = True
-            return
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-            slabs = [s for v in self._free.values() for s in v]
-            self._free.clear()
-        if self._thread is not None:
-            self._thread.join()
-        for s in slabs:
-            s.discard()
+__all__ = ["LocalTier"]
 
 
 class LocalTier(Tier):
-    """Objects as files under ``path`` (use a tmpfs such as ``/dev/shm`` for shared memory)."""
+    """Objects as files under ``path`` (use a tmpfs such as ``/dev/shm`` for shared memory).
+
+    Args:
+        path: the tier's directory (a store root).
+        create: create ``objects/`` and ``tmp/`` if missing.
+
+    Example:
+        >>> import tempfile, os
+        >>> tier = LocalTier(tempfile.mkdtemp(dir="/dev/shm"), create=True)
+        >>> tier.mappable, list(tier.list())
+        (True, [])
+    """
+
+    mappable = True
+    ranged_reads = True
+    atomic_put = True
 
     def __init__(self, path: str, *, create: bool = False) -> None:
-        self.path = path
-        self.objects_dir = os.path.join(path, "objects")
+        self.path = self.url = path
+        self.objects_dir = os.path.join(path, OBJECTS_DIR)
         self.tmp_dir = os.path.join(path, "tmp")
         if create:
             os.makedirs(self.objects_dir, exist_ok=True)
@@ -292,8 +57,9 @@ class LocalTier(Tier):
 
     def object_path(self, digest: str) -> str:
         """Where the object ``digest`` lives (whether or not it exists)."""
-        return os.path.join(self.objects_dir, digest[:2], digest + OBJECT_SUFFIX)
+        return os.path.join(self.path, object_key(digest))
 
+    # -- the contract ---------------------------------------------------------------------------
     def exists(self, digest: str) -> bool:
         return os.path.exists(self.object_path(digest))
 
@@ -305,19 +71,70 @@ class LocalTier(Tier):
             return
         for sub in sorted(os.listdir(self.objects_dir)):
             d = os.path.join(self.objects_dir, sub)
+            if not os.path.isdir(d):
+                continue
             for name in sorted(os.listdir(d)):
-                if name.endswith(OBJECT_SUFFIX):
-                    yield name[: -len(OBJECT_SUFFIX)]
+                digest = digest_of_key(name)
+                if digest is not None:
+                    yield digest
 
-    def leftovers(self) -> list[str]:
-        """Temporary files in ``tmp/`` (slabs in flight, prepared, or left by a crash)."""
-        return sorted(os.listdir(self.tmp_dir)) if os.path.isdir(self.tmp_dir) else []
+    def get(self, digest: str, start: int = 0, end: int | None = None) -> bytes:
+        check_range(start, end)
+        with open(self.object_path(digest), "rb") as f:
+            f.seek(start)
+            return f.read(-1 if end is None else max(0, end - start))
 
-    def map(self, digest: str, *, private: bool = True) -> mmap.mmap:
+    def get_file(self, digest: str, path: str) -> None:
+        src = self.object_path(digest)
+        with open(src, "rb") as fin, open(path, "xb") as fout:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+
+    def put(self, digest: str, path: str, *, move: bool = False) -> bool:
+        """Publish the file ``path`` as object ``digest``: fsync, then rename into place.
+
+        With ``move`` the file itself is renamed (it should lie in this tier's ``tmp/``: same
+        filesystem); otherwise it is first copied into ``tmp/``. Returns False (and, with
+        ``move``, removes ``path``) if the object already exists: same digest, same bytes.
+        A slab stays mapped: the caller unmaps it when convenient (unmapping costs ~20 ms per
+        256 MiB of page tables, better spent off the visibility path). ``fsync`` of the file
+        covers what was written through a shared mapping.
+        """
+        final = self.object_path(digest)
+        if os.path.exists(final):
+            if move:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            return False
+        if not move:
+            tmp = os.path.join(self.tmp_dir, f"put-{uuid.uuid4().hex}")
+            shutil.copyfile(path, tmp)
+            path = tmp
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.rename(path, final)  # atomic: readers see no object or the whole object
+        except BaseException:
+            if not move:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
+        _fsync_dir(os.path.dirname(final))
+        return True
+
+    def delete(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.object_path(digest))
+
+    def map(self, digest: str, *, private: bool = False) -> mmap.mmap:
         """Map an object (objects are never empty: a header is at least 64 bytes).
 
-        ``private=True``: copy-on-write, for tensors handed to users (reads share the store's
-        pages, writes stay in this process). ``private=False``: read-only, for hashing and export.
+        ``private=False``: read-only, for hashing, serving and export. ``private=True``:
+        copy-on-write, for tensors handed to users (reads share the store's pages, writes stay in
+        this process).
         """
         fd = os.open(self.object_path(digest), os.O_RDONLY)
         try:
@@ -327,37 +144,13 @@ class LocalTier(Tier):
         finally:
             os.close(fd)
 
-    def publish(self, slab: Slab, digest: str) -> bool:
-        """Make a fully written slab the object ``digest`` (see :meth:`publish_file`)."""
-        return self.publish_file(slab.path, digest)
+    # -- local extras ---------------------------------------------------------------------------
+    def leftovers(self) -> list[str]:
+        """Temporary files in ``tmp/`` (slabs in flight, prepared, or left by a crash)."""
+        return sorted(os.listdir(self.tmp_dir)) if os.path.isdir(self.tmp_dir) else []
 
-    def publish_file(self, path: str, digest: str) -> bool:
-        """Make a fully written file of ``tmp/`` the object ``digest``: fsync, then rename into place.
-
-        Returns True if the object is new; False if it already existed (same digest, same bytes:
-        the file is removed). A slab stays mapped: the caller closes it when convenient
-        (unmapping costs ~20 ms per 256 MiB of page tables, better spent off the visibility path).
-        ``fsync`` of the file covers what was written through the shared mapping.
-        """
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        final = self.object_path(digest)
-        if os.path.exists(final):
-            os.unlink(path)
-            return False
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        os.rename(path, final)  # atomic: readers see no object or the whole object
-        _fsync_dir(os.path.dirname(final))
-        return True
-
-    def delete(self, digest: str) -> None:
-        try:
-            os.unlink(self.object_path(digest))
-        except FileNotFoundError:
-            pass
+    def __repr__(self) -> str:
+        return f"LocalTier({self.path!r})"
 
 
 def _fsync_dir(path: str) -> None:
@@ -366,3 +159,4 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+

@@ -19,21 +19,23 @@ environment, ``~/.aws``, or ``remote_options={"key":…, "secret":…, "endpoint
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import threading
 import uuid
 import warnings
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from paramstore.errors import InvalidArgumentError, RemoteError
+
+from .base import OBJECTS_DIR, Tier, check_range, digest_of_key, object_key
 
 __all__ = ["RemoteTier", "REMOTE_FORMAT", "is_transient"]
 
 REMOTE_FORMAT = 1
 MARKER = "paramstore-remote.json"
-_SUFFIX = ".safetensors"
 _PART_BYTES = 64 << 20  # multipart chunk; several parts of one object go up at once
 
 
@@ -42,7 +44,7 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, RemoteError) and e.transient
 
 
-class RemoteTier:
+class RemoteTier(Tier):
     """Objects and records under ``url``; one instance per process (it reconnects after fork).
 
     Args:
@@ -55,6 +57,10 @@ class RemoteTier:
         RemoteError: bad URL, missing bucket, access denied, unreachable endpoint, or a remote of
             another format.
     """
+
+    mappable = False
+    ranged_reads = True
+    atomic_put = True
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, concurrency: int = 8) -> None:
         if not isinstance(url, str) or "://" not in url:
@@ -134,43 +140,77 @@ class RemoteTier:
         except Exception as e:  # noqa: BLE001 - connection refused, timeouts, 5xx: retry later
             raise RemoteError(f"{what} on {self.url}: {type(e).__name__}: {e}", transient=True) from e
 
-    # -- objects -----------------------------------------------------------------------------
-    def object_key(self, digest: str) -> str:
-        return f"objects/{digest[:2]}/{digest}{_SUFFIX}"
-
-    def has_object(self, digest: str) -> bool:
+    # -- objects: the Tier contract -----------------------------------------------------------
+    def exists(self, digest: str) -> bool:
         # One ranged GET: s3fs's exists() costs a HEAD and a LIST for a missing key.
         try:
-            self._call("exists", self.fs.cat_file, self._path(self.object_key(digest)), start=0, end=1,
+            self._call("exists", self.fs.cat_file, self._path(object_key(digest)), start=0, end=1,
                        missing_ok=True)
         except FileNotFoundError:
             return False
         return True
 
-    def objects(self) -> dict[str, tuple[int, float]]:
-        """Every object: digest -> (size, last-modified time, seconds since the epoch)."""
-        found = self._find("objects")
-        out = {}
-        for path, info in found.items():
-            name = path.rsplit("/", 1)[-1]
-            if name.endswith(_SUFFIX) and len(name) == 64 + len(_SUFFIX):
-                out[name[: -len(_SUFFIX)]] = (int(info.get("size") or 0), _mtime(info))
-        return out
+    def size(self, digest: str) -> int:
+        self.fs.invalidate_cache()
+        info = self._call("stat", self.fs.info, self._path(object_key(digest)), missing_ok=True)
+        return int(info.get("size") or 0)
 
-    def upload_object(self, path: str, digest: str) -> None:
-        """Upload the local file ``path`` as object ``digest`` (streamed; multipart when large)."""
-        self._put_file(path, self.object_key(digest))
+    def list(self) -> Iterator[str]:
+        return iter(sorted(self.objects()))
 
-    def download_object(self, digest: str, path: str) -> None:
+    def get(self, digest: str, start: int = 0, end: int | None = None) -> bytes:
+        check_range(start, end)
+        if end is not None and end == start:
+            if not self.exists(digest):
+                raise FileNotFoundError(object_key(digest))
+            return b""
+        return self._call("read", self.fs.cat_file, self._path(object_key(digest)), start=start, end=end,
+                          missing_ok=True)
+
+    def get_file(self, digest: str, path: str) -> None:
         """Download object ``digest`` into the local file ``path`` (streamed, ranged in parallel).
 
         Raises FileNotFoundError if the remote has no such object.
         """
-        self._call("download", self.fs.get_file, self._path(self.object_key(digest)), path, missing_ok=True,
+        self._call("download", self.fs.get_file, self._path(object_key(digest)), path, missing_ok=True,
                    **({} if self.local else {"max_concurrency": self._concurrency, "chunksize": _PART_BYTES}))
 
+    def put(self, digest: str, path: str, *, move: bool = False) -> bool:
+        """Upload the local file ``path`` as object ``digest`` (streamed; multipart when large).
+
+        S3 publishes a key whole when the upload (or multipart completion) ends. Returns False
+        without uploading if the object is already there.
+        """
+        key = object_key(digest)
+        if self.exists(digest):
+            new = False
+        else:
+            self._put_file(path, key)
+            new = True
+        if move:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return new
+
+    def delete(self, digest: str) -> None:
+        self.delete_records([object_key(digest)])
+
+    def objects(self) -> dict[str, tuple[int, float]]:
+        """Every object: digest -> (size, last-modified time, seconds since the epoch). One listing."""
+        out = {}
+        for path, info in self._find(OBJECTS_DIR).items():
+            digest = digest_of_key(path)
+            if digest is not None:
+                out[digest] = (int(info.get("size") or 0), _mtime(info))
+        return out
+
     def delete_objects(self, digests: list[str]) -> None:
-        self.delete_records([self.object_key(d) for d in digests])
+        """Delete several objects in one call (absent ones are ignored)."""
+        self.delete_records([object_key(d) for d in digests])
+
+    def close(self) -> None:
+        self._fs = None
+        self._pid = -1
 
     # -- records (small JSON files) ------------------------------------------------------------
     def get_record(self, key: str) -> bytes:
