@@ -21,16 +21,22 @@ from .errors import (
     InvalidTensorError,
     LoadError,
     NotAStoreError,
+    ObjectUnavailableError,
     ParamStoreError,
+    ParamStoreWarning,
+    RegistryError,
+    RemoteError,
     StepOrderError,
     StoreClosedError,
     TagNotFoundError,
+    TransferError,
     VersionNotFoundError,
     WaitTimeoutError,
 )
 from .manifest import Manifest, TensorEntry, Version
 
 if TYPE_CHECKING:
+    from .checkout import FetchReport
     from .commit import CommitHandle
     from .snapshot import LoadResult, Snapshot
     from .store import ParamStore
@@ -42,13 +48,15 @@ _LAZY = {
     "Snapshot": "snapshot",
     "LoadResult": "snapshot",
     "CommitHandle": "commit",
+    "FetchReport": "checkout",
 }
 
 __all__ = [
     "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry",
     "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
-    "StoreClosedError", "WaitTimeoutError", "LoadError",
+    "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
+    "TransferError", "ParamStoreWarning", "FetchReport",
 ]
 
 

@@ -18,17 +18,26 @@ __all__ = [
     "InvalidNameError",
     "InvalidArgumentError",
     "CorruptObjectError",
+    "ObjectUnavailableError",
     "StoreClosedError",
     "WaitTimeoutError",
     "LoadError",
     "RegistryError",
     "RemoteError",
     "TransferError",
+    "ParamStoreWarning",
 ]
 
 
 class ParamStoreError(Exception):
     """Root of every error raised by paramstore."""
+
+
+class ParamStoreWarning(UserWarning):
+    """Something works but not as well as it could (e.g. a store root that is not on a tmpfs).
+
+    Silence it with ``warnings.filterwarnings("ignore", category=paramstore.ParamStoreWarning)``.
+    """
 
 
 class NotAStoreError(ParamStoreError, FileNotFoundError):
@@ -64,6 +73,14 @@ class InvalidArgumentError(ParamStoreError, ValueError):
 
 class CorruptObjectError(ParamStoreError, IOError):
     """An object's bytes do not match its digest."""
+
+
+class ObjectUnavailableError(ParamStoreError, FileNotFoundError):
+    """An object a version needs is not on this host, and no peer or remote could deliver it.
+
+    The message says what to start: ``paramstore serve`` on a host that holds the version, or a
+    remote that has it.
+    """
 
 
 class StoreClosedError(ParamStoreError, RuntimeError):

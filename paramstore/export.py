@@ -14,7 +14,6 @@ from typing import Any
 
 from .errors import InvalidArgumentError
 from .format import TensorSpec, layout
-from .ops import leased
 from .progress import progress
 from .root import StoreRoot
 
@@ -32,7 +31,7 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     """
     if shard_size_bytes <= 0:
         raise InvalidArgumentError(f"shard size must be positive, got {shard_size_bytes}")
-    with leased(root, [step]):  # retention cannot prune it while its bytes are copied
+    with root.leased([step]):  # retention cannot prune it while its bytes are copied
         return _export(root, step, directory, shard_size_bytes, show_progress)
 
 

@@ -1,6 +1,7 @@
-"""Whole-store operations behind the CLI: verify, du, diff. Only ``diff`` imports torch.
+"""Whole-store operations: verify, du, diff (``ParamStore.verify/du/diff`` delegate here). Only
+``diff`` imports torch.
 
-Each returns a plain dict (what ``--json`` prints).
+Each returns a plain dict (what the CLI's ``--json`` prints).
 """
 
 from __future__ import annotations
@@ -14,30 +15,7 @@ from .format import rehash
 from .progress import progress
 from .root import StoreRoot
 
-__all__ = ["verify", "du", "diff", "hash_object", "leased"]
-
-
-@contextlib.contextmanager
-def leased(root: StoreRoot, steps: Iterable[int], *, skip_missing: bool = False,
-           holder: str = "paramstore cli") -> Iterator[list[int]]:
-    """Hold a lease on each step while a command reads its objects (so retention cannot prune it).
-
-    Yields the steps leased: all of them, or with ``skip_missing`` those still present.
-    Raises VersionNotFoundError for a missing step otherwise.
-    """
-    reg = root.registry
-    held: list[tuple[int, str]] = []
-    try:
-        for s in steps:
-            try:
-                held.append((s, reg.acquire_lease(s, f"{holder} (pid {os.getpid()})").id))
-            except VersionNotFoundError:
-                if not skip_missing:
-                    raise
-        yield [s for s, _ in held]
-    finally:
-        for _, lease_id in held:
-            reg.release_lease(lease_id)
+__all__ = ["verify", "du", "diff", "hash_object"]
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
@@ -68,7 +46,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     """
     whole = steps is None
     wanted = [v.step for v in root.registry.versions()] if whole else list(steps)
-    with leased(root, wanted, skip_missing=whole) as selected:
+    with root.leased(wanted, skip_missing=whole) as selected:
         return _verify(root, selected, whole, show_progress)
 
 
@@ -144,7 +122,7 @@ def diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
 
     ``max_abs_diff`` is given for changed tensors of the same dtype and shape (floating or integer).
     """
-    with leased(root, sorted({a, b})):
+    with root.leased(sorted({a, b})):
         return _diff(root, a, b)
 
 

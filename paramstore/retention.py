@@ -2,11 +2,11 @@
 
 Each policy is a small frozen dataclass, validated at construction, with an English ``str()``.
 ``policy.keep(versions, now)`` returns, for each version it keeps, the reasons why. Policies compose
-with :class:`Any` (keep a version if any child keeps it). Whatever the policy, the store also keeps
+with :class:`AnyOf` (keep a version if any child keeps it; ``a | b`` is ``AnyOf(a, b)``). Whatever the policy, the store also keeps
 the latest version and every leased version (see :func:`decide`).
 
 Example:
-    >>> policy = Any(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))
+    >>> policy = AnyOf(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))
     >>> str(policy)
     'keep the last 2; keep every 1000th step; keep the best 3 by reward (max)'
 """
@@ -22,7 +22,7 @@ from .errors import InvalidArgumentError
 from .manifest import Version
 
 __all__ = [
-    "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepTagged", "KeepWithin", "Any",
+    "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepTagged", "KeepWithin", "AnyOf",
     "Decision", "decide", "parse_duration",
 ]
 
@@ -36,8 +36,8 @@ class Policy(abc.ABC):
     def keep(self, versions: Sequence[Version], now: float) -> Reasons:
         """Steps this rule keeps, each with the reasons (``versions`` sorted by step)."""
 
-    def __or__(self, other: "Policy") -> "Any":
-        return Any(self, other)
+    def __or__(self, other: "Policy") -> "AnyOf":
+        return AnyOf(self, other)
 
 
 def _count(name: str, n: object) -> int:
@@ -168,17 +168,25 @@ class KeepWithin(Policy):
 
 
 @dataclass(frozen=True)
-class Any(Policy):
-    """Keep a version if any of ``policies`` keeps it."""
+class AnyOf(Policy):
+    """Keep a version if any of ``policies`` keeps it.
+
+    (Named ``Any`` before 0.2; that name still works, with a DeprecationWarning: it shadowed
+    ``typing.Any``.)
+
+    Example:
+        >>> str(AnyOf(KeepLast(2), KeepTagged("release")))
+        'keep the last 2; keep versions tagged release'
+    """
 
     policies: tuple[Policy, ...] = field(default_factory=tuple)
 
     def __init__(self, *policies: Policy) -> None:
         if not policies:
-            raise InvalidArgumentError("Any() needs at least one policy: an empty policy would delete everything")
+            raise InvalidArgumentError("AnyOf() needs at least one policy: an empty policy would delete everything")
         for p in policies:
             if not isinstance(p, Policy):
-                raise InvalidArgumentError(f"Any() takes policies, got {p!r}")
+                raise InvalidArgumentError(f"AnyOf() takes policies, got {p!r}")
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, versions: Sequence[Version], now: float) -> Reasons:
@@ -190,6 +198,16 @@ class Any(Policy):
 
     def __str__(self) -> str:
         return "; ".join(str(p) for p in self.policies)
+
+
+def __getattr__(name: str) -> object:
+    if name == "Any":
+        import warnings
+
+        warnings.warn("paramstore.retention.Any is deprecated (it shadows typing.Any): use AnyOf",
+                      DeprecationWarning, stacklevel=2)
+        return AnyOf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

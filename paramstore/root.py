@@ -16,9 +16,10 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from paramstore.backends.registries import Registry, open_registry
 from paramstore.backends.registries.lmdb import LmdbRegistry
@@ -32,6 +33,7 @@ __all__ = ["StoreRoot", "VersionSpec", "open_root", "MARKER", "STORE_FORMAT"]
 VersionSpec = int | str
 
 MARKER = "paramstore.json"
+_STEP = re.compile(r"-?[0-9]+\Z")
 STORE_FORMAT = 1
 
 
@@ -53,8 +55,10 @@ class StoreRoot:
             raise InvalidArgumentError(f"version must be a step, 'latest' or a tag, got {version!r}")
         if isinstance(version, int):
             return version
-        if version.lstrip("-").isdigit():  # "5" from a CLI or a config file: a step (tags cannot look like one)
+        if _STEP.match(version):  # "5" from a CLI or a config file: a step (tags cannot look like one)
             return int(version)
+        if version[:1] == "-" and version.lstrip("-").isdigit():
+            raise InvalidArgumentError(f"{version!r} is not a step: steps are written as non-negative integers")
         if version == "latest":
             step = self.registry.latest_step()
             if step is None:
@@ -64,6 +68,27 @@ class StoreRoot:
         if version not in tags:
             raise TagNotFoundError(f"no tag named {version!r} (tags: {', '.join(sorted(tags)) or 'none'})")
         return tags[version]
+
+    @contextlib.contextmanager
+    def leased(self, steps: Iterable[int], *, skip_missing: bool = False,
+               holder: str = "paramstore") -> Iterator[list[int]]:
+        """Hold a lease on each step while its objects are read (so retention cannot prune it).
+
+        Yields the steps leased: all of them, or with ``skip_missing`` those still present.
+        Raises VersionNotFoundError for a missing step otherwise.
+        """
+        held: list[tuple[int, str]] = []
+        try:
+            for s in steps:
+                try:
+                    held.append((s, self.registry.acquire_lease(s, f"{holder} (pid {os.getpid()})").id))
+                except VersionNotFoundError:
+                    if not skip_missing:
+                        raise
+            yield [s for s, _ in held]
+        finally:
+            for _, lease_id in held:
+                self.registry.release_lease(lease_id)
 
     @contextlib.contextmanager
     def gc_lock(self, *, exclusive: bool = False) -> Iterator[None]:
@@ -101,12 +126,9 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
     marker = os.path.join(path, MARKER)
     if not os.path.exists(marker):
         if not create:
-            raise NotAStoreError(f"{path} is not a paramstore root (no {MARKER}); create one with ParamStore({path!r})")
+            raise NotAStoreError(_not_a_store(path, create=False))
         if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))):
-            raise NotAStoreError(
-                f"{path} exists and is not an empty directory nor a paramstore root; "
-                "choose an empty or new directory"
-            )
+            raise NotAStoreError(_not_a_store(path, create=True))
         _create(path, marker)
     try:
         with open(marker) as f:
@@ -136,6 +158,22 @@ def _close_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _not_a_store(path: str, *, create: bool) -> str:
+    """Why ``path`` cannot be opened (or created) as a store, and what to do instead."""
+    instead = ("pass the store's own directory (--root on the command line), "
+               "or choose an empty or new directory to create a store in")
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file, not a paramstore root (a store is a directory); {instead}"
+    try:
+        other = os.path.isdir(path) and not _creatable(os.listdir(path))
+    except OSError as e:
+        return f"{path} is not a paramstore root (no {MARKER}) and cannot be listed: {e}; {instead}"
+    if other or create:  # create: only a non-empty directory is refused
+        return (f"{path} is not a paramstore root (no {MARKER}) and is not empty, so no store can be "
+                f"created there either; {instead}")
+    return f"{path} is not a paramstore root (no {MARKER}); create one with ParamStore({path!r})"
 
 
 def _creatable(entries: list[str]) -> bool:

@@ -1,6 +1,7 @@
-"""The checkout path: a version's tensors as zero-copy views of the shared-memory objects.
+"""A checked-out version: its tensors as zero-copy views of the shared-memory objects.
 
-``store.checkout`` reads the manifest (one registry read), maps each object the version references
+:mod:`paramstore.checkout` leases the version and makes its objects present; a :class:`Snapshot` then
+reads the manifest (one registry read), maps each object the version references
 copy-on-write (one ``mmap`` per object, a few per GiB), and builds tensor views on first access.
 No tensor byte is read or copied by checkout itself; the first touch of a page maps the store's page
 into this process (``Snapshot.prefault`` does it ahead of time). The views are writable, copy-on-write:
@@ -13,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import weakref
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -23,6 +24,9 @@ from .manifest import Manifest, Version
 from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from .checkout import FetchReport
 
 __all__ = ["Snapshot", "LoadResult"]
 
@@ -47,12 +51,15 @@ class Snapshot(Mapping[str, torch.Tensor]):
     Attributes:
         version: the :class:`~paramstore.Version` checked out.
         manifest: where each tensor lies.
+        fetch: how the bytes were obtained (:class:`~paramstore.checkout.FetchReport`: objects
+            already here, from peers, from the remote; bytes per source), or None.
     """
 
     def __init__(self, version: Version, manifest: Manifest, tier: Tier,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, *, fetch: "FetchReport | None" = None) -> None:
         self.version = version
         self.manifest = manifest
+        self.fetch = fetch
         # Releases the lease on close, or when the snapshot is garbage collected unclosed.
         self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
         self._maps: dict[str, mmap.mmap] = {o: tier.map(o, private=True) for o in sorted(manifest.objects())}

@@ -11,40 +11,61 @@ import functools
 import os
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
-import torch
-
-from .commit import CommitHandle, Committer
+from . import maintenance, ops
+from .checkout import FetchReport, Fetcher, check_checkout_args, open_snapshot
 from .errors import (
-    CorruptObjectError,
     InvalidArgumentError,
+    ParamStoreWarning,
+    VersionNotFoundError,
     ParamStoreError,
     StepOrderError,
     StoreClosedError,
-    VersionNotFoundError,
     WaitTimeoutError,
 )
-from . import maintenance
 from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
-from .manifest import Version
-from .peer import FetchReport, PeerServer, fetch
+from .manifest import Manifest, Version
 from .persist import Persister
 from .remote import Remote, TransferReport
 from .retention import Policy
 from .root import VersionSpec, open_root
-from .snapshot import Snapshot
 from .staging import SlabPool
-from .tensors import collect
 from .validate import check_metadata, check_metrics, check_tag
 
-from paramstore.backends.registries.base import Lease, Registry
+from paramstore.backends.registries.base import Lease
 from paramstore.backends.transports.base import Transport
 
+if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands start fast
+    import torch
+
+    from .commit import CommitHandle, Committer
+    from .peer import PeerServer
+    from .snapshot import Snapshot
+
 __all__ = ["ParamStore"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _keyword_timeout(positional: int) -> Callable[[_F], _F]:
+    """``timeout`` is keyword-only; passing it positionally still works, with a DeprecationWarning."""
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if len(args) > positional:
+                if len(args) > positional + 1 or "timeout" in kwargs:
+                    raise TypeError(f"{fn.__name__}() takes {positional} positional argument(s) and timeout=")
+                warnings.warn(f"passing timeout to {fn.__name__}() positionally is deprecated: use timeout=",
+                              DeprecationWarning, stacklevel=2)
+                kwargs["timeout"], args = args[positional], args[:positional]
+            return fn(self, *args, **kwargs)
+        return call  # type: ignore[return-value]
+    return wrap
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
 _DEATH_POLL_S = 0.2  # how often wait_for_readers re-checks for readers that died
@@ -101,16 +122,24 @@ class ParamStore:
         pin_memory: bool = True,
         retention: Policy | Mapping[str, Policy] | None = None,
         remote: str | Remote | None = None,
-        remote_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         persist_retry_for: float = 900.0,
         registry: str | None = None,
         name: str | None = None,
+        remote_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
         if registry is not None and not name:
             raise InvalidArgumentError("a shared registry needs name=: the store's name, the same on every host")
+        if remote_options is not None:
+            warnings.warn("ParamStore(remote_options=) is deprecated: use storage_options= (as fsspec, datasets "
+                          "and pandas call it)", DeprecationWarning, stacklevel=2)
+            if storage_options is not None:
+                raise InvalidArgumentError("pass storage_options= only (remote_options= is its deprecated name)")
+            storage_options = remote_options
         self._root = open_root(root, create=create, registry=registry, name=name or "")
+        _warn_if_not_shared_memory(self._root.path)
         self.root = self._root.path
         self._lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
@@ -120,7 +149,7 @@ class ParamStore:
         self._shard_size = shard_size_bytes
         policies = tier_policies(retention)
         try:
-            self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, remote_options)
+            self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, storage_options)
         except BaseException:
             self._root.close()
             raise
@@ -135,7 +164,9 @@ class ParamStore:
         self._peer: PeerServer | None = None
         self._transport: Transport | None = None
         self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
-        self.last_fetch: FetchReport | None = None  # what the last checkout fetched from peers
+        self._fetcher = Fetcher(self._root, self._pool, remote=self._remote, transport=self._get_transport,
+                                server=lambda: self._peer, prepare_buffers=prepare_buffers)
+        self._last_fetch: FetchReport | None = None
         self._closed = False
         self._owner = os.getpid()
         # A script that commits and exits without close() must not lose the in-flight commit.
@@ -183,6 +214,8 @@ class ParamStore:
         tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
+        from .tensors import collect
+
         collected = collect(model)
         if os.getpid() != self._owner:
             raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
@@ -213,6 +246,8 @@ class ParamStore:
         slower); later commits are prepared automatically.
         """
         self._check_open()
+        from .tensors import collect
+
         self._get_committer().prepare(collect(model))
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -237,7 +272,8 @@ class ParamStore:
 
         return optimizer.register_step_pre_hook(_wait_for_staging)
 
-    def wait_staged(self, timeout: float | None = None) -> None:
+    @_keyword_timeout(0)
+    def wait_staged(self, *, timeout: float | None = None) -> None:
         """Block until the last commit of this process is staged (re-raises its error)."""
         handle = self._last_handle
         if handle is not None:
@@ -246,13 +282,16 @@ class ParamStore:
             except FutureTimeout:
                 raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout} s") from None
 
-    def flush(self, timeout: float | None = None) -> Version | None:
+    @_keyword_timeout(0)
+    def flush(self, *, timeout: float | None = None) -> Version | None:
         """Wait until every commit of this process is visible; returns the last version."""
         handle = self._last_handle
         return None if handle is None else handle.result(timeout)  # raises WaitTimeoutError
 
     def _get_committer(self) -> Committer:
         if self._committer is None:
+            from .commit import Committer
+
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
                 gc_lock=self._root.gc_lock, prepare_buffers=self._prepare, on_commit=self._after_commit,
@@ -304,36 +343,20 @@ class ParamStore:
             ...     print(snap.step, snap["lm_head.weight"].shape)
         """
         self._check_open()
-        if min_step is not None and version != "latest":
-            raise InvalidArgumentError("pass either version or min_step, not both")
-        reg = self._root.registry
-        deadline = None if timeout is None else time.monotonic() + timeout
-        name = holder or f"pid {os.getpid()}"
-        while True:
-            if min_step is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                step = self.wait_for(min_step, left).step
-            else:
-                step = self._resolve(version)
-            try:
-                lease = reg.acquire_lease(step, name)
-            except VersionNotFoundError:
-                if self._remote is not None and min_step is None and self._pull_if_remote(step):
-                    continue  # pulled: lease it now
-                if isinstance(version, int) and min_step is None:
-                    raise
-                continue  # pruned between resolving "latest" (or a tag) and leasing: resolve again
-            try:
-                manifest = reg.get_manifest(step)
-                self._ensure_local(step, manifest)
-                return Snapshot(reg.get_version(step), manifest, self._root.tier,
-                                on_close=functools.partial(_release, reg, lease.id, os.getpid()))
-            except FileNotFoundError as e:
-                _release(reg, lease.id, os.getpid())
-                raise CorruptObjectError(f"version {step} references a missing object: {e.filename}") from e
-            except BaseException:
-                _release(reg, lease.id, os.getpid())
-                raise
+        check_checkout_args(version, min_step)
+        snap = open_snapshot(self._root, self._fetcher, version, min_step=min_step, timeout=timeout,
+                             holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
+                             wait_for=lambda step, left: self.wait_for(step, timeout=left),
+                             pull=self._pull_if_remote)
+        self._last_fetch = snap.fetch
+        return snap
+
+    @property
+    def last_fetch(self) -> FetchReport | None:
+        """Deprecated: use ``snap.fetch`` of the snapshot ``checkout`` returned."""
+        warnings.warn("store.last_fetch is deprecated: read snap.fetch of the snapshot checkout returned",
+                      DeprecationWarning, stacklevel=2)
+        return self._last_fetch
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order."""
@@ -359,21 +382,6 @@ class ParamStore:
                 raise
             return self._remote.resolve(version)
 
-    def _ensure_local(self, step: int, manifest: Any) -> None:
-        # A version registered by another host (shared registry) may lack bytes here: fetch them
-        # from the peers that hold them, then from the remote tier.
-        tier = self._root.tier
-        missing = [o for o in manifest.objects() if not tier.exists(o)]
-        if missing and self._root.registry.peers():
-            sizes = self._root.registry.objects()
-            self.last_fetch = fetch(self._root, self._get_transport(), {o: sizes[o] for o in missing if o in sizes},
-                                    pool=self._pool, server=self._peer)
-            if self._prepare:  # destinations for the next version (same layout), faulted in the background
-                self._pool.prepare([sizes[o] for o in manifest.objects() if o in sizes], purpose="fetch")
-            missing = [o for o in missing if not tier.exists(o)]
-        if missing and self._remote is not None:
-            self._remote.fetch(self._root, step)
-
     # -- peers -------------------------------------------------------------------------------
     def serve(self, host: str = "127.0.0.1", *, transport: Transport | None = None) -> PeerServer:
         """Serve this host's objects to other hosts (one server per host is enough).
@@ -388,6 +396,8 @@ class ParamStore:
             if transport is not None:
                 self._transport = transport
             self._transport_host = host
+            from .peer import PeerServer
+
             self._peer = PeerServer(self._root, self._get_transport())
         return self._peer
 
@@ -399,8 +409,10 @@ class ParamStore:
         return self._transport
 
     def _pull_if_remote(self, step: int) -> bool:
+        if self._remote is None:
+            return False
         try:
-            self._remote.pull(self._root, step)  # type: ignore[union-attr]
+            self._remote.pull(self._root, step)
         except VersionNotFoundError:
             return False
         return True
@@ -442,22 +454,26 @@ class ParamStore:
         self._check_open()
         return self._root.registry.persisted()
 
-    def wait_persisted(self, timeout: float | None = None) -> None:
+    @_keyword_timeout(0)
+    def wait_persisted(self, *, timeout: float | None = None) -> None:
         """Block until every version committed so far is pushed (or failed). Raises WaitTimeoutError."""
-        self.flush(timeout)
+        self.flush(timeout=timeout)
         if self._persister is not None and not self._persister.wait(timeout):
             raise WaitTimeoutError(f"{self._persister.pending} versions not persisted within {timeout} s")
 
     # -- wait --------------------------------------------------------------------------------
-    def subscribe(self, after: int | None = None, *, timeout: float | None = None) -> Iterator[Version]:
+    def subscribe(self, after: int | None = None, *, min_step: int | None = None,
+                  timeout: float | None = None) -> Iterator[Version]:
         """Yield every new version in step order as it becomes visible, from any process.
 
         Sleeps between versions (inotify on the registry's events file): no busy spinning.
 
         Args:
-            after: yield versions with a step above this; default: the latest at the call
-                (only versions committed from now on). Pass -1 for every version.
+            min_step: yield versions with step ≥ ``min_step`` (inclusive, like
+                ``checkout(min_step=)`` and ``wait_for``), those already visible first; default:
+                only versions committed after the call. ``min_step=0`` yields every version.
             timeout: end the iteration when no new version arrives for this many seconds.
+            after: deprecated (exclusive): ``after=s`` is ``min_step=s + 1``.
 
         Example:
             >>> for v in store.subscribe():
@@ -466,10 +482,21 @@ class ParamStore:
         """
         self._check_open()
         reg = self._root.registry
+        if after is not None:
+            warnings.warn("subscribe(after=s) is deprecated: use subscribe(min_step=s + 1) (inclusive, like "
+                          "checkout(min_step=) and wait_for)", DeprecationWarning, stacklevel=2)
+            if min_step is not None:
+                raise InvalidArgumentError("pass min_step= only (after= is its deprecated, exclusive form)")
+            min_step = after + 1
+        if min_step is not None and (isinstance(min_step, bool) or not isinstance(min_step, int)):
+            raise InvalidArgumentError(f"min_step must be an int, got {min_step!r}")
         watch = reg.watch()  # armed now: nothing committed after this call is missed
-        if after is None:
-            after = reg.latest_step()
-        return self._follow(watch, -1 if after is None else after, timeout)
+        if min_step is None:
+            latest = reg.latest_step()
+            last = -1 if latest is None else latest
+        else:
+            last = min_step - 1
+        return self._follow(watch, last, timeout)
 
     def _follow(self, watch: Any, last: int, timeout: float | None) -> Iterator[Version]:
         reg = self._root.registry
@@ -488,7 +515,8 @@ class ParamStore:
                 watch.wait(left)  # woken by any change (leases too): re-read and loop
                 self._check_open()
 
-    def wait_for(self, step: int, timeout: float | None = None) -> Version:
+    @_keyword_timeout(1)
+    def wait_for(self, step: int, *, timeout: float | None = None) -> Version:
         """Block until a version with step ≥ ``step`` is visible; return the newest one.
 
         Raises:
@@ -518,7 +546,8 @@ class ParamStore:
         steps = [lease.step for lease in self.leases()]
         return min(steps) if steps else None
 
-    def wait_for_readers(self, min_step: int, timeout: float | None = None) -> None:
+    @_keyword_timeout(1)
+    def wait_for_readers(self, min_step: int, *, timeout: float | None = None) -> None:
         """Block until no live lease is on a version older than ``min_step``.
 
         With ``checkout(min_step=...)`` on the rollout side this makes t − v ≤ η a store
@@ -544,6 +573,73 @@ class ParamStore:
                 # releases wake us; deaths are noticed by polling
                 watch.wait(_DEATH_POLL_S if left is None else min(left, _DEATH_POLL_S))
 
+    # -- inspection ----------------------------------------------------------------------------
+    def manifest(self, version: VersionSpec = "latest") -> Manifest:
+        """The :class:`~paramstore.Manifest` of a version: where each tensor lies, its dtype, shape, digest.
+
+        Example:
+            >>> man = store.manifest("latest")
+            >>> sorted(man.names()) == sorted(model.state_dict())
+            True
+        """
+        self._check_open()
+        return self._root.registry.get_manifest(self._resolve(version))
+
+    def verify(self, version: VersionSpec | None = None, *, show_progress: bool | None = False) -> dict[str, Any]:
+        """Re-hash the objects of one version (or of every version) and check every manifest entry.
+
+        Returns a report: ``ok``, ``corrupt`` (object -> why), ``missing`` objects,
+        ``damaged_versions``, counts; for a whole-store check also ``orphans`` (objects no version
+        references) and ``leftovers`` (temporary files). Each version checked is leased meanwhile.
+
+        Example:
+            >>> store.verify()["ok"]
+            True
+        """
+        self._check_open()
+        steps = None if version is None else [self._root.resolve(version)]
+        return ops.verify(self._root, steps, show_progress=show_progress)
+
+    def du(self) -> dict[str, Any]:
+        """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio.
+
+        Example:
+            >>> report = store.du()
+            >>> report["stored_bytes"] <= report["logical_bytes"]
+            True
+        """
+        self._check_open()
+        return ops.du(self._root)
+
+    def diff(self, a: VersionSpec, b: VersionSpec) -> dict[str, Any]:
+        """Tensors added, removed and changed from version ``a`` to ``b``, with bytes and max \\|Δ\\|.
+
+        Example:
+            >>> store.diff("latest", "latest")["changed"]
+            []
+        """
+        self._check_open()
+        return ops.diff(self._root, self._root.resolve(a), self._root.resolve(b))
+
+    def export(self, version: VersionSpec, directory: str | os.PathLike[str], *,
+               shard_size_bytes: int | None = None, show_progress: bool | None = False) -> dict[str, Any]:
+        """Write a version as Hugging Face safetensors shards plus ``model.safetensors.index.json``.
+
+        ``directory`` must be new or empty. Returns ``{"step", "directory", "files", ...}``.
+
+        Example:
+            >>> import tempfile
+            >>> out = store.export("latest", tempfile.mkdtemp())
+            >>> "model.safetensors.index.json" in out["files"]
+            True
+        """
+        from .export import DEFAULT_EXPORT_SHARD_BYTES, export
+
+        self._check_open()
+        return export(self._root, self._root.resolve(version), os.fspath(directory),
+                      shard_size_bytes=DEFAULT_EXPORT_SHARD_BYTES if shard_size_bytes is None else shard_size_bytes,
+                      show_progress=show_progress)
+
     # -- retention ---------------------------------------------------------------------------
     def prune(self, policy: Policy, *, dry_run: bool = False, tier: str = "local") -> PruneReport:
         """Remove the versions ``policy`` does not keep; the latest and leased versions are always kept.
@@ -552,8 +648,8 @@ class ParamStore:
         ``tier="remote"`` prunes the remote instead (its latest version is always kept).
 
         Example:
-            >>> from paramstore.retention import Any, KeepLast, KeepBest
-            >>> store.prune(Any(KeepLast(2), KeepBest(3, "reward")))
+            >>> from paramstore.retention import AnyOf, KeepLast, KeepBest
+            >>> store.prune(AnyOf(KeepLast(2), KeepBest(3, "reward")))
         """
         self._check_open()
         if _tier(tier) == "remote":
@@ -625,17 +721,43 @@ class ParamStore:
         return f"ParamStore({self.root!r})"
 
 
+def _warn_if_not_shared_memory(path: str) -> None:
+    """Warn once per root that is not on a memory filesystem (tmpfs): it works, but objects live in
+    a disk's page cache, commits write to disk, and checkouts are not zero-copy views of shared memory."""
+    fstype = _fstype(path)
+    if fstype is None or fstype in _MEMORY_FILESYSTEMS or path in _warned_roots:
+        return
+    _warned_roots.add(path)
+    warnings.warn(
+        f"store root {path} is on a {fstype} filesystem, not tmpfs: commits and checkouts work, but objects "
+        "are written to that filesystem and checkouts map its page cache instead of shared memory (slower, "
+        "and evictable). Put the root on /dev/shm (or another tmpfs) for zero-copy shared memory.",
+        ParamStoreWarning, stacklevel=3)
+
+
+_MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
+_warned_roots: set[str] = set()
+
+
+def _fstype(path: str) -> str | None:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mounts), or None if unknown."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, fstype = point, fields[2]
+    return fstype
+
+
 def _tier(name: str) -> str:
     if name not in maintenance.TIERS:
         raise InvalidArgumentError(f"unknown tier {name!r}; known tiers: {', '.join(maintenance.TIERS)}")
     return name
-
-
-def _release(registry: Registry, lease_id: str, owner: int) -> None:
-    # Called on Snapshot.close() or when an unclosed snapshot is collected (maybe at exit).
-    if os.getpid() != owner:
-        return  # a forked child exiting: the lease is the parent's
-    try:
-        registry.release_lease(lease_id)
-    except (ParamStoreError, RuntimeError, OSError):
-        pass  # store already closed: the lease dies with this process anyway

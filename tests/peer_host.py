@@ -57,12 +57,10 @@ def main() -> None:
                 with store.checkout(step) as snap:
                     want = model(seed, changed)
                     ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
-                report = store.last_fetch
-                prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready
-                                 for d in (report.fetched if report else []))
-                say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from) if report else {},
-                    fetched=len(report.fetched) if report else 0, missing=len(report.missing) if report else 0,
-                    rejected=dict(report.rejected) if report else {})
+                    report = snap.fetch
+                prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready for d in report.from_peers)
+                say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
+                    fetched=len(report.from_peers), rejected=dict(report.rejected))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 for digest in server.served:
                     with open(store._root.tier.object_path(digest), "r+b") as f:

@@ -34,7 +34,7 @@ from conftest import assert_bits_equal, assert_checkout_equal, gather_and_join, 
 from paramstore import ParamStore, TagNotFoundError, VersionNotFoundError
 from paramstore.liveness import this_process
 from paramstore.ops import verify
-from paramstore.retention import Any, KeepEvery, KeepLast, KeepTagged, Policy
+from paramstore.retention import AnyOf, KeepEvery, KeepLast, KeepTagged, Policy
 
 SPAWN = mp.get_context("spawn")
 SHARD = 2048
@@ -402,7 +402,7 @@ def test_prune_reports_reasons(store_root):
         for s in range(1, 8):
             store.commit(s, state_for(s), tags=["release"] if s == 2 else ()).result()
         with store.checkout(3):
-            r = store.prune(Any(KeepLast(2), KeepEvery(5), KeepTagged("release")), dry_run=True)
+            r = store.prune(AnyOf(KeepLast(2), KeepEvery(5), KeepTagged("release")), dry_run=True)
             assert r.dry_run
             assert dict(r.kept) == {
                 2: ["tagged release"],
@@ -415,7 +415,7 @@ def test_prune_reports_reasons(store_root):
             assert r.policy == "keep the last 2; keep every 5th step; keep versions tagged release"
             assert [v.step for v in store.versions()] == list(range(1, 8))  # dry run
             assert r.as_dict()["kept"]["3"] == ["leased"]
-            real = store.prune(Any(KeepLast(2), KeepEvery(5), KeepTagged("release")))
+            real = store.prune(AnyOf(KeepLast(2), KeepEvery(5), KeepTagged("release")))
             assert real.removed == [1, 4] and not real.dry_run and real.kept == r.kept
             assert [v.step for v in store.versions()] == [2, 3, 5, 6, 7]
 

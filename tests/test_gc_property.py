@@ -30,7 +30,7 @@ from conftest import SHM, random_tensor
 
 from paramstore import ParamStore
 from paramstore.liveness import this_process
-from paramstore.retention import Any, KeepEvery, KeepLast, KeepTagged
+from paramstore.retention import AnyOf, KeepEvery, KeepLast, KeepTagged
 
 SPECS = {
     "a": (torch.float32, (64,)),
@@ -57,8 +57,8 @@ POLICIES = st.one_of(
     st.builds(KeepLast, st.integers(0, 3)),
     st.builds(KeepEvery, st.integers(1, 4)),
     st.just(KeepTagged("t")),
-    st.builds(lambda n, k: Any(KeepLast(n), KeepEvery(k)), st.integers(0, 2), st.integers(2, 4)),
-    st.builds(lambda n: Any(KeepLast(n), KeepTagged("t")), st.integers(0, 2)),
+    st.builds(lambda n, k: AnyOf(KeepLast(n), KeepEvery(k)), st.integers(0, 2), st.integers(2, 4)),
+    st.builds(lambda n: AnyOf(KeepLast(n), KeepTagged("t")), st.integers(0, 2)),
 )
 
 
@@ -70,7 +70,7 @@ def model_keep(policy, steps: list[int], tagged: int | None) -> set[int]:
         return {s for s in steps if s % policy.steps == 0}
     if isinstance(policy, KeepTagged):
         return {tagged} if tagged is not None and "t" in policy.tags else set()
-    if isinstance(policy, Any):
+    if isinstance(policy, AnyOf):
         return set().union(*(model_keep(p, steps, tagged) for p in policy.policies))
     raise AssertionError(policy)
 

@@ -80,7 +80,7 @@ def test_three_rollout_hosts_fetch_from_the_trainer_and_each_other(hosts):
     for r in rollouts:  # at once
         r.send("checkout 1 1 16")
     replies = [r.expect() for r in rollouts]
-    assert all(rep["ok"] and rep["missing"] == 0 for rep in replies), replies
+    assert all(rep["ok"] for rep in replies), replies
     egress = sum(rep["bytes_from"].get(trainer.session, 0) for rep in replies)
     total = sum(sum(rep["bytes_from"].values()) for rep in replies)
     assert total >= 3 * MODEL_BYTES * 0.99  # every host got a whole model...
@@ -121,7 +121,7 @@ def test_corrupt_peer_is_rejected_and_bytes_come_from_another(hosts):
     assert bad.ask("corrupt")["corrupted"] > 0  # every MiB of its objects now has a wrong byte
     reply = hosts("rollout").ask("checkout 1 1 16")
     assert reply["bytes_from"].get(bad.session, 0) > 0  # it did serve (corrupt) slices...
-    assert reply["ok"] and reply["missing"] == 0  # ...which verification rejected
+    assert reply["ok"]  # ...which verification rejected (a missing object would have raised)
 
 
 def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
@@ -134,7 +134,7 @@ def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     reply = second.expect()
-    assert reply["ok"] and reply["missing"] == 0
+    assert reply["ok"]
 
 
 def test_paramstore_serve_cli(redis_url, shm_dir):

@@ -202,6 +202,16 @@ def test_objects_referenced_and_forgotten(reg):
     reg.forget_objects({o1, D("never registered")})
     reg.forget_objects(set())
     assert reg.objects() == {o2: 96}
+
+
+def test_object_sizes_looks_up_only_what_is_asked(reg):
+    o1, o2 = D("o1"), D("o2")
+    publish(reg, 1, {D("a"): TL(o1, 64), D("b"): TL(o2, 80)})
+    assert reg.object_sizes([o2, D("unknown")]) == {o2: reg.objects()[o2]}
+    assert reg.object_sizes([]) == {}
+    assert reg.object_sizes([o1, o2]) == reg.objects()
+    with pytest.raises(InvalidArgumentError):
+        reg.object_sizes(["../../etc/passwd"])
     # b pointed into o1 and goes; a pointed elsewhere by then and stays
     assert reg.locate_tensors([a, b, c]) == {a: TL(o2, 64), c: TL(o2, 80)}
 

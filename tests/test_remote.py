@@ -28,7 +28,7 @@ from paramstore.errors import (
 )
 from paramstore.maintenance import gc_remote, prune_remote
 from paramstore.remote import Remote
-from paramstore.retention import Any as AnyOf
+from paramstore.retention import AnyOf
 from paramstore.retention import KeepEvery, KeepLast
 
 TENSOR_SHAPE = (256, 256)  # 256 KiB in float32

@@ -7,7 +7,7 @@ import pytest
 from paramstore import InvalidArgumentError
 from paramstore.manifest import Version
 from paramstore.retention import (
-    Any,
+    AnyOf,
     KeepBest,
     KeepEvery,
     KeepLast,
@@ -41,8 +41,8 @@ CASES = [
     (KeepTagged(), [], [50, 100]),
     (KeepWithin("20m"), [], [80, 90, 100]),  # one version per 10 minutes
     (KeepWithin(0), [], [100]),
-    (Any(KeepLast(2), KeepEvery(50)), [], [50, 90, 100]),
-    (Any(KeepBest(1, "reward"), KeepTagged("release")), [20], [20, 40, 50, 100]),
+    (AnyOf(KeepLast(2), KeepEvery(50)), [], [50, 90, 100]),
+    (AnyOf(KeepBest(1, "reward"), KeepTagged("release")), [20], [20, 40, 50, 100]),
     (KeepLast(1) | KeepEvery(40), [], [40, 80, 100]),
 ]
 
@@ -57,7 +57,7 @@ def test_policy_table(policy, leased, kept):
 
 
 def test_reasons_explain():
-    d = decide(Any(KeepLast(1), KeepBest(1, "reward")), HISTORY, [30], now=0.0)
+    d = decide(AnyOf(KeepLast(1), KeepBest(1, "reward")), HISTORY, [30], now=0.0)
     assert d.keep[100] == ["one of the last 1", "latest"]
     assert d.keep[40] == ["best 1 by reward (max)"]
     assert d.keep[30] == ["leased"]
@@ -70,7 +70,7 @@ def test_best_never_evicts_latest():
 
 
 def test_str_is_english():
-    assert str(Any(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))) == \
+    assert str(AnyOf(KeepLast(2), KeepEvery(1000), KeepBest(3, "reward"))) == \
         "keep the last 2; keep every 1000th step; keep the best 3 by reward (max)"
     assert str(KeepWithin("90m")) == "keep versions within 90m of the newest"
     assert str(KeepWithin(7200)) == "keep versions within 2h of the newest"
@@ -84,7 +84,7 @@ def test_empty_history():
     lambda: KeepLast(-1), lambda: KeepLast(1.5), lambda: KeepLast(True), lambda: KeepEvery(0),
     lambda: KeepBest(-2, "r"), lambda: KeepBest(1, ""), lambda: KeepBest(1, "r", mode="median"),
     lambda: KeepTagged(""), lambda: KeepWithin("two hours"), lambda: KeepWithin(-5), lambda: KeepWithin("2h30"),
-    lambda: Any(), lambda: Any(KeepLast(1), "last"),
+    lambda: AnyOf(), lambda: AnyOf(KeepLast(1), "last"),
 ])
 def test_bad_options(make):
     with pytest.raises(InvalidArgumentError):

@@ -192,15 +192,13 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
                     tensor_bytes={k: v.numel() * v.element_size() for k, v in model.items()})
             elif op == "checkout":
                 prof.reset()
-                store.last_fetch = None
                 w0, t0 = time.time(), time.perf_counter()
                 snap = store.checkout(cmd["step"])
                 t1 = time.perf_counter()
                 snap.close()
-                f = store.last_fetch
-                say(s=t1 - t0, start=w0, end=w0 + (t1 - t0), bytes_from=dict(f.bytes_from) if f else {},
-                    fetched=len(f.fetched) if f else 0, missing=len(f.missing) if f else 0,
-                    prof=prof.summary(t0, t1))
+                f = snap.fetch
+                say(s=t1 - t0, start=w0, end=w0 + (t1 - t0), bytes_from=dict(f.bytes_from),
+                    fetched=len(f.from_peers), missing=0, prof=prof.summary(t0, t1))
             elif op == "alloc":  # a registered destination for the next raw read
                 total = sum(n for _, _, n in cmd["objects"])
                 if cmd.get("cold"):  # as a fetch's: a new /dev/shm file, space reserved, pages not mapped yet

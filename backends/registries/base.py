@@ -167,6 +167,15 @@ class Registry(abc.ABC):
     def objects(self) -> dict[str, int]:
         """Every registered object digest and its size in bytes."""
 
+    def object_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        """Sizes of the registered objects among ``digests`` (unregistered ones are left out).
+
+        A checkout that lacks some objects asks this for just those. Note for implementers: the
+        default reads the whole :meth:`objects` map; override it with a lookup of the given keys.
+        """
+        wanted = set(digests)
+        return {d: n for d, n in self.objects().items() if d in wanted}
+
     @abc.abstractmethod
     def publish(
         self,

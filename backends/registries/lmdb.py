@@ -260,6 +260,15 @@ class LmdbRegistry(Registry):
         with self.env.begin(db=self._dbs["objects"]) as txn:
             return {k.hex(): _STEP.unpack_from(v)[0] for k, v in txn.cursor()}
 
+    def object_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        out = {}
+        with self.env.begin(db=self._dbs["objects"]) as txn:
+            for d in check_digests(digests):
+                raw = txn.get(bytes.fromhex(d))
+                if raw is not None:
+                    out[d] = _STEP.unpack_from(raw)[0]
+        return out
+
     def referenced_objects(self) -> set[str]:
         out: set[str] = set()
         with self.env.begin(db=self._dbs["refs"]) as txn:

@@ -563,6 +563,14 @@ class RedisRegistry(Registry):
         return {d: json.loads(raw)["size"] for d, raw in self._client().hgetall(self._k["objects"]).items()}
 
     @_translated
+    def object_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        wanted = check_digests(digests)
+        if not wanted:
+            return {}
+        raws = self._client().hmget(self._k["objects"], wanted)
+        return {d: json.loads(raw)["size"] for d, raw in zip(wanted, raws) if raw is not None}
+
+    @_translated
     def referenced_objects(self) -> set[str]:
         out: set[str] = set()
         for raw in self._client().hvals(self._k["refs"]):

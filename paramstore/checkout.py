@@ -1,0 +1,222 @@
+"""The checkout path: where a byte comes from between ``store.checkout`` and a zero-copy snapshot.
+
+1. **Resolve and lease.** The version named by a step, ``"latest"``, a tag or ``min_step`` is
+   resolved and leased in one registry transaction (:meth:`Registry.acquire_lease`): from then on
+   no prune removes it. A version pruned between resolving and leasing is resolved again; one found
+   only in the remote tier is pulled first (verified).
+2. **Obtain the bytes** (:class:`Fetcher`): objects the host's shared-memory tier already holds
+   are used as they are. Objects it lacks (a version committed on another host of a shared
+   registry) come from the peers that announced them (:func:`paramstore.peer.fetch`: slices read
+   through the transfer engine straight into pre-faulted slabs, hashed as they arrive, renamed into
+   place only if the digest matches), then from the remote tier (downloaded, re-hashed, placed).
+   What moved is described by a :class:`FetchReport`, which the snapshot carries (``snap.fetch``).
+3. **Map.** :class:`~paramstore.snapshot.Snapshot` maps each object copy-on-write and views every
+   tensor in place: no copy.
+
+An object nobody can deliver raises :class:`~paramstore.errors.ObjectUnavailableError`, which
+names the object and says what to start.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import InvalidArgumentError, ObjectUnavailableError, ParamStoreError, VersionNotFoundError
+from .manifest import Manifest
+from .root import StoreRoot, VersionSpec
+
+if TYPE_CHECKING:
+    from paramstore.backends.registries.base import Registry
+    from paramstore.backends.transports.base import Transport
+
+    from .peer import PeerServer
+    from .remote import Remote
+    from .snapshot import Snapshot
+    from .staging import SlabPool
+
+__all__ = ["FetchReport", "Fetcher", "open_snapshot"]
+
+
+@dataclass
+class FetchReport:
+    """How a checkout obtained the bytes of a version.
+
+    Attributes:
+        step: the version.
+        local: objects this host already held (nothing moved for them).
+        from_peers: objects read from peer hosts (verified).
+        from_remote: objects downloaded from the remote tier (verified).
+        bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
+        rejected: per peer session, objects whose bytes from that peer failed verification.
+        seconds: time spent obtaining bytes.
+    """
+
+    step: int
+    local: int = 0
+    from_peers: list[str] = field(default_factory=list)
+    from_remote: list[str] = field(default_factory=list)
+    bytes_from: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved to this host, from every source."""
+        return sum(self.bytes_from.values())
+
+    @property
+    def moved(self) -> bool:
+        """Whether any byte had to move."""
+        return bool(self.from_peers or self.from_remote)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
+                "from_remote": len(self.from_remote), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
+                "rejected": dict(self.rejected), "seconds": self.seconds}
+
+
+class Fetcher:
+    """Obtains the objects of a version this host lacks: peers first, then the remote tier.
+
+    Args:
+        root: the host's store.
+        pool: the store's slab pool (fetch destinations are pre-faulted slabs).
+        remote: the remote tier, if any.
+        transport: called to get this process's transport when a peer fetch is needed (started
+            lazily: a store that never fetches from peers never starts a transfer engine).
+        server: called to get this process's peer server, if it runs one (fetched objects are
+            then served to other hosts at once).
+        prepare_buffers: after a peer fetch, prepare slabs for the next version of the same layout.
+    """
+
+    def __init__(self, root: StoreRoot, pool: "SlabPool", *, remote: "Remote | None",
+                 transport: Callable[[], "Transport"], server: Callable[[], "PeerServer | None"],
+                 prepare_buffers: bool = True) -> None:
+        self._root, self._pool, self._remote = root, pool, remote
+        self._transport, self._server, self._prepare = transport, server, prepare_buffers
+
+    def fetch(self, step: int, manifest: Manifest) -> FetchReport:
+        """Make every object of ``manifest`` present in the local tier (the caller holds a lease).
+
+        Raises:
+            ObjectUnavailableError: some object is on no live peer and not in the remote.
+            CorruptObjectError: the remote holds a damaged copy (nothing damaged is placed).
+        """
+        t0 = time.monotonic()
+        tier, reg = self._root.tier, self._root.registry
+        objects = sorted(manifest.objects())
+        missing = [o for o in objects if not tier.exists(o)]
+        report = FetchReport(step, local=len(objects) - len(missing))
+        if missing and reg.peers():
+            from .peer import fetch as peer_fetch
+
+            sizes = reg.object_sizes(missing)
+            got = peer_fetch(self._root, self._transport(), sizes, pool=self._pool, server=self._server())
+            report.from_peers = got.fetched
+            report.bytes_from.update(got.bytes_from)
+            report.rejected.update(got.rejected)
+            if self._prepare:  # destinations for the next version (same layout), faulted in the background
+                self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
+            missing = [o for o in missing if not tier.exists(o)]
+        if missing and self._remote is not None:
+            try:
+                got_remote = self._remote.fetch(self._root, step)
+            except VersionNotFoundError:
+                got_remote = []
+            report.from_remote = got_remote
+            if got_remote:
+                report.bytes_from[self._remote.url] += sum(tier.sizes(got_remote).values())
+            missing = [o for o in missing if not tier.exists(o)]
+        report.seconds = time.monotonic() - t0
+        if missing:
+            raise ObjectUnavailableError(_unavailable(self._root, step, missing, self._remote is not None))
+        return report
+
+
+def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: bool) -> str:
+    shared = type(root.registry).__name__ != "LmdbRegistry"
+    what = f"{len(missing)} object{'s' if len(missing) > 1 else ''} of version {step} ({missing[0][:12]}…)"
+    if shared:
+        where = "no live host serves " + ("them" if len(missing) > 1 else "it")
+        todo = ("run `paramstore serve` (or store.serve()) on a host that holds the version, "
+                + ("and check that the remote holds it" if has_remote else "or open the store with remote=URL"))
+    else:
+        where = "missing from this store (deleted outside paramstore?)"
+        todo = "run `paramstore verify` to see what else is damaged, and `paramstore pull` it from a remote if one has it"
+    return f"{what}: {where}; {todo}"
+
+
+def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, min_step: int | None,
+                  timeout: float | None, holder: str, resolve: Callable[[VersionSpec], int],
+                  wait_for: Callable[[int, float | None], Any], pull: Callable[[int], bool]) -> "Snapshot":
+    """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
+
+    ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). See
+    :meth:`paramstore.ParamStore.checkout` for the arguments and errors.
+    """
+    from .snapshot import Snapshot
+
+    reg = root.registry
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if min_step is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            step = wait_for(min_step, left).step
+        else:
+            step = resolve(version)
+        try:
+            lease = reg.acquire_lease(step, holder)
+        except VersionNotFoundError:
+            if min_step is None and pull(step):
+                continue  # pulled from the remote: lease it now
+            if isinstance(version, int) and min_step is None:
+                raise
+            # pruned between resolving "latest" (or a tag) and leasing: resolve again, unless the
+            # step was named explicitly (as a string from a config file, say)
+            if isinstance(version, str) and _is_step(version) and min_step is None:
+                raise
+            continue
+        release = functools.partial(release_lease, reg, lease.id, os.getpid())
+        try:
+            manifest = reg.get_manifest(step)
+            report = fetcher.fetch(step, manifest)
+            return Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report)
+        except ObjectUnavailableError:
+            release()
+            raise
+        except FileNotFoundError as e:  # deleted behind the store's back after the fetch looked
+            release()
+            raise ObjectUnavailableError(f"version {step} references a missing object: {e.filename}; run "
+                                         "`paramstore verify` to see what else is damaged") from e
+        except BaseException:
+            release()
+            raise
+
+
+def _is_step(version: str) -> bool:
+    return version.lstrip("-").isdigit()
+
+
+def release_lease(registry: "Registry", lease_id: str, owner: int) -> None:
+    """Release a snapshot's lease: on ``Snapshot.close()`` or when an unclosed snapshot is collected
+    (maybe at exit). A forked child leaves its parent's lease alone."""
+    if os.getpid() != owner:
+        return
+    try:
+        registry.release_lease(lease_id)
+    except (ParamStoreError, RuntimeError, OSError):
+        pass  # store already closed: the lease dies with this process anyway
+
+
+def check_checkout_args(version: VersionSpec, min_step: int | None) -> None:
+    """InvalidArgumentError for a version and ``min_step`` given together, or a bad ``min_step``."""
+    if min_step is not None:
+        if version != "latest":
+            raise InvalidArgumentError("pass either version or min_step, not both")
+        if isinstance(min_step, bool) or not isinstance(min_step, int):
+            raise InvalidArgumentError(f"min_step must be an int, got {min_step!r}")

@@ -1,0 +1,186 @@
+"""The public API's conventions: names, keyword-only timeouts, inclusive bounds, exported errors,
+deprecations that keep old code working, the inspection calls (verify/du/diff/export/manifest),
+fetch reports and errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+
+import pytest
+import torch
+
+import paramstore
+from conftest import SHM, assert_state_equal
+from paramstore import (
+    InvalidArgumentError,
+    ObjectUnavailableError,
+    ParamStore,
+    ParamStoreError,
+    ParamStoreWarning,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
+
+
+def sd(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g), "b.bias": torch.randn(32, generator=g),
+            "c": torch.arange(10, dtype=torch.int64) + seed}
+
+
+@pytest.fixture
+def three(store):
+    """A store with steps 1, 2, 3 committed (each tensor different per step)."""
+    for s in (1, 2, 3):
+        store.commit(s, sd(s)).result()
+    return store
+
+
+def test_every_error_type_is_exported_and_derives_from_the_root():
+    for name in ("RemoteError", "RegistryError", "TransferError", "ObjectUnavailableError", "CorruptObjectError",
+                 "WaitTimeoutError", "VersionNotFoundError", "StepOrderError"):
+        cls = getattr(paramstore, name)
+        assert issubclass(cls, ParamStoreError), name
+        assert name in paramstore.__all__
+    assert issubclass(ObjectUnavailableError, FileNotFoundError)
+
+
+def test_storage_options_and_the_deprecated_remote_options(shm_dir, tmp_path):
+    url = f"file://{tmp_path}/bucket"
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options={"auto_mkdir": True}) as store:
+        store.commit(1, sd(1)).persisted.result(30)
+        assert [v.step for v in store.remote_versions()] == [1]
+    with pytest.warns(DeprecationWarning, match="storage_options"):
+        store = ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options={"auto_mkdir": True})
+    with store:
+        assert [v.step for v in store.remote_versions()] == [1]
+    with pytest.raises(InvalidArgumentError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ParamStore(os.path.join(shm_dir, "c"), remote=url, remote_options={}, storage_options={})
+
+
+def test_timeouts_are_keyword_only_and_positional_ones_are_deprecated(three):
+    with pytest.raises(WaitTimeoutError):
+        three.wait_for(10, timeout=0.05)
+    with pytest.warns(DeprecationWarning, match="timeout="):
+        assert three.flush(5.0) is None or True  # positional still works, with a warning
+    with pytest.warns(DeprecationWarning, match="timeout="), pytest.raises(WaitTimeoutError):
+        three.wait_for(10, 0.05)
+    with pytest.warns(DeprecationWarning):
+        three.wait_for_readers(0, 0.05)
+    with pytest.raises(TypeError):
+        three.wait_for(10, 0.05, timeout=1)
+    assert three.wait_for(2, timeout=1).step == 3
+
+
+def test_subscribe_min_step_is_inclusive_like_checkout_and_wait_for(three):
+    assert [v.step for v in three.subscribe(min_step=2, timeout=0.05)] == [2, 3]
+    assert [v.step for v in three.subscribe(min_step=0, timeout=0.05)] == [1, 2, 3]
+    assert [v.step for v in three.subscribe(timeout=0.05)] == []  # default: only what comes next
+    with pytest.warns(DeprecationWarning, match="min_step"):
+        old = [v.step for v in three.subscribe(after=2, timeout=0.05)]
+    assert old == [3]  # after= stays exclusive
+    with three.checkout(min_step=2) as snap:
+        assert snap.step == 3
+    with pytest.raises(InvalidArgumentError):
+        three.subscribe(min_step="2")
+
+
+def test_retention_any_is_renamed_any_of():
+    from paramstore import retention
+
+    with pytest.warns(DeprecationWarning, match="AnyOf"):
+        old = retention.Any
+    assert old is retention.AnyOf
+    assert str(retention.KeepLast(1) | retention.KeepEvery(10)) == "keep the last 1; keep every 10th step"
+
+
+def test_a_step_given_as_a_string_that_does_not_exist_fails_at_once(three):
+    three.prune(paramstore.retention.KeepLast(1))  # steps 1 and 2 are gone
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        for spec in ("7", "1"):
+            try:
+                three.checkout(spec)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "checkout of a missing step given as a string did not return"
+    assert [type(e) for e in errors] == [VersionNotFoundError, VersionNotFoundError]
+    with pytest.raises(InvalidArgumentError, match="not a step"):
+        three.checkout("--5")
+    with three.checkout("3") as snap:
+        assert snap.step == 3
+
+
+def test_inspection_is_public_api(three, tmp_path):
+    assert three.verify()["ok"] and three.verify(2)["versions_checked"] == 1
+    du = three.du()
+    assert du["versions"] == 3 and du["stored_bytes"] > 0
+    d = three.diff(1, "latest")
+    assert {c["name"] for c in d["changed"]} == {"a.weight", "b.bias", "c"}
+    assert three.diff(2, 2)["changed"] == []
+    man = three.manifest(2)
+    assert sorted(man.names()) == sorted(sd(2))
+    out = three.export(3, tmp_path / "hf")
+    from safetensors.torch import load_file
+
+    got = {}
+    for f in out["files"]:
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(out["directory"], f)))
+    assert_state_equal(got, sd(3))
+
+
+def test_fetch_report_is_returned_with_the_snapshot(three):
+    with three.checkout("latest") as snap:
+        report = snap.fetch
+        assert report.step == 3 and report.local == len(snap.manifest.objects()) and not report.moved
+        assert report.bytes == 0
+    with pytest.warns(DeprecationWarning, match="snap.fetch"):
+        assert three.last_fetch is report
+
+
+def test_a_missing_object_says_what_to_do(three):
+    obj = three.manifest(2).entry("a.weight").object
+    os.unlink(three._root.tier.object_path(obj))
+    with pytest.raises(ObjectUnavailableError, match="paramstore verify"):
+        three.checkout(2)
+    assert three.leases() == []  # the lease taken for it was released
+
+
+def test_a_version_no_host_serves_says_to_start_a_server(redis_url, shm_dir):
+    name = f"api-{os.getpid()}"
+    with ParamStore(os.path.join(shm_dir, "h1"), registry=redis_url, name=name) as trainer:
+        trainer.commit(1, sd(1)).result()
+        with ParamStore(os.path.join(shm_dir, "h2"), registry=redis_url, name=name) as rollout:
+            with pytest.raises(ObjectUnavailableError, match="paramstore serve"):
+                rollout.checkout(1)
+            assert rollout.leases() == []
+
+
+def test_a_root_on_a_disk_filesystem_warns_once(tmp_path):
+    disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-root-{os.getpid()}")
+    from paramstore.store import _fstype
+
+    if _fstype(os.path.dirname(disk)) in ("tmpfs", "ramfs", None):
+        pytest.skip("the checkout is itself on a memory filesystem here")
+    try:
+        with pytest.warns(ParamStoreWarning, match="not tmpfs"):
+            ParamStore(disk).close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ParamStoreWarning)
+            ParamStore(disk).close()  # once per root
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParamStoreWarning)
+        ParamStore(os.path.join(SHM, f"ps-api-{os.getpid()}")).close()
+    shutil.rmtree(os.path.join(SHM, f"ps-api-{os.getpid()}"), ignore_errors=True)
