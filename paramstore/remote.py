@@ -38,7 +38,6 @@ from typing import Any, Iterator, Mapping
 from .errors import CorruptObjectError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError
 from .format import rehash
 from .manifest import Manifest, Version
-from .ops import leased
 from .progress import progress
 from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
@@ -186,7 +185,7 @@ class Remote:
         is left alone (its digest must match). Raises VersionNotFoundError (not in the local
         store), RemoteError, StepOrderError (the remote holds another version at this step).
         """
-        with leased(root, [step], holder="paramstore push"):
+        with root.leased([step], holder="paramstore push"):
             report = self._push(root, step, show_progress)
             root.registry.set_persisted(step, self.url)
             return report
@@ -421,11 +420,15 @@ def rehash_file(path: str) -> str:
 
 
 def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:
-    """Registry entries for a pulled version: each object's tensors in file order, and the index."""
-    spans: dict[str, dict[int, str]] = {o: {} for o in sizes}
+    """Registry entries for a pulled version: each object's tensors in file order, and the index.
+
+    Spans are keyed by (start, end): an empty tensor starts where the next one does, and sorts
+    before it (as the commit laid them out); entries naming the same span are one tensor.
+    """
+    spans: dict[str, dict[tuple[int, int], str]] = {o: {} for o in sizes}
     tensors: dict[str, TensorLocation] = {}
     for e in manifest.tensors.values():
-        spans[e.object][e.offset] = e.digest
+        spans[e.object][(e.offset, e.offset + e.nbytes)] = e.digest
         tensors[e.digest] = TensorLocation(e.object, e.offset, e.nbytes)
     objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}
     return objects, tensors

@@ -203,6 +203,9 @@ def test_objects_referenced_and_forgotten(reg):
     reg.forget_objects(set())
     assert reg.objects() == {o2: 96}
 
+    # b pointed into o1 and goes; a pointed elsewhere by then and stays
+    assert reg.locate_tensors([a, b, c]) == {a: TL(o2, 64), c: TL(o2, 80)}
+
 
 def test_object_sizes_looks_up_only_what_is_asked(reg):
     o1, o2 = D("o1"), D("o2")
@@ -212,8 +215,6 @@ def test_object_sizes_looks_up_only_what_is_asked(reg):
     assert reg.object_sizes([o1, o2]) == reg.objects()
     with pytest.raises(InvalidArgumentError):
         reg.object_sizes(["../../etc/passwd"])
-    # b pointed into o1 and goes; a pointed elsewhere by then and stays
-    assert reg.locate_tensors([a, b, c]) == {a: TL(o2, 64), c: TL(o2, 80)}
 
 
 def test_persisted_marks(reg):
