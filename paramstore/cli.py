@@ -1,8 +1,11 @@
 """The ``paramstore`` command line.
 
-``paramstore --root PATH [--remote URL] COMMAND [--json]``; the root may also come from
-``$PARAMSTORE_ROOT`` and the remote from ``$PARAMSTORE_REMOTE`` (credentials and endpoints the
-usual way for the protocol: for S3, ``AWS_*`` variables such as ``AWS_ENDPOINT_URL``, or ``~/.aws``).
+``paramstore [--root PATH] [--remote URL] [--registry URL --name N] [--json] COMMAND ...``; these
+common options go before or after the command (given in both places, the one after wins). The root
+may also come from ``$PARAMSTORE_ROOT``, the remote from ``$PARAMSTORE_REMOTE``, the registry and
+name from ``$PARAMSTORE_REGISTRY``/``$PARAMSTORE_NAME`` (credentials and endpoints the usual way for
+the protocol: for S3, ``AWS_*`` variables such as ``AWS_ENDPOINT_URL``, or ``~/.aws``).
+Also ``python -m paramstore ...`` and ``paramstore --version``.
 Every command but ``diff`` runs without importing torch, so they start fast.
 Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (message on stderr).
 """
@@ -78,18 +81,42 @@ def _remote(args: argparse.Namespace) -> "Remote":
     return Remote(args.remote)
 
 
+#: What a bare ``ls --remote`` (no URL; deprecated) parses to.
+_BARE = object()
+
+
+def _ls_remote(args: argparse.Namespace) -> None:
+    """``ls --remote URL`` names the remote, as for every command; a bare ``ls --remote`` means ``--tier remote``."""
+    value = vars(args).pop("ls_remote", None)
+    if value is _BARE:
+        print("paramstore: warning: a bare `ls --remote` is deprecated: use `ls --tier remote` "
+              "(--remote takes the remote's URL, as for every command)", file=sys.stderr)
+        args.tier = "remote"
+    elif value is not None:
+        args.remote = value
+
+
+def _metrics(metrics: Any) -> str:
+    """``loss=0.1235 reward=3``: compact, numbers to 4 significant digits."""
+    def fmt(x: Any) -> str:
+        return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+    return " ".join(f"{k}={fmt(x)}" for k, x in metrics.items())
+
+
 def _ls(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    if args.remote_only:
+    if args.tier == "remote":
         versions, persisted = _remote(args).versions(), None
     else:
         versions, persisted = list(root.registry.versions()), root.registry.persisted()
+    metrics = [_metrics(v.metrics) for v in versions]
+    width = max([len("METRICS"), *map(len, metrics)])
     rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  "
-            f"{'' if persisted is None else 'PERSISTED  '}TAGS"]
+            f"{'' if persisted is None else 'PERSISTED  '}{'METRICS':{width}}  TAGS"]
     out = []
-    for v in versions:
+    for v, m in zip(versions, metrics):
         mark = "" if persisted is None else f"{'yes' if v.step in persisted else 'no':9}  "
         rows.append(f"{v.step:>10}  {_when(v.created_at)}  {_human(v.nbytes):>11}  {v.num_tensors:>7}  "
-                    f"{v.digest[:12]}  {mark}{','.join(v.tags)}")
+                    f"{v.digest[:12]}  {mark}{m:{width}}  {','.join(v.tags)}".rstrip())
         out.append(v.as_dict() if persisted is None else {**v.as_dict(), "persisted": persisted.get(v.step)})
     return out, "\n".join(rows), 0
 
@@ -184,13 +211,13 @@ def _export(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _tag(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     if args.delete:
-        step = root.registry.delete_tag(args.name)
-        return {"deleted": args.name, "step": step}, f"deleted tag {args.name} (was step {step})", 0
+        step = root.registry.delete_tag(args.tag)
+        return {"deleted": args.tag, "step": step}, f"deleted tag {args.tag} (was step {step})", 0
     if args.version is None:
         raise ParamStoreError("tag needs a version: paramstore tag VERSION NAME (or --delete NAME)")
     step = root.resolve(args.version)
-    root.registry.set_tag(check_tag(args.name), step)
-    return {"tag": args.name, "step": step}, f"{args.name} -> {step}", 0
+    root.registry.set_tag(check_tag(args.tag), step)
+    return {"tag": args.tag, "step": step}, f"{args.tag} -> {step}", 0
 
 
 def _leases(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -206,8 +233,7 @@ def _leases(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 def _policy_from_flags(args: argparse.Namespace) -> "Policy":
-    from .retention import Any as AnyOf
-    from .retention import KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin
+    from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin
 
     rules: list[Policy] = []
     if args.keep_last is not None:
@@ -241,9 +267,10 @@ def _prune(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
         r = prune(root, policy, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"policy: {r.policy}"]
-    lines += [f"keep   {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
-    lines += [f"{'remove' if args.dry_run else 'removed'} {step:>10}" for step in r.removed]
-    lines += [f"spared {step:>10}  (leased or latest meanwhile)" for step in r.spared]
+    # one column per field whatever the verb: VERB (7 wide), STEP (right-aligned), why
+    lines += [f"{'keep':7} {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
+    lines += [f"{'remove' if args.dry_run else 'removed':7} {step:>10}" for step in r.removed]
+    lines += [f"{'spared':7} {step:>10}  (leased or latest meanwhile)" for step in r.spared]
     lines.append(f"{verb} {len(r.removed)} versions, kept {len(r.kept)}; run `paramstore gc"
                  f"{' --tier remote' if args.tier == 'remote' else ''}` to free their objects")
     return r.as_dict(), "\n".join(lines), 0
@@ -264,30 +291,58 @@ def _gc(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return r.as_dict(), text, 0
 
 
+def _common_options(parser: argparse.ArgumentParser, *, suppress: bool, remote: bool = True) -> None:
+    """The options every command takes, before or after the command's name.
+
+    On the top-level parser (``suppress=False``) they carry the real defaults ($PARAMSTORE_*); on the
+    copies each subcommand inherits (``suppress=True``) the default is SUPPRESS, so a subcommand sets
+    only what is given after it (and that wins) and never resets what was given before it.
+    """
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument("--json", action="store_true", default=default(False), help="print machine-readable JSON")
+    parser.add_argument("--root", default=default(os.environ.get("PARAMSTORE_ROOT")),
+                        help="store directory (default: $PARAMSTORE_ROOT)")
+    if remote:
+        parser.add_argument("--remote", metavar="URL", default=default(os.environ.get("PARAMSTORE_REMOTE")),
+                            help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
+    parser.add_argument("--registry", metavar="URL", default=default(os.environ.get("PARAMSTORE_REGISTRY")),
+                        help="registry shared by hosts, redis://[:password@]host:port/db (default: "
+                             "$PARAMSTORE_REGISTRY; none: the LMDB registry in the root)")
+    parser.add_argument("--name", default=default(os.environ.get("PARAMSTORE_NAME")),
+                        help="the store's name in a shared registry (default: $PARAMSTORE_NAME)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    # --json is accepted before or after the command; SUPPRESS keeps the subparser from resetting it.
+    from . import __version__
+
+    # The common options are accepted before or after the command (see _common_options).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print machine-readable JSON")
+    _common_options(common, suppress=True)
+    common_but_remote = argparse.ArgumentParser(add_help=False)  # ls has its own --remote (see _ls_remote)
+    _common_options(common_but_remote, suppress=True, remote=False)
     p = argparse.ArgumentParser(prog="paramstore", description="A versioned parameter store.")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--root", default=os.environ.get("PARAMSTORE_ROOT"),
-                   help="store directory (default: $PARAMSTORE_ROOT)")
-    p.add_argument("--remote", default=os.environ.get("PARAMSTORE_REMOTE"),
-                   help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
-    p.add_argument("--registry", default=os.environ.get("PARAMSTORE_REGISTRY"),
-                   help="registry shared by hosts, redis://[:password@]host:port/db (default: "
-                        "$PARAMSTORE_REGISTRY; none: the LMDB registry in the root)")
-    p.add_argument("--name", default=os.environ.get("PARAMSTORE_NAME"),
-                   help="the store's name in a shared registry (default: $PARAMSTORE_NAME)")
+    p.add_argument("--version", action="version", version=f"paramstore {__version__}")
+    _common_options(p, suppress=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, parents=[common])
+    def add(name: str, fn: Callable, help: str,
+            parent: argparse.ArgumentParser = common) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, parents=[parent])
         sp.set_defaults(fn=fn)
         return sp
 
-    add("ls", _ls, "list versions (and whether each is persisted to a remote)").add_argument(
-        "--remote", dest="remote_only", action="store_true", help="list the remote's versions instead")
+    sp = add("ls", _ls, "list versions, their metrics and tags (and whether each is persisted to a remote)",
+             common_but_remote)
+    sp.add_argument("--tier", choices=("local", "remote"), default="local",
+                    help="remote: list the remote's versions instead")
+    # Once a flag meaning "list the remote"; now the URL, as for every command. A bare --remote
+    # (no URL) still lists the remote, with a deprecation note. Its own dest, so that a bare one
+    # does not erase a URL given before the command.
+    sp.add_argument("--remote", dest="ls_remote", metavar="URL", nargs="?", const=_BARE, default=argparse.SUPPRESS,
+                    help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE); "
+                         "without a URL (deprecated): --tier remote")
     add("push", _push, "upload versions to the remote (default: every one not yet there)").add_argument(
         "version", type=_version_arg, nargs="*")
     add("pull", _pull, "download a version from the remote, verified, into this store").add_argument(
@@ -305,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard-size-bytes", type=int, default=5 * 10**9)
     sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME)")
     sp.add_argument("version", type=_version_arg, nargs="?")
-    sp.add_argument("name")
+    sp.add_argument("tag", metavar="NAME")  # not dest "name": that is --name, the store's name
     sp.add_argument("--delete", action="store_true")
     add("leases", _leases, "list live leases: which versions readers hold")
     sp = add("prune", _prune, "remove versions no keep flag keeps (flags compose: keep if any keeps); "
@@ -335,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "tag" and args.delete and args.version is not None:
-        args.name, args.version = args.version, None
+        args.tag, args.version = args.version, None
+    _ls_remote(args)
     try:
         if not args.root:
             raise ParamStoreError("no store root: pass --root PATH or set PARAMSTORE_ROOT")

@@ -152,3 +152,171 @@ def test_export_from_pretrained_gpt2(store_root, tmp_path):
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
     for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+# -- the command line's shape: common options, --version, python -m, ls and prune output, errors ---
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """``paramstore ARGV`` in this process: (exit status, stdout, stderr)."""
+    from paramstore.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def no_env(monkeypatch):
+    for var in ("PARAMSTORE_ROOT", "PARAMSTORE_REMOTE", "PARAMSTORE_REGISTRY", "PARAMSTORE_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_common_options_go_before_or_after_the_command(populated, capsys, no_env):
+    from paramstore.cli import _parser, _serve
+
+    root, _, _ = populated
+    code, out, _ = run(capsys, "ls", "--root", root, "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1, 2]
+    code, out, _ = run(capsys, "--root", root, "ls")
+    assert code == 0 and "first" in out
+    # given before and after: the one after the command wins
+    code, out, _ = run(capsys, "--root", os.path.join(root, "nowhere"), "ls", "--root", root, "--json")
+    assert code == 0 and len(json.loads(out)) == 2
+    args = _parser().parse_args(["serve", "--root", "R", "--registry", "redis://h:6379/0", "--name", "N"])
+    assert (args.root, args.registry, args.name, args.fn) == ("R", "redis://h:6379/0", "N", _serve)
+    # a command does not reset what was given before it
+    args = _parser().parse_args(["--registry", "redis://h/0", "--name", "N", "--remote", "s3://b/p", "push", "--json"])
+    assert (args.registry, args.name, args.remote, args.json) == ("redis://h/0", "N", "s3://b/p", True)
+    assert _parser().parse_args(["--remote", "s3://a", "push", "--remote", "s3://b"]).remote == "s3://b"
+    # the environment still gives the defaults, and an option overrides them
+    no_env.setenv("PARAMSTORE_REMOTE", "s3://env/p")
+    no_env.setenv("PARAMSTORE_NAME", "env-name")
+    assert _parser().parse_args(["push"]).remote == "s3://env/p"
+    assert _parser().parse_args(["gc", "--remote", "s3://x"]).remote == "s3://x"
+    assert _parser().parse_args(["--name", "n", "gc"]).name == "n"
+    no_env.setenv("PARAMSTORE_ROOT", root)
+    code, out, _ = run(capsys, "ls", "--json")
+    assert code == 0 and len(json.loads(out)) == 2
+    # registry after the command is seen: serve without --name is refused by paramstore, not by argparse
+    no_env.delenv("PARAMSTORE_NAME")
+    code, _, err = run(capsys, "serve", "--root", root, "--registry", "redis://127.0.0.1:1/0")
+    assert code == 2 and "needs --name" in err
+
+
+def test_tag_name_is_not_the_store_name(populated, capsys, no_env):
+    from paramstore.cli import _parser
+
+    root, _, _ = populated
+    args = _parser().parse_args(["--name", "store", "tag", "2", "best"])
+    assert (args.name, args.tag) == ("store", "best")
+    code, _, err = run(capsys, "--root", root, "tag", "2", "best", "--name", "store")
+    assert code == 0, err
+    code, out, _ = run(capsys, "--root", root, "show", "best", "--json")
+    assert json.loads(out)["step"] == 2
+    assert run(capsys, "--root", root, "tag", "--delete", "best")[0] == 0
+
+
+def test_ls_help_lists_the_common_options(capsys):
+    from paramstore.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["ls", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--root", "--remote", "--registry", "--name", "--json", "--tier"):
+        assert option in out, option
+
+
+def test_version(capsys):
+    from paramstore.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"paramstore {paramstore.__version__}"
+
+
+def test_python_dash_m_paramstore(populated):
+    root, _, _ = populated
+    proc = subprocess.run([sys.executable, "-m", "paramstore", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"paramstore {paramstore.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "paramstore", "ls", "--root", root, "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in json.loads(proc.stdout)] == [1, 2]
+    proc = subprocess.run([sys.executable, "-m", "paramstore", "--root", root, "show", "99"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "paramstore: error:" in proc.stderr  # the exit status comes through
+
+
+def test_ls_tier_remote_and_the_deprecated_bare_remote(populated, tmp_path, capsys, no_env):
+    root, _, _ = populated
+    url = (tmp_path / "remote").as_uri()
+    code, _, err = run(capsys, "--root", root, "push", "1", "--remote", url)
+    assert code == 0, err
+    code, out, _ = run(capsys, "--root", root, "ls", "--tier", "remote", "--remote", url, "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
+    # --remote with a value after ls is the URL (the local listing, persisted to that remote or not)
+    code, out, _ = run(capsys, "--root", root, "ls", "--remote", url, "--json")
+    assert code == 0 and [(r["step"], r["persisted"]) for r in json.loads(out)] == [(1, url), (2, None)]
+    # a bare --remote still lists the remote (URL from before the command), with a deprecation note
+    code, out, err = run(capsys, "--root", root, "--remote", url, "ls", "--remote", "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
+    assert "deprecated" in err and "--tier remote" in err
+    no_env.setenv("PARAMSTORE_REMOTE", url)
+    code, out, err = run(capsys, "--root", root, "ls", "--remote")
+    assert code == 0 and "deprecated" in err and len(out.strip().splitlines()) == 2  # header + step 1
+    no_env.delenv("PARAMSTORE_REMOTE")
+    code, _, err = run(capsys, "--root", root, "ls", "--tier", "remote")
+    assert code == 2 and "needs a remote" in err
+
+
+def test_ls_shows_metrics(store_root, capsys, no_env):
+    with paramstore.ParamStore(store_root) as store:
+        store.commit(1, {"w": torch.ones(3)}, metrics={"loss": 0.123456, "reward": 3}, tags=["a"]).result()
+        store.commit(2, {"w": torch.zeros(3)}).result()
+    code, out, _ = run(capsys, "--root", store_root, "ls")
+    header, one, two = out.strip().splitlines()
+    assert "METRICS" in header and "loss=0.1235 reward=3" in one and one.rstrip().endswith("a")
+    assert "=" not in two
+    code, out, _ = run(capsys, "--root", store_root, "ls", "--json")
+    rows = json.loads(out)
+    assert all(set(r) == {"step", "created_at", "nbytes", "digest", "num_tensors", "metrics", "metadata",
+                          "tags", "persisted"} for r in rows)
+    assert rows[0]["metrics"] == {"loss": 0.123456, "reward": 3} and rows[0]["tags"] == ["a"]
+
+
+def test_prune_text_columns_line_up(store_root, capsys, no_env):
+    import re
+
+    with paramstore.ParamStore(store_root) as store:
+        for step in (15, 20, 25, 30, 100):
+            store.commit(step, {"w": torch.full((3,), float(step))}).result()
+    for dry in (["--dry-run"], []):
+        code, out, err = run(capsys, "--root", store_root, "prune", "--keep-every", "10", *dry)
+        assert code == 0, err
+        lines = out.strip().splitlines()[1:-1]  # between the policy and the summary
+        verbs = [line.split()[0] for line in lines]
+        assert verbs == ["keep"] * 3 + (["remove"] * 2 if dry else ["removed"] * 2)
+        steps = [re.match(r"\S+ +(\d+)", line) for line in lines]
+        assert [int(m.group(1)) for m in steps] == [20, 30, 100, 15, 25]
+        assert len({m.end(1) for m in steps}) == 1, out  # right-aligned in one column, whatever the verb
+        assert len({m.start(1) for m in steps if len(m.group(1)) == 2}) == 1, out  # same width: same start
+
+
+@pytest.mark.parametrize("kind", ["file", "foreign directory"])
+def test_root_that_cannot_be_a_store(tmp_path, capsys, no_env, kind):
+    path = tmp_path / "thing"
+    if kind == "file":
+        path.write_text("hello")
+    else:
+        path.mkdir()
+        (path / "notes.txt").write_text("hello")
+    for command in ("ls", "serve"):  # serve would create a store in an empty or new directory
+        code, _, err = run(capsys, "--root", str(path), command)
+        assert code == 2 and str(path) in err
+        assert "ParamStore(" not in err  # which would refuse too
+        assert ("is a file" if kind == "file" else "not empty") in err
+        assert "empty or new directory" in err and "--root" in err
+    assert not os.path.exists(tmp_path / "thing" / "paramstore.json")
