@@ -6,7 +6,8 @@ may also come from ``$PARAMSTORE_ROOT``, the remote from ``$PARAMSTORE_REMOTE``,
 name from ``$PARAMSTORE_REGISTRY``/``$PARAMSTORE_NAME`` (credentials and endpoints the usual way for
 the protocol: for S3, ``AWS_*`` variables such as ``AWS_ENDPOINT_URL``, or ``~/.aws``).
 Also ``python -m paramstore ...`` and ``paramstore --version``.
-Every command but ``diff`` runs without importing torch, so they start fast.
+Every command goes through the public :class:`~paramstore.ParamStore` API. Every command but ``diff``
+runs without importing torch, so they start fast.
 Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (message on stderr).
 """
 
@@ -22,18 +23,17 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import lmdb
 
 from .errors import InvalidArgumentError, ParamStoreError
-from .root import StoreRoot, VersionSpec, open_root
-from .validate import check_tag
+from .root import VersionSpec
+from .store import ParamStore
 
 if TYPE_CHECKING:
-    from .remote import Remote
     from .retention import Policy
 
 __all__ = ["main"]
 
 
 def _version_arg(text: str) -> VersionSpec:
-    return int(text) if text.lstrip("-").isdigit() else text
+    return int(text) if text.isascii() and text.isdigit() else text  # anything else: resolved (and refused) by the store
 
 
 def _human(n: float) -> str:
@@ -49,36 +49,26 @@ def _when(ts: float) -> str:
 
 
 # -- commands: each returns (json-able result, text to print, exit code) ----------------------
-def _serve(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+def _serve(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     import signal
     import threading
-
-    from paramstore.backends.transports.mooncake import MooncakeTransport
-
-    from .peer import PeerServer
 
     if args.registry is None:
         raise ParamStoreError("serve needs a registry shared by the hosts: --registry redis://... --name NAME")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with MooncakeTransport(args.host) as transport:
-        server = PeerServer(root, transport)
-        print(f"serving {len(server.served)} objects of {root.path} at {transport.session} "
-              f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
-        try:
-            stop.wait()
-        finally:
-            server.close()
-    return {"session": transport.session, "peer": server.peer.id}, "stopped", 0
+    server = store.serve(args.host)
+    session = server.peer.session
+    print(f"serving {len(server.served)} objects of {store.root} at {session} "
+          f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
+    stop.wait()
+    return {"session": session, "peer": server.peer.id}, "stopped", 0
 
 
-def _remote(args: argparse.Namespace) -> "Remote":
-    from .remote import Remote
-
-    if not args.remote:
-        raise ParamStoreError(f"{args.command} needs a remote: pass --remote URL or set PARAMSTORE_REMOTE")
-    return Remote(args.remote)
+def _needs_remote(args: argparse.Namespace) -> bool:
+    """Whether the command talks to the remote (only then is it opened: a network call)."""
+    return args.command in ("push", "pull") or getattr(args, "tier", "local") == "remote"
 
 
 #: What a bare ``ls --remote`` (no URL; deprecated) parses to.
@@ -103,11 +93,11 @@ def _metrics(metrics: Any) -> str:
     return " ".join(f"{k}={fmt(x)}" for k, x in metrics.items())
 
 
-def _ls(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+def _ls(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     if args.tier == "remote":
-        versions, persisted = _remote(args).versions(), None
+        versions, persisted = store.remote_versions(), None
     else:
-        versions, persisted = list(root.registry.versions()), root.registry.persisted()
+        versions, persisted = store.versions(), store.persisted()
     metrics = [_metrics(v.metrics) for v in versions]
     width = max([len("METRICS"), *map(len, metrics)])
     rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  "
@@ -121,31 +111,29 @@ def _ls(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return out, "\n".join(rows), 0
 
 
-def _push(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    remote = _remote(args)
+def _push(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    url = store.remote.url  # type: ignore[union-attr]
     if args.version:
-        steps = [root.resolve(v) for v in args.version]
+        steps: list[VersionSpec] = list(args.version)
     else:  # every local version not yet in this remote
-        done = {s for s, url in root.registry.persisted().items() if url == remote.url}
-        steps = [v.step for v in root.registry.versions() if v.step not in done]
-    reports = [remote.push(root, s) for s in steps]
+        done = {s for s, u in store.persisted().items() if u == url}
+        steps = [v.step for v in store.versions() if v.step not in done]
+    reports = [store.push(s, show_progress=None) for s in steps]
     lines = [f"pushed step {r.step}: {r.objects} objects ({_human(r.bytes)}) uploaded, {r.skipped} already there, "
              f"{r.seconds:.1f} s" for r in reports]
     return [r.as_dict() for r in reports], "\n".join(lines) or "nothing to push", 0
 
 
-def _pull(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    remote = _remote(args)
-    r = remote.pull(root, remote.resolve(args.version))
+def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.pull(args.version, show_progress=None)
     text = (f"pulled step {r.step}: {r.objects} objects ({_human(r.bytes)}) downloaded and verified, "
             f"{r.skipped} already here, {r.seconds:.1f} s")
     return r.as_dict(), text, 0
 
 
-def _show(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    step = root.resolve(args.version)
-    v = root.registry.get_version(step)
-    man = root.registry.get_manifest(step)
+def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    v = store.get(args.version)
+    man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
     lines = [
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
@@ -161,10 +149,8 @@ def _show(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return out, "\n".join(lines), 0
 
 
-def _diff(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .ops import diff
-
-    r = diff(root, root.resolve(args.a), root.resolve(args.b))
+def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.diff(args.a, args.b)
     lines = [f"{r['from']} -> {r['to']}: {len(r['changed'])} changed ({_human(r['changed_bytes'])}), "
              f"{len(r['added'])} added, {len(r['removed'])} removed, {r['unchanged']} unchanged"]
     lines += [f"+ {n}" for n in r["added"]] + [f"- {n}" for n in r["removed"]]
@@ -175,11 +161,8 @@ def _diff(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return r, "\n".join(lines), 0
 
 
-def _verify(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .ops import verify
-
-    steps = None if args.version is None else [root.resolve(args.version)]
-    r = verify(root, steps)
+def _verify(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.verify(args.version, show_progress=None)
     lines = [f"checked {r['versions_checked']} versions, {r['objects_checked']} objects, {_human(r['bytes_checked'])}"]
     lines += [f"CORRUPT {o}: {why}" for o, why in r["corrupt"].items()]
     lines += [f"MISSING {o}" for o in r["missing"]]
@@ -192,39 +175,34 @@ def _verify(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return r, "\n".join(lines), 0 if r["ok"] else 1
 
 
-def _du(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .ops import du
-
-    r = du(root)
+def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.du()
     text = (f"{r['versions']} versions, {r['objects']} objects\n"
             f"logical  {_human(r['logical_bytes'])}\nstored   {_human(r['stored_bytes'])}\n"
             f"temp     {_human(r['temporary_bytes'])}\ndedup    {r['dedup_ratio']:.2f}x")
     return r, text, 0
 
 
-def _export(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .export import export
-
-    r = export(root, root.resolve(args.version), args.dir, shard_size_bytes=args.shard_size_bytes)
+def _export(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.export(args.version, args.dir, shard_size_bytes=args.shard_size_bytes, show_progress=None)
     return r, f"exported step {r['step']} to {r['directory']}: {', '.join(r['files'])}", 0
 
 
-def _tag(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+def _tag(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     if args.delete:
-        step = root.registry.delete_tag(args.tag)
+        step = store.untag(args.tag)
         return {"deleted": args.tag, "step": step}, f"deleted tag {args.tag} (was step {step})", 0
     if args.version is None:
         raise ParamStoreError("tag needs a version: paramstore tag VERSION NAME (or --delete NAME)")
-    step = root.resolve(args.version)
-    root.registry.set_tag(check_tag(args.tag), step)
+    step = store.tag(args.version, args.tag).step
     return {"tag": args.tag, "step": step}, f"{args.tag} -> {step}", 0
 
 
-def _leases(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
+def _leases(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     import time
 
     now = time.time()
-    leases = sorted(root.registry.leases(), key=lambda lease: lease.step)
+    leases = sorted(store.leases(), key=lambda lease: lease.step)
     rows = [f"{'STEP':>10}  {'AGE':>9}  {'PID':>7}  HOLDER"]
     rows += [f"{lease.step:>10}  {now - lease.acquired_at:8.1f}s  {lease.pid:>7}  {lease.holder}" for lease in leases]
     out = [{"step": lease.step, "holder": lease.holder, "pid": lease.pid, "host": lease.host,
@@ -257,14 +235,8 @@ def _policy_from_flags(args: argparse.Namespace) -> "Policy":
     return rules[0] if len(rules) == 1 else AnyOf(*rules)
 
 
-def _prune(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .maintenance import prune, prune_remote
-
-    policy = _policy_from_flags(args)
-    if args.tier == "remote":
-        r = prune_remote(_remote(args), policy, dry_run=args.dry_run)
-    else:
-        r = prune(root, policy, dry_run=args.dry_run)
+def _prune(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    r = store.prune(_policy_from_flags(args), dry_run=args.dry_run, tier=args.tier)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"policy: {r.policy}"]
     # one column per field whatever the verb: VERB (7 wide), STEP (right-aligned), why
@@ -276,16 +248,13 @@ def _prune(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
     return r.as_dict(), "\n".join(lines), 0
 
 
-def _gc(root: StoreRoot, args: argparse.Namespace) -> tuple[Any, str, int]:
-    from .maintenance import gc, gc_remote
-
+def _gc(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     verb = "would delete" if args.dry_run else "deleted"
+    r = store.gc(dry_run=args.dry_run, tier=args.tier, grace=args.grace)
     if args.tier == "remote":
-        r = gc_remote(_remote(args), dry_run=args.dry_run, grace=args.grace)
         text = (f"{verb} {len(r.objects)} remote objects ({_human(r.bytes_freed)}) and "
                 f"{len(r.temporary_files)} orphaned manifests and stale locks")
     else:
-        r = gc(root, dry_run=args.dry_run)
         text = (f"{verb} {len(r.objects)} objects ({_human(r.bytes_freed)}) and "
                 f"{len(r.temporary_files)} temporary files of dead processes")
     return r.as_dict(), text, 0
@@ -397,11 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ParamStoreError("no store root: pass --root PATH or set PARAMSTORE_ROOT")
         if args.registry and not args.name:
             raise ParamStoreError("a shared registry needs --name (or $PARAMSTORE_NAME): the store's name")
-        root = open_root(args.root, create=args.command == "serve", registry=args.registry, name=args.name or "")
-        try:
-            result, text, code = args.fn(root, args)
-        finally:
-            root.close()
+        if _needs_remote(args) and not args.remote:
+            raise ParamStoreError(f"{args.command} needs a remote: pass --remote URL or set PARAMSTORE_REMOTE")
+        with ParamStore(args.root, create=args.command == "serve", registry=args.registry, name=args.name,
+                        remote=args.remote if _needs_remote(args) else None) as store:
+            result, text, code = args.fn(store, args)
     except (ParamStoreError, OSError, lmdb.Error) as e:
         if args.json:
             print(json.dumps({"error": type(e).__name__, "message": str(e)}))

@@ -656,7 +656,7 @@ class ParamStore:
             return maintenance.prune_remote(self._need_remote(), policy, dry_run=dry_run)
         return maintenance.prune(self._root, policy, dry_run=dry_run)
 
-    def gc(self, *, dry_run: bool = False, tier: str = "local") -> GcReport:
+    def gc(self, *, dry_run: bool = False, tier: str = "local", grace: float | None = None) -> GcReport:
         """Delete objects and temporary files that no surviving version (or live commit) references.
 
         ``tier="remote"``: objects no remote version references, once no push or pull is running
@@ -664,7 +664,7 @@ class ParamStore:
         """
         self._check_open()
         if _tier(tier) == "remote":
-            return maintenance.gc_remote(self._need_remote(), dry_run=dry_run)
+            return maintenance.gc_remote(self._need_remote(), dry_run=dry_run, grace=grace)
         return maintenance.gc(self._root, dry_run=dry_run)
 
     # -- tags --------------------------------------------------------------------------------
@@ -676,10 +676,10 @@ class ParamStore:
         self._root.registry.set_tag(name, step)
         return self._root.registry.get_version(step)
 
-    def untag(self, name: str) -> None:
-        """Remove tag ``name``. Raises TagNotFoundError if it does not exist."""
+    def untag(self, name: str) -> int:
+        """Remove tag ``name``; returns the step it pointed at. Raises TagNotFoundError if it does not exist."""
         self._check_open()
-        self._root.registry.delete_tag(check_tag(name))
+        return self._root.registry.delete_tag(check_tag(name))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
