@@ -62,7 +62,7 @@ def rollout(root: str, rank: int, ready: "mp.synchronize.Barrier") -> None:
     policy = TinyTransformer()
     with paramstore.ParamStore(root, create=False) as store:
         ready.wait()
-        for v in store.subscribe(after=-1, timeout=60):
+        for v in store.subscribe(min_step=0, timeout=60):
             with store.checkout(v.step) as snap:
                 snap.load_into(policy)
                 latency_ms = (time.time() - v.created_at) * 1e3

@@ -289,7 +289,10 @@ class Remote:
 
     def _verify_and_place(self, root: StoreRoot, digest: str, tmp: str) -> None:
         try:
-            got = rehash_file(tmp)
+            try:
+                got = rehash_file(tmp)
+            except CorruptObjectError as e:
+                raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: {e}") from None
             if got != digest:
                 raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: its bytes hash to {got}")
             root.tier.put(digest, tmp, move=True)
@@ -407,16 +410,18 @@ class _HeldLock:
 
 
 def rehash_file(path: str) -> str:
-    """The object digest recomputed from the bytes of the file at ``path`` ("malformed" if it is
-    not a well-formed object)."""
+    """The object digest recomputed from the bytes of the file at ``path``.
+
+    Raises CorruptObjectError if the file is not a well-formed object (empty, a bad header...).
+    """
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            return "malformed (empty)"
+            raise CorruptObjectError(f"{path} is empty: not an object")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m, memoryview(m) as mv:
             try:
                 return rehash(mv)[0]
             except ValueError as e:
-                return f"malformed ({e})"
+                raise CorruptObjectError(f"{path} is not a well-formed object: {e}") from None
 
 
 def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:

@@ -250,7 +250,7 @@ def test_closed_store(store_root):
             call()
         assert isinstance(ei.value, RuntimeError)
     with pytest.raises(StoreClosedError):
-        next(iter(s.subscribe(after=-1, timeout=0)))
+        next(iter(s.subscribe(min_step=0, timeout=0)))
     with ParamStore(store_root, create=False) as again:
         assert [v.step for v in again.versions()] == [1]
 

@@ -78,7 +78,7 @@ def reader_main(root: str, steps: int, results) -> None:
     seen: list[int] = []
     try:
         with ParamStore(root, create=False) as store:
-            for v in store.subscribe(after=-1, timeout=60):
+            for v in store.subscribe(min_step=0, timeout=60):
                 assert not seen or v.step > seen[-1], f"out of order: {v.step} after {seen[-1]}"
                 check_version(store, v.step)
                 assert v.metrics == {"step": float(v.step)}

@@ -64,14 +64,14 @@ def records_under(server, url: str) -> list[str]:
 def test_write_through_and_restore_on_a_fresh_root(s3_remote, shm_dir):
     url, opts = s3_remote
     models = {1: model(1), 2: changed(model(1), ["layer3.weight"], 2), 5: model(5)}
-    with ParamStore(os.path.join(shm_dir, "a"), remote=url, remote_options=opts, shard_size_bytes=1 << 20) as a:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options=opts, shard_size_bytes=1 << 20) as a:
         for step, sd in models.items():
             handle = a.commit(step, sd, tags=["best"] if step == 2 else [], metrics={"reward": step / 10})
             assert handle.persisted.result(60).step == step
         assert sorted(a.persisted()) == [1, 2, 5]
         digests = {v.step: v.digest for v in a.versions()}
 
-    with ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options=opts) as b:
+    with ParamStore(os.path.join(shm_dir, "b"), remote=url, storage_options=opts) as b:
         assert b.versions() == []
         assert [v.step for v in b.remote_versions()] == [1, 2, 5]
         with b.checkout("latest") as snap:  # empty local store: the remote's latest
@@ -106,7 +106,7 @@ def test_shared_filesystem_remote(shm_dir, tmp_path):
 def test_unchanged_push_uploads_no_object_and_changes_upload_only_themselves(s3_server, s3_remote, shm_dir):
     url, opts = s3_remote
     sd = model(1)
-    with ParamStore(os.path.join(shm_dir, "a"), remote=url, remote_options=opts, shard_size_bytes=1 << 20) as a:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options=opts, shard_size_bytes=1 << 20) as a:
         a.commit(1, sd).persisted.result(60)
         before = objects_under(s3_server, url)
         a.commit(2, sd).persisted.result(60)  # unchanged
@@ -124,10 +124,10 @@ def test_unchanged_push_uploads_no_object_and_changes_upload_only_themselves(s3_
 def test_stores_sharing_a_bucket_share_objects(s3_server, s3_remote, shm_dir):
     url, opts = s3_remote
     sd = model(2)
-    with ParamStore(os.path.join(shm_dir, "a"), remote=url, remote_options=opts) as a:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options=opts) as a:
         a.commit(1, sd).persisted.result(60)
     before = objects_under(s3_server, url)
-    with ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options=opts) as b:
+    with ParamStore(os.path.join(shm_dir, "b"), remote=url, storage_options=opts) as b:
         assert b.commit(1, sd).persisted.result(60).step == 1  # the same version: nothing to do
         report = b.push(1)
         assert (report.objects, report.bytes) == (0, 0)
@@ -135,11 +135,11 @@ def test_stores_sharing_a_bucket_share_objects(s3_server, s3_remote, shm_dir):
         other = b.commit(3, model(9))
         other.persisted.result(60)
     assert objects_under(s3_server, url).keys() - before.keys()  # model(9) was new
-    with ParamStore(os.path.join(shm_dir, "c"), remote=url, remote_options=opts) as c:
+    with ParamStore(os.path.join(shm_dir, "c"), remote=url, storage_options=opts) as c:
         # another store's different step 3 is refused, not overwritten
         with pytest.raises(StepOrderError):
             c.commit(3, model(4)).persisted.result(60)
-    with ParamStore(os.path.join(shm_dir, "d"), remote=url, remote_options=opts) as d:
+    with ParamStore(os.path.join(shm_dir, "d"), remote=url, storage_options=opts) as d:
         assert_checkout_equal(d, 3, model(9))
 
 
@@ -149,7 +149,7 @@ def test_bad_remotes_fail_at_open_and_leave_the_local_store_alone(s3_server, shm
     with ParamStore(root) as s:
         s.commit(1, model(1)).result()
     with pytest.raises(RemoteError, match="bucket") as info:
-        ParamStore(root, remote="s3://no-such-bucket/x", remote_options=s3_server.options())
+        ParamStore(root, remote="s3://no-such-bucket/x", storage_options=s3_server.options())
     assert not info.value.transient
     with pytest.raises(RemoteError, match="nope"):
         ParamStore(root, remote="nope://x/y")
@@ -182,7 +182,7 @@ def test_access_denied_is_a_clear_error(shm_dir):
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="locked")
         opts = {"endpoint_url": endpoint, "key": "AKIAWRONG", "secret": "wrong"}
         with pytest.raises(RemoteError) as info:
-            ParamStore(os.path.join(shm_dir, "a"), remote="s3://locked/x", remote_options=opts)
+            ParamStore(os.path.join(shm_dir, "a"), remote="s3://locked/x", storage_options=opts)
         assert not info.value.transient
         assert "denied" in str(info.value).lower() or "access" in str(info.value).lower()
     finally:
@@ -194,7 +194,7 @@ def test_access_denied_is_a_clear_error(shm_dir):
 def test_endpoint_down_mid_upload_is_retried_and_never_half_visible(s3_server, s3_remote, shm_dir):
     url, opts = s3_remote
     big = {f"w{i}": random_tensor(torch.float32, (1024, 1024), i) for i in range(12)}  # 48 MiB, 12 objects
-    with ParamStore(os.path.join(shm_dir, "a"), remote=url, remote_options=opts, shard_size_bytes=4 << 20) as a:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options=opts, shard_size_bytes=4 << 20) as a:
         a.commit(1, model(1)).persisted.result(60)
         handle = a.commit(2, big)
         handle.result(30)
@@ -212,7 +212,7 @@ def test_endpoint_down_mid_upload_is_retried_and_never_half_visible(s3_server, s
                 s3_server.start()
             assert handle.persisted.result(60).step == 2
         assert 2 in a.persisted()
-    with ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options=opts) as b:
+    with ParamStore(os.path.join(shm_dir, "b"), remote=url, storage_options=opts) as b:
         assert_checkout_equal(b, 2, big)
 
 
@@ -224,7 +224,7 @@ def test_killed_pusher_leaves_no_partial_version(s3_server, s3_remote, shm_dir):
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_remote import big_model
         from paramstore import ParamStore
-        s = ParamStore({root!r}, remote={url!r}, remote_options=json.loads({json.dumps(json.dumps(opts))}),
+        s = ParamStore({root!r}, remote={url!r}, storage_options=json.loads({json.dumps(json.dumps(opts))}),
                        shard_size_bytes=4 << 20)
         s.commit(1, big_model()).result()
         print("committed", flush=True)
@@ -242,11 +242,11 @@ def test_killed_pusher_leaves_no_partial_version(s3_server, s3_remote, shm_dir):
         proc.wait()
     assert records_under(s3_server, url) == []  # objects maybe, but no version
     assert len(objects_under(s3_server, url)) < 12
-    with ParamStore(root, remote=url, remote_options=opts) as a:
+    with ParamStore(root, remote=url, storage_options=opts) as a:
         assert 1 not in a.persisted()
         report = a.push(1)  # resumes: what is already there is not sent again
         assert report.skipped >= 1 and report.objects >= 1
-    with ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options=opts) as b:
+    with ParamStore(os.path.join(shm_dir, "b"), remote=url, storage_options=opts) as b:
         assert_checkout_equal(b, 1, big_model())
 
 
@@ -258,7 +258,7 @@ def big_model() -> dict[str, torch.Tensor]:
 def test_corrupt_remote_object_is_never_delivered(s3_server, s3_remote, shm_dir, damage):
     url, opts = s3_remote
     sd = model(4)
-    with ParamStore(os.path.join(shm_dir, "a"), remote=url, remote_options=opts) as a:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options=opts) as a:
         a.commit(1, sd).persisted.result(60)
     s3 = s3_server.client()
     key = next(iter(objects_under(s3_server, url)))
@@ -269,7 +269,7 @@ def test_corrupt_remote_object_is_never_delivered(s3_server, s3_remote, shm_dir,
         body = bytearray(b"not an object")
     s3.put_object(Bucket=bucket_of(url), Key=key, Body=bytes(body))
     root_b = os.path.join(shm_dir, "b")
-    with ParamStore(root_b, remote=url, remote_options=opts) as b:
+    with ParamStore(root_b, remote=url, storage_options=opts) as b:
         with pytest.raises(CorruptObjectError):
             b.checkout(1)
         assert b.versions() == []
@@ -361,7 +361,7 @@ def test_remote_gc_is_safe_with_concurrent_pushes(s3_server, s3_remote, shm_dir)
     assert steps and set(steps) <= set(expected)
     for step in steps:
         assert r.get_manifest(step).objects() <= present
-    with ParamStore(os.path.join(shm_dir, "fresh"), remote=url, remote_options=opts) as fresh:
+    with ParamStore(os.path.join(shm_dir, "fresh"), remote=url, storage_options=opts) as fresh:
         for step in steps:
             assert_checkout_equal(fresh, step, expected[step])
 
@@ -375,7 +375,7 @@ def test_per_tier_retention(s3_server, s3_remote, shm_dir):
         for step in range(8):
             sd = changed(sd, [f"layer{step}.weight"], step)
             s.commit(step, sd)
-        s.wait_persisted(120)
+        s.wait_persisted(timeout=120)
         s._maintainer.wait_idle(60)  # the last runs after the last push
         s._maintainer.poke_remote()
         s._maintainer.poke()
@@ -417,7 +417,7 @@ def test_cli_push_pull_ls_prune_gc(s3_server, s3_remote, shm_dir):
     assert json.loads(cli(b, "prune", "--tier", "remote", "--keep-last", "1", "--json").stdout)["removed"] == [1, 2]
     gc = json.loads(cli(b, "gc", "--tier", "remote", "--grace", "0", "--json").stdout)
     assert gc["objects_deleted"] >= 1
-    with ParamStore(os.path.join(shm_dir, "c"), remote=url, remote_options={"endpoint_url": s3_server.endpoint}) as c:
+    with ParamStore(os.path.join(shm_dir, "c"), remote=url, storage_options={"endpoint_url": s3_server.endpoint}) as c:
         with c.checkout(3) as snap:
             assert snap.step == 3
 
@@ -426,7 +426,7 @@ def test_cli_push_pull_ls_prune_gc(s3_server, s3_remote, shm_dir):
 def test_shared_registry_host_fetches_missing_bytes_from_the_remote(redis_url, s3_remote, shm_dir):
     url, opts = s3_remote
     sd = model(6)
-    common = dict(remote=url, remote_options=opts, registry=redis_url, name=f"run-{os.getpid()}-{time.time()}")
+    common = dict(remote=url, storage_options=opts, registry=redis_url, name=f"run-{os.getpid()}-{time.time()}")
     with ParamStore(os.path.join(shm_dir, "trainer"), **common) as trainer:
         trainer.commit(4, sd).persisted.result(60)
         with ParamStore(os.path.join(shm_dir, "rollout"), **common) as rollout:

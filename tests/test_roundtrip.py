@@ -518,11 +518,11 @@ def test_subscribe_yields_every_version_in_order_then_times_out(store):
     for step in (1, 2, 4, 8):
         store.commit(step, {"w": torch.full((2,), float(step))}).result()
     t0 = time.monotonic()
-    seen = [v.step for v in store.subscribe(after=-1, timeout=0.3)]
+    seen = [v.step for v in store.subscribe(min_step=0, timeout=0.3)]
     elapsed = time.monotonic() - t0
     assert seen == [1, 2, 4, 8]
     assert 0.25 <= elapsed < 5, elapsed
-    assert [v.step for v in store.subscribe(after=2, timeout=0.05)] == [4, 8]
+    assert [v.step for v in store.subscribe(min_step=3, timeout=0.05)] == [4, 8]
     assert [v.step for v in store.subscribe(timeout=0.05)] == []  # default: only new versions
 
 
@@ -538,7 +538,7 @@ def test_subscribe_sees_versions_committed_while_waiting(store):
     t.start()
     try:
         seen = []
-        for v in store.subscribe(after=1, timeout=5):
+        for v in store.subscribe(min_step=2, timeout=5):
             seen.append(v.step)
             with store.checkout(v.step) as snap:
                 assert torch.equal(snap["w"], torch.full((2,), float(v.step)))

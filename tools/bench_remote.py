@@ -205,7 +205,7 @@ def transfer_round(i: int, s3: S3, src: str, step: int, files: dict[str, str], s
     pusher = puller = None
     try:
         t0 = time.perf_counter()
-        pusher = ParamStore(src, remote=url, remote_options=s3.options, prepare_buffers=False)
+        pusher = ParamStore(src, remote=url, storage_options=s3.options, prepare_buffers=False)
         r["ps_open_s"] = time.perf_counter() - t0
         cfg = transfer_settings(pusher)
         fs = s3.raw_fs(cfg["parts"])
@@ -236,7 +236,7 @@ def transfer_round(i: int, s3: S3, src: str, step: int, files: dict[str, str], s
 
         # -- pull ------------------------------------------------------------------------------
         t0 = time.perf_counter()
-        puller = ParamStore(pull_root, remote=url, remote_options=s3.options, prepare_buffers=False)
+        puller = ParamStore(pull_root, remote=url, storage_options=s3.options, prepare_buffers=False)
         r["ps_open_fresh_s"] = time.perf_counter() - t0
 
         def ps_pull() -> None:
@@ -330,7 +330,7 @@ def part_bytes(a: argparse.Namespace, s3: S3, sd: dict[str, torch.Tensor], shm: 
     committer = ParamStore(root, shard_size_bytes=a.shard_mib * MIB, prepare_buffers=False)
     pusher = None
     try:
-        pusher = ParamStore(root, remote=url, remote_options=s3.options, prepare_buffers=False)
+        pusher = ParamStore(root, remote=url, storage_options=s3.options, prepare_buffers=False)
 
         def measured_push(step: int) -> dict[str, Any]:
             before = s3.listing(fs, f"{prefix}/objects")

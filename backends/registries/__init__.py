@@ -26,14 +26,18 @@ def open_registry(url: str | None, meta_dir: str, namespace: str) -> Registry:
     Args:
         url: None, or ``redis://[:password@]host:port/db`` / ``rediss://...`` (TLS).
         meta_dir: the store's ``meta/`` directory (the LMDB environment, created if missing).
-        namespace: separates stores that share one server (use the store's ``store_id``).
+        namespace: separates stores that share one server: the store's ``name`` (``ParamStore(name=)``).
 
     Raises:
         InvalidArgumentError: an unsupported URL scheme.
         RegistryError: the server cannot be reached.
 
     Example:
-        >>> reg = open_registry("redis://:secret@10.0.0.5:6379/0", "/dev/shm/ps/meta", info["store_id"])
+        >>> import tempfile
+        >>> reg = open_registry(None, tempfile.mkdtemp() + "/meta", "run-42")  # LMDB in the store root
+        >>> reg.latest_step() is None
+        True
+        >>> reg.close()
     """
     if url is None:
         return LmdbRegistry(meta_dir, create=True)

@@ -9,6 +9,23 @@ It also keeps *peer announcements*: which per-host peer process serves which obj
 address of its registered memory (:meth:`Registry.announce_peer`, :meth:`Registry.holders`). A
 peer and everything it announced go when it is withdrawn, when the registry object that announced
 it is closed, or when its process dies (found by whoever reads next, or by a TTL).
+
+Notes for implementers (a new registry passes ``tests/test_registry_contract.py``: parametrize its
+``spec`` fixture with the new kind):
+
+* **Atomicity.** ``publish``, ``remove_versions``, ``acquire_lease`` and ``forget_objects`` are each
+  one transaction (LMDB: a write transaction; Redis: one Lua script). ``acquire_lease`` and
+  ``remove_versions`` must exclude each other: a prune either sees the lease or the lease fails.
+* **Liveness.** A lease or a peer belongs to a process; when the process dies the registry forgets
+  it without anyone's help (LMDB: pid and start time checked by readers; Redis: TTL keys renewed by
+  a heartbeat thread). Document the delay.
+* **Fork.** One registry object per process: an implementation reopens its handles in a forked
+  child and never releases its parent's leases or peers there.
+* **Validation.** Digests, peer ids and addresses come from other hosts: validate them
+  (``check_digests``, ``check_peer``...) before they are stored or returned.
+* **Wake-ups.** ``watch()`` must not busy-spin and must not lose a change made after it returned.
+* **Defaults.** ``object_sizes`` has a default built on ``objects()``; override it when the backing
+  store can look keys up directly (both shipped registries do).
 """
 
 from __future__ import annotations

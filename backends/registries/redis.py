@@ -423,7 +423,7 @@ class RedisRegistry(Registry):
     Args:
         url: ``redis://[:password@]host:port/db`` or ``rediss://...`` (TLS); the password may be
             in the URL (it is masked in messages).
-        namespace: separates stores sharing a database (a store's ``store_id``); no braces.
+        namespace: separates stores sharing a database (the store's ``name``, as ``ParamStore(name=)``); no braces.
         lease_ttl_s: a lease expires this long after its holder stopped renewing it.
         connect_timeout_s: how long to wait for the server when connecting.
 
@@ -431,9 +431,10 @@ class RedisRegistry(Registry):
         RegistryError: the server cannot be reached (or refuses the password).
         InvalidArgumentError: bad namespace or TTL.
 
-    Example:
-        >>> reg = RedisRegistry("redis://:secret@10.0.0.5:6379/0", store_id)
-        >>> reg.latest_step()
+    Example (needs a server; shown, not run)::
+
+        reg = RedisRegistry("redis://:secret@10.0.0.5:6379/0", "run-42")
+        reg.latest_step()
     """
 
     def __init__(self, url: str, namespace: str, *, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,

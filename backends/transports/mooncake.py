@@ -27,6 +27,7 @@ Mooncake's listener binds every interface and has no authentication: run it on a
 from __future__ import annotations
 
 import bisect
+import ctypes
 import operator
 import os
 import threading
@@ -49,23 +50,57 @@ DEFAULT_SLICE_BYTES = 32 << 20
 # peer fails after (window / lanes) progress timeouts: 1 here, 2 with 8, 5 with 16 in flight. The
 # price is ~65 us per small read (4000 scattered 16 KiB reads: 0.26 s; 0.13 s with 256 in flight).
 DEFAULT_WINDOW = 4
-_ENV_DEFAULTS = {"MC_LOG_LEVEL": "ERROR", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
+_ENV_DEFAULTS = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
+# glog severities (FLAGS_minloglevel): 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL.
+_QUIET_LEVEL, _VERBOSE_LEVEL = 3, 1
+_MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's ``int FLAGS_minloglevel``, mangled
 _NAP_MIN_S, _NAP_MAX_S = 50e-6, 1e-3
 # transfer_check_status: 1 done, 0 in flight, -1 failed; both 1 and -1 free the batch.
 _DONE, _PENDING, _FAILED = 1, 0, -1
 
 
 def _engine_class() -> Any:
-    """Import Mooncake (once its environment defaults are set: it reads them at import and start)."""
+    """Import Mooncake (once its environment defaults are set: it reads them at import and start),
+    and set its log level (see :class:`MooncakeTransport`)."""
     for name, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     try:
-        from mooncake.engine import TransferEngine
+        from mooncake import engine as module
     except ImportError as e:  # not installed, or libibverbs.so.1 missing
         raise TransferError("the Mooncake transport needs the transfer engine: pip install "
                             "'paramstore[mooncake]' and Debian's libibverbs1 (linked even for TCP); "
                             f"import failed: {e}") from e
-    return TransferEngine
+    _set_log_level(module.__file__)
+    return module.TransferEngine
+
+
+def _log_level() -> int | None:
+    """The glog level to set, or None to leave Mooncake's own (``MC_LOG_LEVEL`` set by the user)."""
+    if "MC_LOG_LEVEL" in os.environ:
+        return None
+    glog = os.environ.get("GLOG_minloglevel", "").strip()
+    if glog.isdigit():
+        return int(glog)
+    verbose = os.environ.get("PARAMSTORE_VERBOSE", "").strip().lower()
+    return _QUIET_LEVEL if verbose in ("", "0", "false", "no", "off") else _VERBOSE_LEVEL
+
+
+def _set_log_level(library: str | None) -> None:
+    """Write glog's ``FLAGS_minloglevel`` as seen by Mooncake's engine library.
+
+    The engine reads ``MC_LOG_LEVEL`` when it is imported (a static initializer) and assigns
+    ``FLAGS_minloglevel`` from it, INFO when unset, so glog's own ``GLOG_minloglevel`` is overwritten;
+    and ``MC_LOG_LEVEL`` stops at ERROR. Nothing reads the flag again, so it is set here, after the
+    import and before any engine exists. Best effort: a build that hides the symbol keeps its logs.
+    """
+    level = _log_level()
+    if level is None or not library:
+        return
+    try:
+        lib = ctypes.CDLL(library, mode=os.RTLD_NOLOAD)  # already loaded: lookups include its libglog
+        ctypes.c_int.in_dll(lib, _MINLOGLEVEL).value = level
+    except (OSError, ValueError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -102,10 +137,20 @@ class MooncakeTransport(Transport):
     writing), 0 refused at submission (nobody listening, or not a session), other values from
     initialize/register_memory. ``close()`` takes ~1 s (the engine stops its threads).
 
-    Example:
-        >>> t = MooncakeTransport("10.0.0.7")
-        >>> addr = t.register(dst_mmap)
-        >>> t.read(peer_session, [(addr, remote_addr, len(dst_mmap))])
+    Logs: Mooncake logs through glog on stderr, including ``E`` lines for events this class
+    handles itself (a peer that is gone, a range it refused, "Local segment descriptor not found"
+    at every handshake). They are off by default: the first transport of a process sets glog's
+    ``FLAGS_minloglevel`` to FATAL in the engine's library (Mooncake's ``MC_LOG_LEVEL`` only goes
+    down to ERROR, and it overwrites ``GLOG_minloglevel`` when imported). ``PARAMSTORE_VERBOSE=1``
+    in the environment keeps warnings and errors; ``MC_LOG_LEVEL`` (``TRACE``, ``INFO``,
+    ``WARNING``, ``ERROR``) set by the user is left to Mooncake and wins over both; a numeric
+    ``GLOG_minloglevel`` is applied as given. Failures still reach the caller as TransferError.
+
+    Example (between two hosts; shown, not run)::
+
+        t = MooncakeTransport("10.0.0.7")
+        addr = t.register(dst_mmap)
+        t.read(peer_session, [(addr, remote_addr, len(dst_mmap))])
     """
 
     def __init__(self, host: str = "127.0.0.1", *, protocol: str = "tcp", device: str = "",
