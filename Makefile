@@ -34,7 +34,7 @@ demo: install
 	$(BIN)/python examples/async_rl.py
 
 test: install
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest -q   # tests/, then the examples in docstrings and README.md
 
 bench: install
 	$(BIN)/python tools/bench_core.py

@@ -2,10 +2,13 @@
 
 Example:
     >>> import paramstore
-    >>> store = paramstore.ParamStore("/dev/shm/ps")
-    >>> store.commit(1, model).result()
+    >>> store = paramstore.ParamStore(root)  # root: a directory on /dev/shm, e.g. "/dev/shm/my-run"
+    >>> store.commit(1, model).result().step
+    1
     >>> with store.checkout("latest") as snap:
     ...     snap.load_into(policy)
+    LoadResult(missing_keys=[], unexpected_keys=[])
+    >>> store.close()
 
 The heavy parts (torch) are imported on first use, so the CLI's metadata commands start fast.
 """

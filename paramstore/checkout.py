@@ -26,16 +26,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import InvalidArgumentError, ObjectUnavailableError, ParamStoreError, VersionNotFoundError
+from .errors import InvalidArgumentError, ObjectUnavailableError, ParamStoreError, TransferError, VersionNotFoundError
 from .manifest import Manifest
 from .root import StoreRoot, VersionSpec
+from .validate import check_bound, check_timeout
 
 if TYPE_CHECKING:
     from paramstore.backends.registries.base import Registry
     from paramstore.backends.transports.base import Transport
 
     from .peer import PeerServer
-    from .remote import Remote
+    from .remote import Remote, TransferReport
     from .snapshot import Snapshot
     from .staging import SlabPool
 
@@ -54,6 +55,15 @@ class FetchReport:
         bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
         rejected: per peer session, objects whose bytes from that peer failed verification.
         seconds: time spent obtaining bytes.
+
+    Example:
+        >>> with store.checkout("latest") as snap:
+        ...     report = snap.fetch
+        >>> report.step, report.local, report.moved, report.bytes  # everything was already on this host
+        (1, 1, False, 0)
+        >>> report.as_dict()
+        {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'bytes': 0, 'bytes_from': {},
+         'rejected': {}, 'seconds': ...}
     """
 
     step: int
@@ -68,6 +78,20 @@ class FetchReport:
     def bytes(self) -> int:
         """Bytes moved to this host, from every source."""
         return sum(self.bytes_from.values())
+
+    @property
+    def fetched(self) -> list[str]:
+        """Objects moved to this host from any source (peers, then the remote).
+
+        (Before 0.2 ``store.last_fetch.fetched`` listed the objects read from peers.)
+        """
+        return [*self.from_peers, *self.from_remote]
+
+    @property
+    def missing(self) -> list[str]:
+        """Always empty: a checkout that cannot obtain every object raises ObjectUnavailableError.
+        Kept for code written against ``store.last_fetch`` before 0.2."""
+        return []
 
     @property
     def moved(self) -> bool:
@@ -112,16 +136,21 @@ class Fetcher:
         objects = sorted(manifest.objects())
         missing = [o for o in objects if not tier.exists(o)]
         report = FetchReport(step, local=len(objects) - len(missing))
+        peer_error: TransferError | None = None
         if missing and reg.peers():
             from .peer import fetch as peer_fetch
 
             sizes = reg.object_sizes(missing)
-            got = peer_fetch(self._root, self._transport(), sizes, pool=self._pool, server=self._server())
-            report.from_peers = got.fetched
-            report.bytes_from.update(got.bytes_from)
-            report.rejected.update(got.rejected)
-            if self._prepare:  # destinations for the next version (same layout), faulted in the background
-                self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
+            try:
+                got = peer_fetch(self._root, self._transport(), sizes, pool=self._pool, server=self._server())
+            except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
+                peer_error = e
+            else:
+                report.from_peers = got.fetched
+                report.bytes_from.update(got.bytes_from)
+                report.rejected.update(got.rejected)
+                if self._prepare:  # destinations for the next version (same layout), faulted in the background
+                    self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
             missing = [o for o in missing if not tier.exists(o)]
         if missing and self._remote is not None:
             try:
@@ -134,7 +163,10 @@ class Fetcher:
             missing = [o for o in missing if not tier.exists(o)]
         report.seconds = time.monotonic() - t0
         if missing:
-            raise ObjectUnavailableError(_unavailable(self._root, step, missing, self._remote is not None))
+            message = _unavailable(self._root, step, missing, self._remote is not None)
+            if peer_error is not None:
+                message += f" (the peer fetch failed: {peer_error})"
+            raise ObjectUnavailableError(message) from peer_error
         return report
 
 
@@ -153,7 +185,8 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
 
 def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, min_step: int | None,
                   timeout: float | None, holder: str, resolve: Callable[[VersionSpec], int],
-                  wait_for: Callable[[int, float | None], Any], pull: Callable[[int], bool]) -> "Snapshot":
+                  wait_for: Callable[[int, float | None], Any],
+                  pull: Callable[[int], "TransferReport | None"]) -> "Snapshot":
     """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
 
     ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). See
@@ -163,6 +196,7 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
 
     reg = root.registry
     deadline = None if timeout is None else time.monotonic() + timeout
+    pulled: TransferReport | None = None
     while True:
         if min_step is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -172,8 +206,10 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
         try:
             lease = reg.acquire_lease(step, holder)
         except VersionNotFoundError:
-            if min_step is None and pull(step):
-                continue  # pulled from the remote: lease it now
+            if min_step is None:
+                pulled = pull(step)
+                if pulled is not None:
+                    continue  # pulled from the remote: lease it now
             if isinstance(version, int) and min_step is None:
                 raise
             # pruned between resolving "latest" (or a tag) and leasing: resolve again, unless the
@@ -185,6 +221,11 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
         try:
             manifest = reg.get_manifest(step)
             report = fetcher.fetch(step, manifest)
+            if pulled is not None and pulled.step == step:  # the pull placed some objects already
+                report.from_remote[:0] = pulled.moved
+                report.local -= len(pulled.moved)
+                report.bytes_from[pulled.url] += pulled.bytes
+                report.seconds += pulled.seconds
             return Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report)
         except ObjectUnavailableError:
             release()
@@ -213,10 +254,10 @@ def release_lease(registry: "Registry", lease_id: str, owner: int) -> None:
         pass  # store already closed: the lease dies with this process anyway
 
 
-def check_checkout_args(version: VersionSpec, min_step: int | None) -> None:
-    """InvalidArgumentError for a version and ``min_step`` given together, or a bad ``min_step``."""
+def check_checkout_args(version: VersionSpec, min_step: int | None, timeout: float | None) -> None:
+    """InvalidArgumentError for a version and ``min_step`` given together, a bad ``min_step`` or timeout."""
+    check_timeout(timeout)
     if min_step is not None:
         if version != "latest":
             raise InvalidArgumentError("pass either version or min_step, not both")
-        if isinstance(min_step, bool) or not isinstance(min_step, int):
-            raise InvalidArgumentError(f"min_step must be an int, got {min_step!r}")
+        check_bound(min_step, "min_step")

@@ -18,6 +18,7 @@ import datetime as _dt
 import json
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import lmdb
@@ -358,7 +359,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    """Warnings (a root not on tmpfs, a deprecated flag) as one line, like errors."""
+    print(f"paramstore: warning: {message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "tag" and args.delete and args.version is not None:
+        if args.tag is not None and args.tag != args.version:
+            print("paramstore: error: tag --delete takes one name", file=sys.stderr)
+            return 2
         args.tag, args.version = args.version, None
     _ls_remote(args)
     try:

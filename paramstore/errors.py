@@ -75,11 +75,12 @@ class CorruptObjectError(ParamStoreError, IOError):
     """An object's bytes do not match its digest."""
 
 
-class ObjectUnavailableError(ParamStoreError, FileNotFoundError):
+class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):
     """An object a version needs is not on this host, and no peer or remote could deliver it.
 
     The message says what to start: ``paramstore serve`` on a host that holds the version, or a
-    remote that has it.
+    remote that has it. (A subclass of CorruptObjectError, which a missing object raised before 0.2,
+    so ``except CorruptObjectError`` keeps catching it.)
     """
 
 

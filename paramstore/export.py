@@ -9,28 +9,41 @@ are written as separate tensors (safetensors cannot alias).
 from __future__ import annotations
 
 import json
+import mmap
 import os
-from typing import Any
+from typing import Any, Iterable
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ObjectUnavailableError
 from .format import TensorSpec, layout
 from .progress import progress
 from .root import StoreRoot
 
-__all__ = ["export", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
+__all__ = ["export", "map_objects", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_EXPORT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 
 
 def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int = DEFAULT_EXPORT_SHARD_BYTES,
-           show_progress: bool = True) -> dict[str, Any]:
+           show_progress: bool | None = None) -> dict[str, Any]:
     """Write version ``step`` to ``directory`` as HF-style shards; returns what was written.
 
-    Raises InvalidArgumentError if ``directory`` already holds an export (or is a file).
+    ``directory`` must be new or empty (leftover ``*.partial`` files of an interrupted export are
+    allowed). ``show_progress``: None shows a bar when stderr is a terminal.
+
+    Raises:
+        InvalidArgumentError: ``directory`` is a file or holds anything else; a bad shard size.
+        ObjectUnavailableError: an object of the version is missing from this host (nothing is written).
     """
-    if shard_size_bytes <= 0:
-        raise InvalidArgumentError(f"shard size must be positive, got {shard_size_bytes}")
+    if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
+        raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            raise InvalidArgumentError(f"{directory} is a file; export needs a new or empty directory")
+        other = [f for f in os.listdir(directory) if not f.endswith(".partial")]
+        if other:
+            raise InvalidArgumentError(f"{directory} is not empty ({len(other)} entries, e.g. {sorted(other)[0]!r}); "
+                                       "export needs a new or empty directory")
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
         return _export(root, step, directory, shard_size_bytes, show_progress)
 
@@ -38,9 +51,13 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
 def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool) -> dict[str, Any]:
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
-    if os.path.exists(os.path.join(directory, INDEX_NAME)) or (os.path.exists(directory) and not os.path.isdir(directory)):
-        raise InvalidArgumentError(f"{directory} already holds an export or is not a directory")
-    os.makedirs(directory, exist_ok=True)
+    maps = map_objects(root, step, man.objects())  # before anything is written
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except BaseException:
+        for m in maps.values():
+            m.close()
+        raise
 
     names = man.names()
     shards: list[list[str]] = [[]]
@@ -55,11 +72,10 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     count = len(shards)
     files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
-    maps = {o: root.tier.map(o, private=False) for o in man.objects()}
     weight_map: dict[str, str] = {}
     try:
         with progress(man.nbytes + sum(man.entry(a).nbytes for a in man.aliases), f"export {step}",
-                      enabled=None if show_progress else False) as bar:
+                      enabled=show_progress) as bar:
             for fname, group in zip(files, shards):
                 plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group])
                 tmp = os.path.join(directory, fname + ".partial")
@@ -89,3 +105,21 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     os.replace(tmp, os.path.join(directory, INDEX_NAME))  # written last: the export is complete
     return {"step": step, "directory": os.path.abspath(directory), "files": [*files, INDEX_NAME],
             "total_size": index["metadata"]["total_size"]}
+
+
+def map_objects(root: StoreRoot, step: int, objects: Iterable[str]) -> dict[str, mmap.mmap]:
+    """Read-only maps of the objects of version ``step`` (the caller holds a lease and closes them).
+
+    Raises ObjectUnavailableError, naming what to do, if one is missing from this host.
+    """
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        for o in sorted(objects):
+            maps[o] = root.tier.map(o)
+    except FileNotFoundError:
+        for m in maps.values():
+            m.close()
+        raise ObjectUnavailableError(f"version {step} references object {o[:12]}…, which is missing from this host: "
+                                     "check the version out first (it fetches from peers or the remote), or run "
+                                     "`paramstore verify` to see what is damaged") from None
+    return maps

@@ -6,11 +6,10 @@ Each returns a plain dict (what the CLI's ``--json`` prints).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-from .errors import CorruptObjectError, VersionNotFoundError
+from .errors import CorruptObjectError, ObjectUnavailableError, VersionNotFoundError
 from .format import rehash
 from .progress import progress
 from .root import StoreRoot
@@ -23,9 +22,13 @@ def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int]
 
     Returns the recomputed object digest and each tensor's digest keyed by its absolute
     ``(begin, end)``.
-    Raises CorruptObjectError if the file is not a well-formed paramstore object.
+    Raises FileNotFoundError if it is missing, CorruptObjectError if the file is not a well-formed
+    paramstore object (empty or truncated included).
     """
-    m = root.tier.map(digest, private=False)
+    try:
+        m = root.tier.map(digest)
+    except ValueError as e:  # mmap of an empty file
+        raise CorruptObjectError(f"object {digest}: {e}") from e
     try:
         with memoryview(m) as mv:
             try:
@@ -36,61 +39,81 @@ def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int]
         m.close()
 
 
-def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress: bool = True) -> dict[str, Any]:
+def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress: bool | None = None) -> dict[str, Any]:
     """Rehash the objects of the given versions (all when None) and check every manifest entry.
 
     Reports ``corrupt`` objects (bytes do not match the name, or a tensor's digest differs from its
     manifest), ``missing`` objects, and, for a whole-store check, ``orphans`` (objects no version
     references) and ``leftovers`` (files in ``tmp/``: an in-flight commit's, or a crash's).
-    ``ok`` is False when anything is corrupt or missing.
+    ``ok`` is False when anything is corrupt or missing. Each version is leased while its objects
+    are hashed, one version at a time (a trainer's ``wait_for_readers`` is held up by one version,
+    never by the whole run); a version pruned before its turn is skipped in a whole-store check.
+    ``show_progress``: None shows a bar when stderr is a terminal.
     """
     whole = steps is None
-    wanted = [v.step for v in root.registry.versions()] if whole else list(steps)
-    with root.leased(wanted, skip_missing=whole) as selected:
-        return _verify(root, selected, whole, show_progress)
-
-
-def _verify(root: StoreRoot, selected: list[int], whole: bool, show_progress: bool) -> dict[str, Any]:
     reg = root.registry
-    refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}  # object -> (step, name, span, digest)
-    for s in selected:
-        man = reg.get_manifest(s)
-        for name, e in man.tensors.items():
-            refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
+    wanted = [v.step for v in reg.versions()] if whole else list(steps)
+    # object -> [(step, name, span, digest)], and each object's hash result, computed once
+    refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}
+    results: dict[str, tuple[str, dict[tuple[int, int], str]] | str | None] = {}  # None: missing
+    selected: list[int] = []
+    total = sum(root.tier.sizes({o for s in wanted for o in _objects_of(root, s)}).values())
+    with progress(total, "verify", enabled=show_progress) as bar:
+        for s in wanted:
+            with root.leased([s], skip_missing=whole) as held:
+                if not held:
+                    continue
+                selected.append(s)
+                for name, e in reg.get_manifest(s).tensors.items():
+                    refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
+                    if e.object not in results:
+                        results[e.object] = _hash_or_why(root, e.object)
+                        if results[e.object] is not None:
+                            bar.update(root.tier.sizes([e.object]).get(e.object, 0))
     corrupt: dict[str, str] = {}
-    missing: list[str] = []
-    sizes = {o: root.tier.size(o) for o in refs if root.tier.exists(o)}
-    with progress(sum(sizes.values()), "verify", enabled=None if show_progress else False) as bar:
-        for obj in sorted(refs):
-            if obj not in sizes:
-                missing.append(obj)
-                continue
-            try:
-                got, tensor_digests = hash_object(root, obj)
-            except CorruptObjectError as e:
-                corrupt[obj] = str(e)
+    missing = sorted(o for o, r in results.items() if r is None)
+    for obj, r in sorted(results.items()):
+        if isinstance(r, str):
+            corrupt[obj] = r
+        elif r is not None:
+            got, tensor_digests = r
+            if got != obj:
+                corrupt[obj] = f"bytes hash to {got}"
             else:
-                if got != obj:
-                    corrupt[obj] = f"bytes hash to {got}"
-                else:
-                    bad = [f"step {s} {n!r}" for s, n, span, d in refs[obj] if tensor_digests.get(span) != d]
-                    if bad:
-                        corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
-            bar.update(sizes[obj])
-    bad_steps = sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]})
+                bad = [f"step {s} {n!r}" for s, n, span, d in refs[obj] if tensor_digests.get(span) != d]
+                if bad:
+                    corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
+    checked = [o for o, r in results.items() if r is not None]
     report: dict[str, Any] = {
         "ok": not corrupt and not missing,
         "versions_checked": len(selected),
-        "objects_checked": len(sizes),
-        "bytes_checked": sum(sizes.values()),
+        "objects_checked": len(checked),
+        "bytes_checked": sum(root.tier.sizes(checked).values()),
         "corrupt": corrupt,
         "missing": missing,
-        "damaged_versions": bad_steps,
+        "damaged_versions": sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]}),
     }
     if whole:
         report["orphans"] = sorted(set(root.tier.list()) - set(refs))
         report["leftovers"] = root.tier.leftovers()
     return report
+
+
+def _objects_of(root: StoreRoot, step: int) -> set[str]:
+    try:
+        return set(root.registry.get_manifest(step).objects())
+    except VersionNotFoundError:
+        return set()
+
+
+def _hash_or_why(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]] | str | None:
+    """``hash_object``'s result, the reason the object is malformed, or None if it is missing."""
+    try:
+        return hash_object(root, digest)
+    except FileNotFoundError:
+        return None
+    except CorruptObjectError as e:
+        return str(e)
 
 
 def du(root: StoreRoot) -> dict[str, Any]:
@@ -136,7 +159,13 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     ma, mb = reg.get_manifest(a), reg.get_manifest(b)
     na, nb = set(ma.names()), set(mb.names())
     changed = []
-    with Snapshot(va, ma, root.tier) as sa, Snapshot(vb, mb, root.tier) as sb:
+    try:
+        sa, sb = Snapshot(va, ma, root.tier), Snapshot(vb, mb, root.tier)
+    except FileNotFoundError as e:
+        raise ObjectUnavailableError(f"version {a} or {b} references an object missing from this host "
+                                     f"({e.filename}): check it out first (it fetches from peers or the remote), "
+                                     "or run `paramstore verify` to see what is damaged") from None
+    with sa, sb:
         for name in sorted(na & nb):
             ea, eb = ma.entry(name), mb.entry(name)
             if (ea.digest, ea.dtype, ea.shape) == (eb.digest, eb.dtype, eb.shape):

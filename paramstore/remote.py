@@ -69,6 +69,8 @@ class TransferReport:
     bytes: int  # bytes moved
     skipped: int  # objects the other side already had
     seconds: float
+    moved: tuple[str, ...] = ()  # digests of the objects moved (pull only)
+    url: str = ""  # the remote's URL
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "objects": self.objects, "bytes": self.bytes, "skipped": self.skipped,
@@ -251,7 +253,8 @@ class Remote:
                     pass  # pulled meanwhile by another process of this host
                 root.registry.set_persisted(step, self.url)
         nbytes = sum(record.objects[o] for o in moved)
-        return TransferReport(step, len(moved), nbytes, len(record.objects) - len(moved), time.monotonic() - t0)
+        return TransferReport(step, len(moved), nbytes, len(record.objects) - len(moved), time.monotonic() - t0,
+                              tuple(moved), self.url)
 
     def fetch(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> list[str]:
         """Download the objects of remote version ``step`` the local tier lacks (verified).

@@ -30,7 +30,13 @@ Reasons = dict[int, list[str]]
 
 
 class Policy(abc.ABC):
-    """Base of every retention rule."""
+    """Base of every retention rule.
+
+    Example:
+        >>> rule = KeepLast(2) | KeepTagged("release")  # the same as AnyOf(KeepLast(2), KeepTagged("release"))
+        >>> rule == AnyOf(KeepLast(2), KeepTagged("release"))
+        True
+    """
 
     @abc.abstractmethod
     def keep(self, versions: Sequence[Version], now: float) -> Reasons:
@@ -48,7 +54,13 @@ def _count(name: str, n: object) -> int:
 
 @dataclass(frozen=True)
 class KeepLast(Policy):
-    """Keep the ``n`` newest versions."""
+    """Keep the ``n`` newest versions.
+
+    Example:
+        >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0) for step in (10, 20, 30)]
+        >>> KeepLast(2).keep(versions, now=0.0)
+        {20: ['one of the last 2'], 30: ['one of the last 2']}
+    """
 
     n: int
 
@@ -65,7 +77,15 @@ class KeepLast(Policy):
 
 @dataclass(frozen=True)
 class KeepEvery(Policy):
-    """Keep versions whose step is divisible by ``steps``."""
+    """Keep versions whose step is divisible by ``steps``.
+
+    Example:
+        >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0) for step in (500, 1000, 1500)]
+        >>> KeepEvery(1000).keep(versions, now=0.0)
+        {1000: ['step divisible by 1000']}
+        >>> str(KeepEvery(1000))
+        'keep every 1000th step'
+    """
 
     steps: int
 
@@ -89,6 +109,16 @@ class KeepBest(Policy):
     Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked.
     Raises (at decision time) if no version at all has the metric: a misspelt metric would
     otherwise silently keep nothing.
+
+    Example:
+        >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0, metrics={"loss": loss})
+        ...             for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6)]]
+        >>> KeepBest(1, "loss", mode="min").keep(versions, now=0.0)
+        {2: ['best 1 by loss (min)']}
+        >>> KeepBest(1, "reward").keep(versions, now=0.0)
+        Traceback (most recent call last):
+        ...
+        paramstore.errors.InvalidArgumentError: no version has the metric 'reward'; check its name
     """
 
     n: int
@@ -122,7 +152,15 @@ class KeepBest(Policy):
 
 @dataclass(frozen=True)
 class KeepTagged(Policy):
-    """Keep versions carrying any of ``tags`` (no argument: any tag at all)."""
+    """Keep versions carrying any of ``tags`` (no argument: any tag at all).
+
+    Example:
+        >>> versions = [Version(1, 0.0, 0, "", 0, tags=("release",)), Version(2, 0.0, 0, "", 0, tags=("wip",))]
+        >>> KeepTagged("release").keep(versions, now=0.0)
+        {1: ['tagged release']}
+        >>> sorted(KeepTagged().keep(versions, now=0.0))
+        [1, 2]
+    """
 
     tags: tuple[str, ...] = ()
 
@@ -149,6 +187,13 @@ class KeepWithin(Policy):
     """Keep versions created within ``seconds`` of the newest version (``"2h"``, ``"30m"``, ``90``).
 
     Measured from the newest version, not from the clock, so a paused run keeps its recent history.
+
+    Example:
+        >>> hour = 3600.0
+        >>> versions = [Version(step, created_at=step * hour, nbytes=0, digest="", num_tensors=0)
+        ...             for step in (1, 2, 3, 4)]
+        >>> KeepWithin("2h").keep(versions, now=0.0)
+        {2: ['within 2h of the newest'], 3: ['within 2h of the newest'], 4: ['within 2h of the newest']}
     """
 
     seconds: float
@@ -215,7 +260,12 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 
 
 def parse_duration(duration: float | str) -> float:
-    """Seconds in ``duration``: a number, or text like ``"90"``, ``"90s"``, ``"2h"``, ``"1d12h"``."""
+    """Seconds in ``duration``: a number, or text like ``"90"``, ``"90s"``, ``"2h"``, ``"1d12h"``.
+
+    Example:
+        >>> parse_duration("1d12h"), parse_duration("90s"), parse_duration(30)
+        (129600.0, 90.0, 30.0)
+    """
     if isinstance(duration, bool):
         raise InvalidArgumentError(f"bad duration {duration!r}")
     if isinstance(duration, (int, float)):
@@ -248,7 +298,16 @@ class Decision:
 
 
 def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], now: float) -> Decision:
-    """Apply ``policy``, then always keep the latest version and every leased one."""
+    """Apply ``policy``, then always keep the latest version and every leased one.
+
+    Example:
+        >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0) for step in (1, 2, 3, 4)]
+        >>> d = decide(KeepLast(1), versions, leased=[2], now=0.0)
+        >>> d.keep
+        {2: ['leased'], 4: ['one of the last 1', 'latest']}
+        >>> d.remove
+        [1, 3]
+    """
     vs = sorted(versions, key=lambda v: v.step)
     kept = policy.keep(vs, now)
     if vs:

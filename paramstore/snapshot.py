@@ -53,6 +53,13 @@ class Snapshot(Mapping[str, torch.Tensor]):
         manifest: where each tensor lies.
         fetch: how the bytes were obtained (:class:`~paramstore.checkout.FetchReport`: objects
             already here, from peers, from the remote; bytes per source), or None.
+
+    Example:
+        >>> with store.checkout("latest") as snap:
+        ...     print(snap)
+        ...     print(sorted(snap), snap["2.bias"].dtype, len(snap))
+        Snapshot(step=1, tensors=4, digest=...)
+        ['0.bias', '0.weight', '2.bias', '2.weight'] torch.float32 4
     """
 
     def __init__(self, version: Version, manifest: Manifest, tier: Tier,
@@ -70,12 +77,27 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
     @property
     def step(self) -> int:
-        """The version's step (what a rollout sample should record)."""
+        """The version's step (what a rollout sample should record).
+
+        Example:
+            >>> with store.checkout("latest") as snap:
+            ...     snap.step
+            1
+        """
         return self.version.step
 
     @property
     def digest(self) -> str:
-        """The version's content digest (lineage for a rollout sample)."""
+        """The version's content digest (lineage for a rollout sample).
+
+        The same weights have the same digest, whatever step or store they were committed at.
+
+        Example:
+            >>> _ = store.commit(2, model).result()  # the same weights again
+            >>> with store.checkout(1) as a, store.checkout(2) as b:
+            ...     a.digest == b.digest == store.get(1).digest, len(a.digest)
+            (True, 64)
+        """
         return self.version.digest
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -109,6 +131,14 @@ class Snapshot(Mapping[str, torch.Tensor]):
         rollout worker that learns of a version before it needs it can call this on a background
         thread (it does not hold the GIL), so that the later ``load_into`` runs at memory speed.
         No-op where the kernel lacks the call (Linux < 5.14).
+
+        Example:
+            >>> import threading
+            >>> snap = store.checkout("latest")
+            >>> warm = threading.Thread(target=snap.prefault)  # while the rollout still works on the last one
+            >>> warm.start(); warm.join()
+            >>> _ = snap.load_into(policy)  # reads pages already mapped
+            >>> snap.close()
         """
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
@@ -134,6 +164,12 @@ class Snapshot(Mapping[str, torch.Tensor]):
         Example:
             >>> with store.checkout("latest") as snap:
             ...     snap.load_into(policy)
+            LoadResult(missing_keys=[], unexpected_keys=[])
+            >>> torch.equal(policy[0].weight, model[0].weight)
+            True
+            >>> with store.checkout("latest") as snap:
+            ...     snap.load_into(torch.nn.Linear(4, 8), strict=False)
+            LoadResult(missing_keys=['weight', 'bias'], unexpected_keys=['0.bias', '0.weight', '2.bias', '2.weight'])
         """
         try:
             res = module.load_state_dict(dict(self.items()), strict=strict)
@@ -142,7 +178,19 @@ class Snapshot(Mapping[str, torch.Tensor]):
         return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
 
     def close(self) -> None:
-        """Release the snapshot. Tensors already taken from it stay valid (they keep their mapping)."""
+        """Release the snapshot. Tensors already taken from it stay valid (they keep their mapping).
+
+        Example:
+            >>> snap = store.checkout("latest")
+            >>> weight = snap["0.weight"]
+            >>> snap.close()  # releases the lease: the version may now be pruned
+            >>> store.leases(), weight.shape
+            ([], torch.Size([8, 4]))
+            >>> snap["0.weight"]
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.StoreClosedError: snapshot of step 1 is closed
+        """
         self._bufs = None
         self._views = {}
         self._maps = {}

@@ -11,7 +11,11 @@ from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
 
-__all__ = ["check_name", "check_tag", "check_metrics", "check_metadata", "MAX_TAG_BYTES"]
+__all__ = ["check_name", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
+           "MAX_TAG_BYTES", "MAX_STEP"]
+
+#: Steps are in [0, MAX_STEP): registry keys are 8-byte big-endian.
+MAX_STEP = 1 << 63
 
 #: Tags are registry keys (LMDB allows 511 bytes).
 MAX_TAG_BYTES = 400
@@ -65,3 +69,42 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+    """``timeout`` if it is None or a non-negative number of seconds, else InvalidArgumentError.
+
+    Example:
+        >>> check_timeout(None), check_timeout(2)
+        (None, 2.0)
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise InvalidArgumentError(f"{what} must be None or a non-negative number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` if it is an int in [0, 2**63), else InvalidArgumentError.
+
+    Example:
+        >>> check_step(5)
+        5
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
+        raise InvalidArgumentError(f"{what} must be an int in [0, 2**63), got {step!r}")
+    return step
+
+
+def check_bound(bound: Any, what: str = "min_step") -> int:
+    """``bound`` if it is an int below 2**63 (a lower bound on steps: a negative one admits every
+    version, as ``t - eta`` is before step ``eta``), else InvalidArgumentError.
+
+    Example:
+        >>> check_bound(-3)
+        -3
+    """
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound >= MAX_STEP:
+        raise InvalidArgumentError(f"{what} must be an int below 2**63, got {bound!r}")
+    return bound

@@ -184,3 +184,107 @@ def test_a_root_on_a_disk_filesystem_warns_once(tmp_path):
         warnings.simplefilter("error", ParamStoreWarning)
         ParamStore(os.path.join(SHM, f"ps-api-{os.getpid()}")).close()
     shutil.rmtree(os.path.join(SHM, f"ps-api-{os.getpid()}"), ignore_errors=True)
+
+
+# -- found in review -------------------------------------------------------------------------
+def test_a_failed_peer_fetch_falls_back_to_the_remote(redis_url, shm_dir, tmp_path):
+    """A host whose transfer engine cannot start still gets the version from the remote."""
+    from paramstore.backends.registries.base import Peer
+    from paramstore.checkout import Fetcher
+
+    name, url = f"fallback-{os.getpid()}", f"file://{tmp_path}/bucket"
+    with ParamStore(os.path.join(shm_dir, "h1"), registry=redis_url, name=name, remote=url) as trainer:
+        trainer.commit(1, sd(1)).persisted.result(30)
+        with ParamStore(os.path.join(shm_dir, "h2"), registry=redis_url, name=name, remote=url) as rollout:
+            reg = rollout._root.registry
+            reg.announce_peer(Peer("live-peer", "127.0.0.1:1", "h1", os.getpid(), 0.0))  # a peer is listed...
+
+            def no_engine():  # ...but this host cannot start a transfer engine (e.g. no libibverbs)
+                raise paramstore.TransferError("cannot start the transfer engine")
+
+            fetcher = Fetcher(rollout._root, rollout._pool, remote=rollout.remote, transport=no_engine,
+                              server=lambda: None)
+            report = fetcher.fetch(1, rollout.manifest(1))
+            assert report.from_remote and not report.from_peers and report.bytes > 0
+            with rollout.checkout(1) as snap:
+                assert_state_equal(snap, sd(1))
+
+
+def test_a_warning_turned_into_an_error_leaks_nothing(tmp_path):
+    disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-leak-{os.getpid()}")
+    from paramstore.store import _fstype
+
+    if _fstype(os.path.dirname(disk)) in ("tmpfs", "ramfs", None):
+        pytest.skip("the checkout is itself on a memory filesystem here")
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ParamStoreWarning)
+            with pytest.raises(ParamStoreWarning):
+                ParamStore(disk)
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert not os.path.exists(disk), "nothing is created before the warning"
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_export_and_diff_of_a_missing_object_say_what_to_do(three, tmp_path):
+    obj = three.manifest(2).entry("a.weight").object
+    os.unlink(three._root.tier.object_path(obj))
+    with pytest.raises(ObjectUnavailableError, match="verify"):
+        three.export(2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ObjectUnavailableError, match="verify"):
+        three.diff(2, 3)
+    assert three.leases() == []
+
+
+def test_export_needs_a_new_or_empty_directory(three, tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgumentError, match="not empty"):
+        three.export(1, busy)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="is a file"):
+        three.export(1, tmp_path / "file")
+    with pytest.raises(InvalidArgumentError):
+        three.export(1, tmp_path / "x", shard_size_bytes=1.5)
+    assert three.export(1, tmp_path / "empty")["step"] == 1
+
+
+def test_a_remote_url_with_no_bucket_is_refused(shm_dir):
+    for url in ("s3://", "s3:///", "file://"):
+        with pytest.raises(InvalidArgumentError, match="names no bucket or path"):
+            ParamStore(os.path.join(shm_dir, "r"), remote=url)
+
+
+def test_bad_waits_and_bounds_fail_clearly(three):
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        three.checkout(1, timeout="x")
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        three.wait_for(5, timeout="1")
+    with pytest.raises(InvalidArgumentError, match="min_step"):
+        three.wait_for_readers("5")
+    with pytest.raises(InvalidArgumentError, match="min_step"):
+        three.subscribe(min_step=2**64)
+    with pytest.raises(InvalidArgumentError), pytest.warns(DeprecationWarning):
+        three.subscribe(after="1")
+    with pytest.raises(InvalidArgumentError, match="grace"):
+        three.gc(grace=10)
+    with pytest.raises(InvalidArgumentError, match="storage_options"):
+        ParamStore(three.root, storage_options={"key": "x"})
+    # a negative lower bound (t - eta before step eta) admits every version
+    with three.checkout(min_step=-2) as snap:
+        assert snap.step == 3
+    assert [v.step for v in three.subscribe(min_step=-5, timeout=0.05)] == [1, 2, 3]
+
+
+def test_a_subscription_dropped_unused_frees_its_watch(three):
+    import gc
+
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(30):
+        three.subscribe(timeout=1)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1

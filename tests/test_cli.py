@@ -320,3 +320,25 @@ def test_root_that_cannot_be_a_store(tmp_path, capsys, no_env, kind):
         assert ("is a file" if kind == "file" else "not empty") in err
         assert "empty or new directory" in err and "--root" in err
     assert not os.path.exists(tmp_path / "thing" / "paramstore.json")
+
+
+def test_warnings_are_one_line_and_tag_delete_takes_one_name(populated, capsys, no_env):
+    disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-cli-{os.getpid()}")
+    from paramstore.store import _fstype
+
+    try:
+        if _fstype(os.path.dirname(disk)) not in ("tmpfs", "ramfs", None):
+            with pytest.warns(paramstore.ParamStoreWarning):
+                paramstore.ParamStore(disk).close()  # a store on disk
+            import paramstore.store as store_mod
+
+            store_mod._warned_roots.discard(disk)
+            code, out, err = run(capsys, "--root", disk, "ls")
+            assert code == 0
+            assert err.startswith("paramstore: warning: store root") and err.count("\n") == 1, err
+    finally:
+        import shutil
+
+        shutil.rmtree(disk, ignore_errors=True)
+    code, _, err = run(capsys, "--root", populated, "tag", "--delete", "a", "b")
+    assert code == 2 and "one name" in err

@@ -33,11 +33,14 @@ def open_registry(url: str | None, meta_dir: str, namespace: str) -> Registry:
         RegistryError: the server cannot be reached.
 
     Example:
-        >>> import tempfile
-        >>> reg = open_registry(None, tempfile.mkdtemp() + "/meta", "run-42")  # LMDB in the store root
-        >>> reg.latest_step() is None
-        True
+        >>> reg = open_registry(None, root + "/meta", "run-42")  # LMDB, created in root/meta
+        >>> reg.latest_step() is None, list(reg.versions())
+        (True, [])
         >>> reg.close()
+
+        With a shared registry (needs a server; not run here)::
+
+            reg = open_registry("redis://:secret@10.0.0.5:6379/0", root + "/meta", "run-42")
     """
     if url is None:
         return LmdbRegistry(meta_dir, create=True)

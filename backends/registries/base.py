@@ -190,7 +190,7 @@ class Registry(abc.ABC):
         A checkout that lacks some objects asks this for just those. Note for implementers: the
         default reads the whole :meth:`objects` map; override it with a lookup of the given keys.
         """
-        wanted = set(digests)
+        wanted = set(check_digests(digests))
         return {d: n for d, n in self.objects().items() if d in wanted}
 
     @abc.abstractmethod

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import mmap
+import os
 import re
 from typing import ClassVar, Iterable, Iterator
 
@@ -128,7 +129,8 @@ class Tier(abc.ABC):
         Returns True if the object is new, False if it was already present (then nothing is
         written). With ``move``, the tier may take the file over (rename it into place) and the
         caller must not use ``path`` afterwards; without it ``path`` is left as it was.
-        The tier does not hash the bytes: the caller has checked them.
+        The tier does not hash the bytes: the caller has checked them. Raises FileNotFoundError if
+        ``path`` does not exist (and the object does not either).
         """
 
     @abc.abstractmethod
@@ -137,11 +139,15 @@ class Tier(abc.ABC):
 
     # -- defaults built on the primitives ------------------------------------------------------
     def get_file(self, digest: str, path: str) -> None:
-        """Write object ``digest`` into the new local file ``path``. Raises FileNotFoundError.
+        """Write object ``digest`` into the new local file ``path``.
+
+        Raises FileNotFoundError (no such object) or FileExistsError (``path`` exists).
 
         Note for implementers: the default reads the whole object into memory; a tier with
         streamed or parallel downloads should override it.
         """
+        if os.path.lexists(path):
+            raise FileExistsError(path)
         data = self.get(digest)
         with open(path, "xb") as f:
             f.write(data)
@@ -152,16 +158,18 @@ class Tier(abc.ABC):
         Note for implementers: the default calls :meth:`size` once per digest.
         """
         out = {}
-        for d in digests:
+        for d in [check_digest(d) for d in digests]:
             try:
                 out[d] = self.size(d)
             except FileNotFoundError:
                 pass
         return out
 
-    def map(self, digest: str) -> mmap.mmap:
-        """A read-only, zero-copy map of object ``digest`` (only when ``mappable``).
+    def map(self, digest: str, *, private: bool = False) -> mmap.mmap:
+        """A zero-copy map of object ``digest`` (only when ``mappable``).
 
+        ``private=False``: read-only. ``private=True``: copy-on-write: the map is writable and
+        writes stay in this process, never reaching the object.
         Raises FileNotFoundError, or NotImplementedError on a tier that is not mappable.
         """
         raise NotImplementedError(f"{type(self).__name__} objects cannot be mapped (mappable is False)")

@@ -37,8 +37,7 @@ class LocalTier(Tier):
         create: create ``objects/`` and ``tmp/`` if missing.
 
     Example:
-        >>> import tempfile, os
-        >>> tier = LocalTier(tempfile.mkdtemp(dir="/dev/shm"), create=True)
+        >>> tier = LocalTier(root, create=True)  # root: a directory on /dev/shm
         >>> tier.mappable, list(tier.list())
         (True, [])
     """
@@ -85,15 +84,14 @@ class LocalTier(Tier):
             return f.read(-1 if end is None else max(0, end - start))
 
     def get_file(self, digest: str, path: str) -> None:
-        src = self.object_path(digest)
-        with open(src, "rb") as fin, open(path, "xb") as fout:
+        with open(self.object_path(digest), "rb") as fin, open(path, "xb") as fout:
             shutil.copyfileobj(fin, fout, 16 << 20)
 
     def put(self, digest: str, path: str, *, move: bool = False) -> bool:
         """Publish the file ``path`` as object ``digest``: fsync, then rename into place.
 
-        With ``move`` the file itself is renamed (it should lie in this tier's ``tmp/``: same
-        filesystem); otherwise it is first copied into ``tmp/``. Returns False (and, with
+        With ``move`` the file itself is renamed when it lies on the tier's filesystem (a slab of
+        ``tmp/``), else copied and then removed; without it, it is first copied into ``tmp/``. Returns False (and, with
         ``move``, removes ``path``) if the object already exists: same digest, same bytes.
         A slab stays mapped: the caller unmaps it when convenient (unmapping costs ~20 ms per
         256 MiB of page tables, better spent off the visibility path). ``fsync`` of the file
@@ -105,10 +103,11 @@ class LocalTier(Tier):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             return False
-        if not move:
+        source, copied = path, False
+        if not move or os.stat(path).st_dev != os.stat(self.tmp_dir).st_dev:
             tmp = os.path.join(self.tmp_dir, f"put-{uuid.uuid4().hex}")
             shutil.copyfile(path, tmp)
-            path = tmp
+            path, copied = tmp, True
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -118,11 +117,14 @@ class LocalTier(Tier):
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.rename(path, final)  # atomic: readers see no object or the whole object
         except BaseException:
-            if not move:
+            if copied:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
         _fsync_dir(os.path.dirname(final))
+        if move and copied:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(source)
         return True
 
     def delete(self, digest: str) -> None:

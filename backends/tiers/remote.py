@@ -65,7 +65,11 @@ class RemoteTier(Tier):
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, concurrency: int = 8) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgumentError(f"remote must be a URL such as s3://bucket/prefix or file:///path, got {url!r}")
-        self.url = url.rstrip("/")
+        scheme, rest = url.split("://", 1)
+        if not scheme or not rest.strip("/"):
+            raise InvalidArgumentError(f"remote {url!r} names no bucket or path: use e.g. s3://bucket/prefix "
+                                       "or file:///mnt/ckpt")
+        self.url = f"{scheme}://{rest.rstrip('/')}" if rest.strip("/") != "" else url
         self._options = dict(options or {})
         self._concurrency = concurrency
         self._lock = threading.Lock()
@@ -170,8 +174,11 @@ class RemoteTier(Tier):
     def get_file(self, digest: str, path: str) -> None:
         """Download object ``digest`` into the local file ``path`` (streamed, ranged in parallel).
 
-        Raises FileNotFoundError if the remote has no such object.
+        Raises FileNotFoundError if the remote has no such object, FileExistsError if ``path`` exists.
         """
+        key = object_key(digest)
+        if os.path.lexists(path):
+            raise FileExistsError(path)
         self._call("download", self.fs.get_file, self._path(object_key(digest)), path, missing_ok=True,
                    **({} if self.local else {"max_concurrency": self._concurrency, "chunksize": _PART_BYTES}))
 
@@ -185,6 +192,8 @@ class RemoteTier(Tier):
         if self.exists(digest):
             new = False
         else:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(path)
             self._put_file(path, key)
             new = True
         if move:

@@ -28,7 +28,7 @@ import pytest
 
 from paramstore.errors import InvalidArgumentError
 
-from .base import Tier, object_key
+from .base import Tier, check_digest, object_key
 
 __all__ = ["TierTests", "sample_object"]
 
@@ -100,6 +100,18 @@ class TierTests:
         assert tier.put(digest, again, move=True) is False
         assert not os.path.exists(again), "an existing object: the moved source is removed"
 
+    def test_put_move_from_anywhere(self, tier: Tier, tmp_path: Any) -> None:
+        """``move=True`` works from any local directory (another filesystem too: copied, then removed)."""
+        digest, path, data = sample_object(tmp_path, "anywhere")
+        assert tier.put(digest, path, move=True) is True
+        assert not os.path.exists(path)
+        assert tier.get(digest) == data
+
+    def test_put_of_a_missing_file(self, tier: Tier, tmp_path: Any) -> None:
+        with pytest.raises(FileNotFoundError):
+            tier.put("4" * 64, os.path.join(str(tmp_path), "no-such-file"))
+        assert not tier.exists("4" * 64)
+
     def test_get_file(self, tier: Tier, tmp_path: Any) -> None:
         digest, path, data = sample_object(tmp_path, "f", 70_000)
         tier.put(digest, path)
@@ -109,6 +121,8 @@ class TierTests:
             assert f.read() == data
         with pytest.raises(FileNotFoundError):
             tier.get_file("2" * 64, os.path.join(str(tmp_path), "nothing"))
+        with pytest.raises(FileExistsError):
+            tier.get_file(digest, out)  # never overwrites a file
 
     def test_delete(self, tier: Tier, tmp_path: Any) -> None:
         keep, p1, d1 = sample_object(tmp_path, "keep")
@@ -135,11 +149,13 @@ class TierTests:
                                      "/" + "a" * 63, "a" * 62 + "/.", None, 7])
     def test_bad_digests_are_refused(self, tier: Tier, tmp_path: Any, bad: Any) -> None:
         _, path, _ = sample_object(tmp_path, "x")
+        out = os.path.join(str(tmp_path), "out")
         for call in (lambda: tier.exists(bad), lambda: tier.size(bad), lambda: tier.get(bad),
-                     lambda: tier.put(bad, path), lambda: tier.delete(bad)):
+                     lambda: tier.put(bad, path), lambda: tier.delete(bad), lambda: tier.get_file(bad, out),
+                     lambda: tier.sizes([bad]), lambda: tier.map(bad) if tier.mappable else check_digest(bad)):
             with pytest.raises(InvalidArgumentError):
                 call()
-        assert os.path.exists(path)
+        assert os.path.exists(path) and not os.path.exists(out)
 
     # -- concurrency --------------------------------------------------------------------------
     def test_concurrent_puts_of_one_digest(self, tier: Tier, tmp_path: Any) -> None:
@@ -175,8 +191,17 @@ class TierTests:
             m = tier.map(digest)
             try:
                 assert bytes(m) == data
+                with pytest.raises(TypeError):
+                    m[0] = 0  # read-only
             finally:
                 m.close()
+            cow = tier.map(digest, private=True)
+            try:
+                cow[0:4] = b"\xff\xff\xff\xff"  # copy-on-write: this process only
+                assert cow[0:4] == b"\xff\xff\xff\xff"
+            finally:
+                cow.close()
+            assert tier.get(digest) == data, "a private map's writes reached the object"
             with pytest.raises(FileNotFoundError):
                 tier.map("3" * 64)
         else:
