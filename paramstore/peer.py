@@ -20,6 +20,8 @@ only objects with changed tensors move.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import mmap
 import os
 import random
@@ -361,14 +363,53 @@ RETIRE_AFTER_S = 2.0
 
 
 def _retire(transport: Transport, addr: int, close: Callable[[], None]) -> None:
-    """Unregister the memory at ``addr``, then ``close`` it, after :data:`RETIRE_AFTER_S` (on a
-    timer thread)."""
+    """Unregister the memory at ``addr``, then ``close`` it, after :data:`RETIRE_AFTER_S` (on the
+    process's retirement thread)."""
     def done() -> None:
         with contextlib.suppress(ParamStoreError):
             transport.unregister(addr)
         with contextlib.suppress(BufferError):
             close()
 
-    timer = threading.Timer(RETIRE_AFTER_S, done)
-    timer.daemon = True
-    timer.start()
+    _retirements.add(time.monotonic() + RETIRE_AFTER_S, done)
+
+
+class _Retirements:
+    """The retirements due in this process, run in due order by one daemon thread (started on
+    first use, then idle while none is due)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []  # heap of (due, seq, action)
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, due: float, action: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (due, next(self._seq), action))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="paramstore-retire", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                _, _, action = heapq.heappop(self._due)
+            try:
+                action()
+            except Exception as e:  # noqa: BLE001 - one failure must not stop the later retirements
+                warnings.warn(f"paramstore: retiring a peer buffer failed: {e}", RuntimeWarning, stacklevel=1)
+
+
+def _fresh_retirements() -> None:
+    """In a forked child: the parent's thread and due retirements stay the parent's (its lock
+    may even have been held at the fork); the child starts its own on its first retirement."""
+    global _retirements
+    _retirements = _Retirements()
+
+
+_retirements = _Retirements()
+os.register_at_fork(after_in_child=_fresh_retirements)

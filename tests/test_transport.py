@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,12 +58,12 @@ def spawn(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Start servers of ``nbytes`` random bytes; all are killed at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(nbytes: int, seed: int) -> Server:
+    def start(nbytes: int, seed: int, *, env: dict[str, str] | None = None, stderr=None) -> Server:
         path = f"{SHM}/ps-transport-test-{os.getpid()}-{seed}"
         data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
         data.tofile(path)
         proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
         procs.append(proc)
         try:
             line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -213,6 +214,33 @@ def test_refused_after_fork_and_close(transport: MooncakeTransport) -> None:
     t.close()
     with pytest.raises(StoreClosedError):
         t.read("127.0.0.1:1", [])
+
+
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]", re.M)
+
+
+@pytest.mark.parametrize("setting, logs", [({}, False), ({"PARAMSTORE_VERBOSE": "1"}, True),
+                                           ({"MC_LOG_LEVEL": "ERROR"}, True)])
+def test_mooncake_logs_quiet_unless_asked(transport: MooncakeTransport, spawn, tmp_path,
+                                          setting: dict[str, str], logs: bool) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MC_LOG_LEVEL", "GLOG_minloglevel", "PARAMSTORE_VERBOSE")}
+    err_path = tmp_path / "server.err"
+    with open(err_path, "w") as err:
+        srv = spawn(MiB, seed=6, env={**env, **setting}, stderr=err)
+    m, dst = _dest(transport, MiB)
+    transport.read(srv.session, [(dst, srv.addr, MiB)])  # the handshake: "Local segment descriptor not found"
+    assert np.array_equal(np.frombuffer(m, np.uint8), srv.data)
+    with pytest.raises(TransferError):  # the server logs an E line for a range it refuses
+        transport.read(srv.session, [(dst, srv.addr + MiB // 2, MiB)])
+    transport.unregister(dst)
+    srv.proc.stdin.close()  # type: ignore[union-attr]
+    assert srv.proc.wait(30) == 0
+    lines = GLOG_LINE.findall(err_path.read_text())
+    if logs:
+        assert any(line.startswith("E") for line in lines), err_path.read_text()
+    else:
+        assert not lines, err_path.read_text()
 
 
 def test_missing_mooncake_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

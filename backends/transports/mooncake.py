@@ -65,7 +65,7 @@ def _engine_class() -> Any:
     for name, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     try:
-        from mooncake import engine as module
+        import mooncake.engine as module
     except ImportError as e:  # not installed, or libibverbs.so.1 missing
         raise TransferError("the Mooncake transport needs the transfer engine: pip install "
                             "'paramstore[mooncake]' and Debian's libibverbs1 (linked even for TCP); "
