@@ -12,12 +12,14 @@ SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-
 
 # torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
 # several GB of CUDA packages); the package's own range is then already satisfied.
+# The editable install silences setuptools' "Editable installation" notice (information only: it
+# says a meta path finder maps paramstore.backends to backends/).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \
 	  (apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(VENV))
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[dev]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP) sysdeps

@@ -1,15 +1,18 @@
 """Quickstart: one trainer process commits a small transformer while two rollout processes follow.
 
 Run with ``make demo`` (or ``python examples/quickstart.py [--root DIR] [--steps N]``).
-The trainer trains a toy model for a few steps and commits each one; every rollout process
-subscribes, checks out each new version zero-copy, loads it into its own copy of the policy and
-prints the version, its digest and the latency from ``commit`` to loaded.
+The trainer fine-tunes a toy model for a few steps (its embedding and first block frozen, as in
+partial fine-tuning) and commits each one; every rollout process subscribes, checks out each new
+version zero-copy, loads it into its own copy of the policy and prints the version, its digest and
+the latency from ``commit`` to loaded. Frozen tensors are stored once (``du`` shows the dedup).
+The store is left in place for you to try the CLI on; the last line says how to remove it.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +42,9 @@ class TinyTransformer(torch.nn.Module):
 def trainer(root: str, steps: int, ready: "mp.synchronize.Barrier") -> None:
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for frozen in (model.embed, model.blocks.layers[0]):  # unchanged from step to step: stored once
+        frozen.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     with paramstore.ParamStore(root) as store:
         store.guard(opt)  # optimizer.step() waits for the last snapshot to be taken
         store.prepare(model)  # fault the shared-memory buffers before the first commit
@@ -94,7 +99,10 @@ def main() -> None:
 
     for cmd in (["ls"], ["du"], ["verify"]):
         print(f"\n$ paramstore --root {args.root} {' '.join(cmd)}", flush=True)
-        subprocess.run([sys.executable, "-m", "paramstore.cli", "--root", args.root, *cmd], check=True)
+        subprocess.run([sys.executable, "-m", "paramstore", "--root", args.root, *cmd], check=True)
+    used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.root) for f in fs)
+    print(f"\nThe store is left at {args.root} ({used / 2**20:.0f} MiB of shared memory) for you to try the CLI "
+          f"on; remove it with: rm -rf {args.root}", flush=True)
 
 
 if __name__ == "__main__":
