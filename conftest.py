@@ -33,7 +33,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "tests")
 if TESTS not in sys.path:
-    sys.path.append(TESTS)  # s3_server, redis_server (appended: tests/conftest.py stays `conftest`)
+    sys.path.append(TESTS)  # s3_server, redis_server (appended; test modules import their helpers as `helpers`, never `conftest`)
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 

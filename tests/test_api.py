@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import paramstore
-from conftest import SHM, assert_state_equal
+from helpers import SHM, assert_state_equal
 from paramstore import (
     InvalidArgumentError,
     ObjectUnavailableError,

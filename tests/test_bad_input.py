@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import paramstore
-from conftest import store_state, tree
+from helpers import store_state, tree
 from paramstore import (
     InvalidArgumentError,
     InvalidNameError,

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import random_tensor, tree
+from helpers import random_tensor, tree
 
 from paramstore import ParamStore
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import ALL_DTYPES, assert_bits_equal, random_tensor
+from helpers import ALL_DTYPES, assert_bits_equal, random_tensor
 from paramstore import Manifest, ParamStore, ParamStoreError, TensorEntry, Version
 from paramstore.format import (
     DATA_ALIGN,

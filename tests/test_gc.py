@@ -29,7 +29,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_bits_equal, assert_checkout_equal, gather_and_join, objects_bytes, random_tensor, tree
+from helpers import assert_bits_equal, assert_checkout_equal, gather_and_join, objects_bytes, random_tensor, tree
 
 from paramstore import ParamStore, TagNotFoundError, VersionNotFoundError
 from paramstore.liveness import this_process

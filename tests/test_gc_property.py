@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from conftest import SHM, random_tensor
+from helpers import SHM, random_tensor
 
 from paramstore import ParamStore
 from paramstore.liveness import this_process

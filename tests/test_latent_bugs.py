@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import random_tensor
+from helpers import random_tensor
 from paramstore import ParamStore
 from paramstore import peer
 from paramstore.backends.registries.lmdb import _STEP

@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import assert_bits_equal, assert_checkout_equal, random_tensor
+from helpers import assert_bits_equal, assert_checkout_equal, random_tensor
 
 import paramstore
 from paramstore import InvalidArgumentError, ParamStore, TagNotFoundError, WaitTimeoutError

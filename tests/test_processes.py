@@ -20,7 +20,7 @@ import torch
 import paramstore
 from paramstore import ParamStore
 
-from conftest import gather_and_join
+from helpers import gather_and_join
 
 SPAWN = mp.get_context("spawn")
 NUM_TENSORS = 20

@@ -16,7 +16,7 @@ import boto3
 import pytest
 import torch
 
-from conftest import assert_checkout_equal, random_tensor, tree
+from helpers import assert_checkout_equal, random_tensor, tree
 from paramstore import ParamStore
 from paramstore.errors import (
     CorruptObjectError,

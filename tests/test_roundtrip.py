@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import paramstore
-from conftest import (
+from helpers import (
     ALL_DTYPES,
     assert_bits_equal,
     assert_state_equal,
