@@ -9,8 +9,11 @@
   reference can be swept). Mark: the objects any surviving version references. Sweep: registered
   objects nobody references (dropped from the registry first, so dedup stops pointing at them),
   object files never registered (a crashed commit's), and slabs in ``tmp/`` whose owning process
-  is dead. A swept file is unlinked, never reused: on tmpfs a reader that still maps it keeps its
-  bytes.
+  is dead. A swept file is unlinked: on tmpfs a reader that still maps it keeps its bytes. Except
+  in a process whose slab pool recycles (``ParamStore(recycle_buffers=True)``, the trainer's own
+  retention thread): an object of a pruned version that the pool still has mapped is handed back
+  to it (renamed into ``tmp/`` as a slab of that process), and the pool reuses it only once no
+  other process has it open or mapped (see :mod:`paramstore.staging`).
 * :func:`prune_remote` and :func:`gc_remote` do the same for a remote tier (S3...). Remote GC takes
   the remote's exclusive lock, so it never runs while a push or pull is in progress (see
   :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
@@ -31,6 +34,7 @@ from . import liveness
 from .errors import InvalidArgumentError
 from .retention import Policy, decide
 from .root import StoreRoot
+from .staging import recyclers
 
 if TYPE_CHECKING:
     from .remote import Remote
@@ -120,8 +124,10 @@ def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
                 pass
         if not dry_run:
             reg.forget_objects(unreferenced)  # first: dedup must not find them any more
+            pools = recyclers(tier.tmp_dir) if unreferenced else []
             for d in doomed:
-                tier.delete(d)
+                if not (d in unreferenced and _recycled(pools, tier.object_path(d))):
+                    tier.delete(d)
     leftovers = [f for f in tier.leftovers() if _owner_dead(f)]
     if not dry_run:
         for f in leftovers:
@@ -171,6 +177,34 @@ def gc_remote(remote: "Remote", *, dry_run: bool = False, grace: float | None = 
     return GcReport(doomed, sum(objects[d][0] for d in doomed), manifests + stale, dry_run)
 
 
+def versions_kept(policy: Policy | None, *, upto: int = 8) -> int:
+    """How many versions ``policy`` keeps of a run of ``upto`` fresh commits without metrics or
+    tags (the latest included; 0 without a policy): how many commits' buffers are in use before
+    GC starts to hand old ones back."""
+    if policy is None:
+        return 0
+    from .manifest import Version
+
+    now = time.time()
+    versions = [Version(step, created_at=now, nbytes=0, digest="", num_tensors=0) for step in range(1, upto + 1)]
+    try:
+        return len(decide(policy, versions, [], now).keep)
+    except Exception:  # noqa: BLE001 - a policy that needs what a fresh run lacks: assume it keeps all
+        return upto
+
+
+def _recycled(pools: list[Any], path: str) -> bool:
+    """Hand an object file being swept to a slab pool of this process that still maps it (the
+    pool renames it into ``tmp/``); False if none takes it."""
+    for pool in pools:
+        try:
+            if pool.recycle(path):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _owner_dead(name: str) -> bool:
     # Slabs are named slab-<pid>-<start time>-<n> (see backends/tiers/local.py).
     parts = name.split("-")
@@ -191,7 +225,9 @@ class Maintainer:
         self._root = root
         self._policies = dict(policies)
         self._remote = remote
-        self._wake = threading.Event()
+        # Guards _pending and _stop; the loop waits on it. A poke adds to _pending under it, the loop
+        # takes _pending under it, so no poke is lost, and only close() (_stop) ends the loop.
+        self._cond = threading.Condition()
         self._pending: set[str] = set()
         self._stop = False
         self._idle = threading.Event()
@@ -211,9 +247,12 @@ class Maintainer:
             self._ask("remote")
 
     def _ask(self, tier: str) -> None:
-        self._idle.clear()
-        self._pending.add(tier)
-        self._wake.set()
+        with self._cond:
+            if self._stop:  # closed: nobody would run it (and wait_idle would never return)
+                return
+            self._idle.clear()
+            self._pending.add(tier)
+            self._cond.notify()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no run is pending or in progress."""
@@ -221,23 +260,23 @@ class Maintainer:
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            pending, self._pending = self._pending, set()
-            if not pending:  # woken by close() alone
-                self._idle.set()
-                return
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if not self._pending:  # closed, and every run asked for is done
+                    self._idle.set()
+                    return
+                pending, self._pending = self._pending, set()
             error = None  # reported once, retried on the next poke
             for tier in sorted(pending):
                 error = self._run(tier) or error
             if error is not None and self.last_error is None:
                 warnings.warn(f"paramstore retention failed: {error}", RuntimeWarning, stacklevel=1)
             self.last_error = error
-            self.runs += 1
-            if not self._wake.is_set():
-                self._idle.set()
-                if self._stop:
-                    return
+            with self._cond:
+                self.runs += 1
+                if not self._pending:  # else a poke came during the run: run again first
+                    self._idle.set()
 
     def _run(self, tier: str) -> BaseException | None:
         error = None
@@ -261,6 +300,7 @@ class Maintainer:
 
     def close(self) -> None:
         """Finish the current run and any run asked for, then stop."""
-        self._stop = True
-        self._wake.set()
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
         self._thread.join()

@@ -35,7 +35,7 @@ from .remote import Remote, TransferReport
 from .retention import Policy
 from .root import VersionSpec, open_root
 from .staging import SlabPool
-from .validate import check_metadata, check_metrics, check_tag
+from .validate import check_bound, check_metadata, check_metrics, check_step, check_tag, check_timeout
 
 from paramstore.backends.registries.base import Lease
 from paramstore.backends.transports.base import Transport
@@ -69,7 +69,6 @@ def _keyword_timeout(positional: int) -> Callable[[_F], _F]:
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
 _DEATH_POLL_S = 0.2  # how often wait_for_readers re-checks for readers that died
-MAX_STEP = 1 << 63
 
 
 class ParamStore:
@@ -84,7 +83,20 @@ class ParamStore:
         prepare_buffers: after each commit, and after each checkout that fetched objects from
             peers, create and fault in the background the shared-memory buffers of the next
             version of the same layout, so the next snapshot copy or fetch writes at memory speed.
-            Costs one spare model size of shared memory.
+            Costs two spare model sizes of shared memory (two commits' worth, so that commits in
+            quick succession each find faulted buffers).
+        recycle_buffers: with ``retention`` (and ``prepare_buffers``), this process's background
+            GC hands the objects of pruned versions back to the commit path instead of deleting
+            them: they become the next commits' buffers, still mapped and faulted in, so commits
+            copy at memory speed even back to back, and nothing is faulted or unmapped in between.
+            A file is reused only once no other process has it open or mapped (a reader keeping
+            tensors of an old version keeps its bytes; such a file is deleted as before). That is
+            checked with a write lease (``F_SETLEASE``: the kernel's own count of open files,
+            across PID namespaces) or, where leases are unavailable, by scanning ``/proc`` (a
+            process it cannot read counts as a user): processes in another PID namespace sharing
+            the tmpfs are invisible to that scan, so turn this off there if leases are
+            unavailable. Published buffers stay mapped in this process until GC
+            sweeps them (at most 4 commits' worth). Default True.
         pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
         retention: a policy (for the shared-memory tier) or ``{"local": policy, "remote": policy}``;
             when given, prune and GC run in the background after each commit (and, for the remote,
@@ -92,8 +104,9 @@ class ParamStore:
         remote: an fsspec URL (``s3://bucket/prefix``, ``file:///mnt/ckpt``) or a
             :class:`~paramstore.remote.Remote`. Every commit is then written through to it in the
             background (``handle.persisted``), and versions found only there are pulled on checkout.
-        remote_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
+        storage_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
             ``secret``, ``profile``...; by default the usual AWS environment and config files).
+        remote_options: deprecated name of ``storage_options``.
         persist_retry_for: seconds a push is retried through transient remote failures.
         registry: None for the single-host LMDB registry in ``root/meta``, or ``redis://[:password@]
             host:port/db``: a registry shared by the hosts of a store (see ``paramstore.backends``).
@@ -106,10 +119,12 @@ class ParamStore:
         RemoteError: the remote cannot be used (bad URL, missing bucket, access denied, unreachable).
 
     Example:
-        >>> with ParamStore("/dev/shm/ps") as store:
-        ...     store.commit(1, model).result()
+        >>> with ParamStore(root) as store:  # root: e.g. "/dev/shm/my-run"
+        ...     store.commit(1, model).result().step
         ...     with store.checkout("latest") as snap:
         ...         snap.load_into(policy)
+        1
+        LoadResult(missing_keys=[], unexpected_keys=[])
     """
 
     def __init__(
@@ -119,6 +134,7 @@ class ParamStore:
         create: bool = True,
         shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
         prepare_buffers: bool = True,
+        recycle_buffers: bool = True,
         pin_memory: bool = True,
         retention: Policy | Mapping[str, Policy] | None = None,
         remote: str | Remote | None = None,
@@ -138,13 +154,24 @@ class ParamStore:
             if storage_options is not None:
                 raise InvalidArgumentError("pass storage_options= only (remote_options= is its deprecated name)")
             storage_options = remote_options
+        if storage_options is not None and (remote is None or isinstance(remote, Remote)):
+            raise InvalidArgumentError("storage_options= configures the filesystem of remote=URL; pass them together "
+                                       "(a Remote object carries its own options)")
+        if isinstance(root, (str, os.PathLike)) and os.fspath(root) == "":
+            raise InvalidArgumentError("root must be a directory path, got ''")
+        _warn_if_not_shared_memory(os.path.abspath(os.fspath(root)))  # before anything is opened
         self._root = open_root(root, create=create, registry=registry, name=name or "")
-        _warn_if_not_shared_memory(self._root.path)
         self.root = self._root.path
         self._lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
         self._last_handle: CommitHandle | None = None
-        self._pool = SlabPool(self._root.tier.tmp_dir, pin=pin_memory)
+        local_policy = tier_policies(retention).get("local")  # recycling needs GC in this process
+        # Versions retention keeps (up to 3): published buffers stay mapped one commit longer (GC
+        # sweeps a version once that many newer ones exist), and prepare() faults that many more.
+        kept = min(maintenance.versions_kept(local_policy), 3)
+        self._pool = SlabPool(self._root.tier.tmp_dir, pin=pin_memory, keep_mapped=kept + 1,
+                              recycle=bool(recycle_buffers and prepare_buffers) and local_policy is not None)
+        self._recycle_ahead = kept if self._pool.recycling else 0
         self._committer: Committer | None = None
         self._shard_size = shard_size_bytes
         policies = tier_policies(retention)
@@ -205,12 +232,14 @@ class ParamStore:
             InvalidTensorError, InvalidNameError, InvalidArgumentError: bad input; nothing is written.
 
         Example:
-            >>> handle = store.commit(step, model, metrics={"reward": 0.7})
-            >>> handle.staged.result()  # before optimizer.step(), or use store.guard(optimizer)
+            >>> handle = store.commit(2, model, metrics={"reward": 0.7}, tags=["best"])
+            >>> handle.staged.result()  # wait before optimizer.step(), or use store.guard(optimizer)
+            >>> version = handle.result()  # visible to every process on the host
+            >>> version.step, version.tags, version.metrics
+            (2, ('best',), {'reward': 0.7})
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
-            raise InvalidArgumentError(f"step must be an int in [0, 2**63), got {step!r}")
+        check_step(step)
         tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
@@ -239,16 +268,39 @@ class ParamStore:
             if self._last_step == step:
                 self._last_step = previous
 
-    def prepare(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Create and fault the shared-memory buffers ``model``'s first commit will use, in the background.
+    def prepare(self, model: torch.nn.Module | Mapping[str, torch.Tensor], *, wait: bool = False,
+                timeout: float | None = None) -> None:
+        """Create and fault the shared-memory buffers ``model``'s first commits will use, in the background.
 
-        Optional: without it the first commit faults fresh pages while copying (several times
-        slower); later commits are prepared automatically.
+        Two commits' worth; with ``recycle_buffers`` and local retention, plus one for each
+        version the policy keeps (up to 3; ``KeepLast(2)``: four in all), so that even commits
+        back to back find faulted buffers until GC starts to hand old ones back: as much shared
+        memory as the run holds in steady state anyway (kept versions + two spare).
+        Optional: without it the first commits fault fresh pages while copying (several times
+        slower); later commits are prepared automatically. Faulting takes ~0.3-0.8 s per GiB.
+
+        Args:
+            model: a module or state dict with the names, dtypes and shapes that will be committed.
+            wait: block until the buffers are ready (else return at once).
+            timeout: with ``wait``, the most seconds to wait.
+
+        Raises:
+            WaitTimeoutError: ``wait`` and not ready within ``timeout`` seconds.
+            InvalidArgumentError: ``timeout`` is not None nor a non-negative number.
+
+        Example:
+            >>> store.prepare(model, wait=True)  # at start-up, before the first commit
+            >>> store.commit(2, model).result().step
+            2
         """
         self._check_open()
+        timeout = check_timeout(timeout)
         from .tensors import collect
 
-        self._get_committer().prepare(collect(model))
+        committer = self._get_committer()
+        committer.prepare(collect(model), ahead=self._recycle_ahead)
+        if wait and not committer.wait_prepared(timeout):
+            raise WaitTimeoutError(f"buffers not prepared within {timeout} s")
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait until the last commit's snapshot is taken.
@@ -260,9 +312,14 @@ class ParamStore:
         Returns the hook handle (``.remove()`` undoes it).
 
         Example:
-            >>> store.guard(optimizer)
-            >>> for step in ...:
-            ...     loss.backward(); optimizer.step(); store.commit(step, model)
+            >>> hook = store.guard(optimizer)
+            >>> for step in (2, 3):
+            ...     model(torch.ones(1, 4)).sum().backward()
+            ...     optimizer.step()  # waits while the last commit's copy is still running
+            ...     _ = store.commit(step, model)
+            >>> store.flush().step
+            3
+            >>> hook.remove()
         """
 
         def _wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
@@ -274,7 +331,12 @@ class ParamStore:
 
     @_keyword_timeout(0)
     def wait_staged(self, *, timeout: float | None = None) -> None:
-        """Block until the last commit of this process is staged (re-raises its error)."""
+        """Block until the last commit of this process is staged (re-raises its error).
+
+        Example:
+            >>> _ = store.commit(2, model)
+            >>> store.wait_staged(timeout=60)  # the copy is taken: model may change from here on
+        """
         handle = self._last_handle
         if handle is not None:
             try:
@@ -284,7 +346,14 @@ class ParamStore:
 
     @_keyword_timeout(0)
     def flush(self, *, timeout: float | None = None) -> Version | None:
-        """Wait until every commit of this process is visible; returns the last version."""
+        """Wait until every commit of this process is visible; returns the last version.
+
+        Example:
+            >>> for step in (2, 3):
+            ...     _ = store.commit(step, model)
+            >>> store.flush(timeout=60).step
+            3
+        """
         handle = self._last_handle
         return None if handle is None else handle.result(timeout)  # raises WaitTimeoutError
 
@@ -340,10 +409,14 @@ class ParamStore:
 
         Example:
             >>> with store.checkout("latest") as snap:
-            ...     print(snap.step, snap["lm_head.weight"].shape)
+            ...     print(snap.step, snap["0.weight"].shape, snap.fetch.moved)
+            1 torch.Size([8, 4]) False
+            >>> with store.checkout(min_step=1, timeout=60, holder="rollout-0") as snap:
+            ...     snap.load_into(policy)  # the newest version with step >= 1 (waits for one)
+            LoadResult(missing_keys=[], unexpected_keys=[])
         """
         self._check_open()
-        check_checkout_args(version, min_step)
+        check_checkout_args(version, min_step, timeout)
         snap = open_snapshot(self._root, self._fetcher, version, min_step=min_step, timeout=timeout,
                              holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
                              wait_for=lambda step, left: self.wait_for(step, timeout=left),
@@ -359,18 +432,43 @@ class ParamStore:
         return self._last_fetch
 
     def versions(self) -> list[Version]:
-        """Every version, in increasing step order."""
+        """Every version, in increasing step order.
+
+        Example:
+            >>> _ = store.commit(2, model, tags=["best"]).result()
+            >>> [(v.step, v.tags) for v in store.versions()]
+            [(1, ()), (2, ('best',))]
+        """
         self._check_open()
         return list(self._root.registry.versions())
 
     def latest(self) -> Version | None:
-        """The newest version, or None if the store is empty."""
+        """The newest version, or None if the store is empty.
+
+        Example:
+            >>> v = store.latest()
+            >>> v.step, v.num_tensors, v.nbytes
+            (1, 4, 232)
+        """
         self._check_open()
         step = self._root.registry.latest_step()
         return None if step is None else self._root.registry.get_version(step)
 
     def get(self, version: VersionSpec) -> Version:
-        """The :class:`Version` named by a step, ``"latest"`` or a tag."""
+        """The :class:`Version` named by a step, ``"latest"`` or a tag.
+
+        Raises:
+            VersionNotFoundError / TagNotFoundError: no such version or tag.
+
+        Example:
+            >>> _ = store.tag(1, "release")
+            >>> store.get("release") == store.get(1) == store.get("latest")
+            True
+            >>> store.get(7)
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.VersionNotFoundError: ...
+        """
         self._check_open()
         return self._root.registry.get_version(self._resolve(version))
 
@@ -390,6 +488,11 @@ class ParamStore:
         ``host`` (an address other hosts reach; the engine has no authentication: use a private
         network) and announces them in the registry, which must be shared by the hosts
         (``registry="redis://..."``). Checkouts in this process then also announce what they fetch.
+
+        Example (not run as a doctest: it starts a Mooncake transfer engine listening on ``host``,
+        which needs ``paramstore[mooncake]`` and Debian's ``libibverbs1``):
+            >>> store = paramstore.ParamStore(root, registry=redis_url, name="run-42")  # doctest: +SKIP
+            >>> server = store.serve("10.0.0.7")  # doctest: +SKIP
         """
         self._check_open()
         if self._peer is None:
@@ -408,19 +511,23 @@ class ParamStore:
             self._transport = MooncakeTransport(self._transport_host)
         return self._transport
 
-    def _pull_if_remote(self, step: int) -> bool:
+    def _pull_if_remote(self, step: int) -> TransferReport | None:
         if self._remote is None:
-            return False
+            return None
         try:
-            self._remote.pull(self._root, step)
+            return self._remote.pull(self._root, step)
         except VersionNotFoundError:
-            return False
-        return True
+            return None
 
     # -- remote ------------------------------------------------------------------------------
     @property
     def remote(self) -> Remote | None:
-        """The remote tier, if configured."""
+        """The remote tier, if configured.
+
+        Example:
+            >>> store.remote is None  # opened without remote=
+            True
+        """
         return self._remote
 
     def _need_remote(self) -> Remote:
@@ -433,6 +540,18 @@ class ParamStore:
         """Upload a local version to the remote now (blocking); a no-op if it is already there.
 
         Raises RemoteError, VersionNotFoundError.
+
+        Example:
+            >>> with paramstore.ParamStore(root) as store:  # committed before there was a remote
+            ...     store.commit(1, model).result().step
+            1
+            >>> store = paramstore.ParamStore(root, remote=bucket_url, storage_options=storage_options)
+            >>> report = store.push(1)  # only objects the remote lacks are uploaded
+            >>> report.step, report.objects, report.skipped
+            (1, 1, 0)
+            >>> store.push(1).objects  # already there
+            0
+            >>> store.close()
         """
         return self._need_remote().push(self._root, self._root.resolve(version), show_progress=show_progress)
 
@@ -441,22 +560,63 @@ class ParamStore:
 
         Objects already here are not downloaded. Raises RemoteError, VersionNotFoundError,
         CorruptObjectError (a remote object whose bytes do not match its digest; nothing is placed).
+
+        Example:
+            >>> with paramstore.ParamStore(root + "/trainer", remote=bucket_url,
+            ...                            storage_options=storage_options) as trainer:
+            ...     trainer.commit(1, model).persisted.result().step
+            1
+            >>> store = paramstore.ParamStore(root + "/other-host", remote=bucket_url,
+            ...                               storage_options=storage_options)
+            >>> report = store.pull(1)
+            >>> report.objects, [v.step for v in store.versions()]
+            (1, [1])
+            >>> store.close()
         """
         remote = self._need_remote()
         return remote.pull(self._root, remote.resolve(version), show_progress=show_progress)
 
     def remote_versions(self) -> list[Version]:
-        """Every complete version in the remote, in increasing step order."""
+        """Every complete version in the remote, in increasing step order.
+
+        Example:
+            >>> store = paramstore.ParamStore(root, remote=bucket_url, storage_options=storage_options)
+            >>> store.remote_versions()
+            []
+            >>> store.commit(1, model, metrics={"reward": 0.5}).persisted.result().step
+            1
+            >>> [(v.step, v.metrics) for v in store.remote_versions()]
+            [(1, {'reward': 0.5})]
+            >>> store.close()
+        """
         return self._need_remote().versions()
 
     def persisted(self) -> dict[int, str]:
-        """Local versions known to be durable in a remote: step -> remote URL."""
+        """Local versions known to be durable in a remote: step -> remote URL.
+
+        Example:
+            >>> store = paramstore.ParamStore(root, remote=bucket_url, storage_options=storage_options)
+            >>> _ = store.commit(1, model).persisted.result()
+            >>> store.persisted() == {1: bucket_url}
+            True
+            >>> store.close()
+        """
         self._check_open()
         return self._root.registry.persisted()
 
     @_keyword_timeout(0)
     def wait_persisted(self, *, timeout: float | None = None) -> None:
-        """Block until every version committed so far is pushed (or failed). Raises WaitTimeoutError."""
+        """Block until every version committed so far is pushed (or failed). Raises WaitTimeoutError.
+
+        Example:
+            >>> store = paramstore.ParamStore(root, remote=bucket_url, storage_options=storage_options)
+            >>> for step in (1, 2):
+            ...     _ = store.commit(step, model)
+            >>> store.wait_persisted(timeout=60)
+            >>> sorted(store.persisted())
+            [1, 2]
+            >>> store.close()
+        """
         self.flush(timeout=timeout)
         if self._persister is not None and not self._persister.wait(timeout):
             raise WaitTimeoutError(f"{self._persister.pending} versions not persisted within {timeout} s")
@@ -476,9 +636,13 @@ class ParamStore:
             after: deprecated (exclusive): ``after=s`` is ``min_step=s + 1``.
 
         Example:
-            >>> for v in store.subscribe():
+            >>> _ = store.commit(2, model).result()
+            >>> for v in store.subscribe(min_step=1, timeout=0.1):  # a rollout loop (ends after 0.1 s idle)
             ...     with store.checkout(v.step) as snap:
-            ...         snap.load_into(policy)
+            ...         _ = snap.load_into(policy)
+            ...     print(v.step)
+            1
+            2
         """
         self._check_open()
         reg = self._root.registry
@@ -487,16 +651,19 @@ class ParamStore:
                           "checkout(min_step=) and wait_for)", DeprecationWarning, stacklevel=2)
             if min_step is not None:
                 raise InvalidArgumentError("pass min_step= only (after= is its deprecated, exclusive form)")
-            min_step = after + 1
-        if min_step is not None and (isinstance(min_step, bool) or not isinstance(min_step, int)):
-            raise InvalidArgumentError(f"min_step must be an int, got {min_step!r}")
+            min_step = check_bound(after, "after") + 1
+        if min_step is not None:
+            check_bound(min_step, "min_step")
+        check_timeout(timeout)
         watch = reg.watch()  # armed now: nothing committed after this call is missed
         if min_step is None:
             latest = reg.latest_step()
             last = -1 if latest is None else latest
         else:
-            last = min_step - 1
-        return self._follow(watch, last, timeout)
+            last = max(min_step - 1, -1)
+        gen = self._follow(watch, last, timeout)
+        weakref.finalize(gen, watch.close)  # a subscription dropped before its first next() frees its watch
+        return gen
 
     def _follow(self, watch: Any, last: int, timeout: float | None) -> Iterator[Version]:
         reg = self._root.registry
@@ -521,8 +688,20 @@ class ParamStore:
 
         Raises:
             WaitTimeoutError: none appeared within ``timeout`` seconds.
+
+        Example:
+            >>> import threading
+            >>> threading.Timer(0.05, store.commit, (2, model)).start()  # a trainer, elsewhere
+            >>> store.wait_for(2, timeout=60).step
+            2
+            >>> store.wait_for(3, timeout=0.1)
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.WaitTimeoutError: no version with step >= 3 within 0.1 s (latest: 2)
         """
         self._check_open()
+        check_timeout(timeout)
+        check_bound(step, "step")
         reg = self._root.registry
         deadline = None if timeout is None else time.monotonic() + timeout
         with reg.watch() as watch:
@@ -537,12 +716,30 @@ class ParamStore:
 
     # -- leases and staleness ------------------------------------------------------------------
     def leases(self) -> list[Lease]:
-        """Live leases: which versions readers hold, by whom, since when (``Lease.acquired_at``)."""
+        """Live leases: which versions readers hold, by whom, since when (``Lease.acquired_at``).
+
+        Example:
+            >>> with store.checkout(1, holder="rollout-0"):
+            ...     [(lease.step, lease.holder) for lease in store.leases()]
+            [(1, 'rollout-0')]
+            >>> store.leases()  # released on close
+            []
+        """
         self._check_open()
         return self._root.registry.leases()
 
     def oldest_leased_step(self) -> int | None:
-        """The oldest step any live reader holds (how far behind the slowest reader is), or None."""
+        """The oldest step any live reader holds (how far behind the slowest reader is), or None.
+
+        Example:
+            >>> store.oldest_leased_step() is None
+            True
+            >>> _ = store.commit(2, model).result()
+            >>> slow, fast = store.checkout(1), store.checkout(2)
+            >>> store.oldest_leased_step()
+            1
+            >>> slow.close(); fast.close()
+        """
         steps = [lease.step for lease in self.leases()]
         return min(steps) if steps else None
 
@@ -556,8 +753,20 @@ class ParamStore:
 
         Raises:
             WaitTimeoutError: readers still hold older versions after ``timeout`` seconds.
+
+        Example:
+            >>> snap = store.checkout(1)  # a rollout still on step 1
+            >>> _ = store.commit(2, model).result()
+            >>> store.wait_for_readers(2, timeout=0.1)
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.WaitTimeoutError: 1 readers still hold versions older than step 2 after 0.1 s ...
+            >>> snap.close()
+            >>> store.wait_for_readers(2, timeout=60)  # returns at once: nobody holds step 1 now
         """
         self._check_open()
+        check_timeout(timeout)
+        check_bound(min_step, "min_step")
         reg = self._root.registry
         deadline = None if timeout is None else time.monotonic() + timeout
         with reg.watch("leases") as watch:
@@ -579,8 +788,11 @@ class ParamStore:
 
         Example:
             >>> man = store.manifest("latest")
-            >>> sorted(man.names()) == sorted(model.state_dict())
+            >>> man.names() == sorted(model.state_dict())
             True
+            >>> e = man.entry("0.weight")
+            >>> e.dtype, e.shape, e.nbytes
+            ('F32', (8, 4), 128)
         """
         self._check_open()
         return self._root.registry.get_manifest(self._resolve(version))
@@ -593,7 +805,10 @@ class ParamStore:
         references) and ``leftovers`` (temporary files). Each version checked is leased meanwhile.
 
         Example:
-            >>> store.verify()["ok"]
+            >>> report = store.verify()
+            >>> report["ok"], report["versions_checked"], report["corrupt"], report["missing"]
+            (True, 1, {}, [])
+            >>> store.verify(1)["ok"]
             True
         """
         self._check_open()
@@ -604,9 +819,10 @@ class ParamStore:
         """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio.
 
         Example:
+            >>> _ = store.commit(2, model).result()  # unchanged tensors: stored once
             >>> report = store.du()
-            >>> report["stored_bytes"] <= report["logical_bytes"]
-            True
+            >>> report["versions"], report["objects"], report["logical_bytes"]
+            (2, 1, 464)
         """
         self._check_open()
         return ops.du(self._root)
@@ -615,8 +831,12 @@ class ParamStore:
         """Tensors added, removed and changed from version ``a`` to ``b``, with bytes and max \\|Δ\\|.
 
         Example:
-            >>> store.diff("latest", "latest")["changed"]
-            []
+            >>> with torch.no_grad():
+            ...     _ = model[2].bias.add_(1.0)
+            >>> _ = store.commit(2, model).result()
+            >>> d = store.diff(1, 2)
+            >>> [(c["name"], round(c["max_abs_diff"], 3)) for c in d["changed"]], d["unchanged"], d["added"]
+            ([('2.bias', 1.0)], 3, [])
         """
         self._check_open()
         return ops.diff(self._root, self._root.resolve(a), self._root.resolve(b))
@@ -628,10 +848,11 @@ class ParamStore:
         ``directory`` must be new or empty. Returns ``{"step", "directory", "files", ...}``.
 
         Example:
-            >>> import tempfile
-            >>> out = store.export("latest", tempfile.mkdtemp())
-            >>> "model.safetensors.index.json" in out["files"]
-            True
+            >>> out = store.export("latest", root + "/hf")  # a new directory (or an empty one)
+            >>> out["files"]
+            ['model-00001-of-00001.safetensors', 'model.safetensors.index.json']
+            >>> out["step"], out["total_size"]
+            (1, 232)
         """
         from .export import DEFAULT_EXPORT_SHARD_BYTES, export
 
@@ -649,7 +870,17 @@ class ParamStore:
 
         Example:
             >>> from paramstore.retention import AnyOf, KeepLast, KeepBest
-            >>> store.prune(AnyOf(KeepLast(2), KeepBest(3, "reward")))
+            >>> for step, reward in [(2, 0.9), (3, 0.1), (4, 0.2), (5, 0.3)]:
+            ...     _ = store.commit(step, model, metrics={"reward": reward})
+            >>> _ = store.flush()
+            >>> rule = AnyOf(KeepLast(2), KeepBest(1, "reward"))
+            >>> store.prune(rule, dry_run=True).removed  # what it would remove
+            [1, 3]
+            >>> report = store.prune(rule)
+            >>> report.kept
+            {2: ['best 1 by reward (max)'], 4: ['one of the last 2'], 5: ['one of the last 2', 'latest']}
+            >>> report.removed
+            [1, 3]
         """
         self._check_open()
         if _tier(tier) == "remote":
@@ -660,16 +891,44 @@ class ParamStore:
         """Delete objects and temporary files that no surviving version (or live commit) references.
 
         ``tier="remote"``: objects no remote version references, once no push or pull is running
-        (see :mod:`paramstore.remote`), sparing objects younger than the remote's ``grace``.
+        (see :mod:`paramstore.remote`), sparing objects younger than ``grace`` seconds (default: the
+        remote's lock TTL).
+
+        Example:
+            >>> from paramstore.retention import KeepLast
+            >>> with torch.no_grad():
+            ...     for p in model.parameters():
+            ...         _ = p.add_(1.0)  # every tensor changes: step 2 shares no object with step 1
+            >>> _ = store.commit(2, model).result()
+            >>> store.prune(KeepLast(1)).removed
+            [1]
+            >>> store.gc(dry_run=True).objects == store.gc().objects  # step 1's object, now unreferenced
+            True
+            >>> store.gc().objects  # nothing left to delete
+            []
         """
         self._check_open()
         if _tier(tier) == "remote":
-            return maintenance.gc_remote(self._need_remote(), dry_run=dry_run, grace=grace)
+            return maintenance.gc_remote(self._need_remote(), dry_run=dry_run,
+                                         grace=check_timeout(grace, "grace"))
+        if grace is not None:
+            raise InvalidArgumentError("grace= applies to the remote tier only (gc(tier='remote', grace=...)); the "
+                                       "local GC never deletes what a version or a live commit references")
         return maintenance.gc(self._root, dry_run=dry_run)
 
     # -- tags --------------------------------------------------------------------------------
     def tag(self, version: VersionSpec, name: str) -> Version:
-        """Point tag ``name`` at ``version`` (moving it if it exists); returns that version."""
+        """Point tag ``name`` at ``version`` (moving it if it exists); returns that version.
+
+        Example:
+            >>> store.tag("latest", "release").tags
+            ('release',)
+            >>> _ = store.commit(2, model).result()
+            >>> store.tag(2, "release").step  # moved
+            2
+            >>> store.get("release").step, store.get(1).tags
+            (2, ())
+        """
         self._check_open()
         check_tag(name)
         step = self._resolve(version)
@@ -677,14 +936,38 @@ class ParamStore:
         return self._root.registry.get_version(step)
 
     def untag(self, name: str) -> int:
-        """Remove tag ``name``; returns the step it pointed at. Raises TagNotFoundError if it does not exist."""
+        """Remove tag ``name``; returns the step it pointed at. Raises TagNotFoundError if it does not exist.
+
+        Example:
+            >>> _ = store.tag(1, "candidate")
+            >>> store.untag("candidate")
+            1
+            >>> store.get(1).tags
+            ()
+            >>> store.untag("candidate")
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.TagNotFoundError: ...
+        """
         self._check_open()
         return self._root.registry.delete_tag(check_tag(name))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Finish in-flight commits (and, with a remote, their pushes), release buffers and close
-        the registry. Idempotent."""
+        the registry. Idempotent. (``with ParamStore(...) as store:`` closes it on exit.)
+
+        Example:
+            >>> handle = store.commit(2, model)
+            >>> store.close()  # waits for step 2
+            >>> handle.done()
+            True
+            >>> store.close()  # again: nothing to do
+            >>> store.latest()
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.StoreClosedError: store ... is closed
+        """
         if self._closed:
             return
         self._closed = True

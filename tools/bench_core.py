@@ -11,6 +11,14 @@ Parts (``--only NAME``, repeatable or comma-separated; default: all):
   blocked in ``wait_for``) vs ``bare_copy`` (and vs DCP ``done_s``). Content changes every
   round (``add_(1)`` on every tensor) so nothing is deduplicated. Also the longest time any Python
   thread of the trainer process was held off the GIL during a commit (a 1 ms heartbeat thread).
+* ``staging`` (issue 11, item 6) commit -> staged and commit -> visible vs ``bare_copy`` on a
+  ``--gib`` model of ``--staging-tensors`` bf16 tensors (64), store with ``retention=KeepLast(2)``,
+  every tensor changed between commits, in three cases: (a) the first commit after
+  ``store.prepare(model, wait=True)``; (c) ``--b2b`` commits back to back (each one issued the
+  moment the previous one is visible: the training step's ``add_`` runs while the previous commit
+  is hashed and published); (b) ``--paused`` commits ``--pause`` seconds apart. A fresh store per
+  round, buffer recycling on (and, as info, off: ``--staging-off``). Ratios: each commit over the
+  median bare copy of its round; the row gives the median and the worst commit.
 * ``checkout`` (goal 4) ``store.checkout`` in another process that has the store open, at
   ``--gib`` and at each ``--checkout-gib``; and reading every byte of the checked-out tensors.
 * ``load``    (goal 5) checkout + copy into preallocated tensors in another process, vs
@@ -56,7 +64,7 @@ from baselines import bare_copy, make_state_dict, preallocate_like  # noqa: E402
 from benchlib import CpuMeter, log, stats, wait_quiet  # noqa: E402
 
 GIB = 1 << 30
-PARTS = ("commit", "checkout", "load", "dedup", "ls", "safetensors")
+PARTS = ("commit", "staging", "checkout", "load", "dedup", "ls", "safetensors")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,6 +288,17 @@ def reader_main(conn: Any) -> None:
                 v = store.wait_for(step, timeout=120)
                 seen = time.time()
                 conn.send(("seen", seen, v.step))
+            elif cmd == "watch":  # note when each of these steps becomes visible, without a round trip each
+                (steps,) = args
+                conn.send(("armed",))
+                seen: dict[int, float] = {}
+                for s in steps:
+                    if s in seen:
+                        continue
+                    v = store.wait_for(s, timeout=300)
+                    now = time.time()
+                    seen.update({k: now for k in steps if k <= v.step and k not in seen})
+                conn.send(("seen_many", seen))
             elif cmd == "checkout":
                 step, n = args
                 times, views = [], []
@@ -567,6 +586,107 @@ def _commit_versions(root: str, sd: dict, n: int, *, prepare: bool = True,
     return checks
 
 
+def flat_state_dict(nbytes: int, n: int) -> dict[str, torch.Tensor]:
+    """``n`` bf16 tensors of equal size, ``nbytes`` in all, random."""
+    g = torch.Generator().manual_seed(0)
+    per = max(1, nbytes // (2 * n))
+    return {f"layers.{i}.weight": torch.randn(per, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+def hash_all_cores(sd: dict[str, torch.Tensor]) -> float:
+    """Seconds to blake3 every tensor of ``sd`` on one thread per core, whole tensors each, as a
+    commit hashes a model of such tensors: the floor of commit -> visible beyond the copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paramstore.format import tensor_digest
+
+    views = [memoryview(t.view(torch.uint8).numpy()) for t in sd.values()]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda v: tensor_digest(v, parallel=False), views))
+        return time.perf_counter() - t0
+
+
+def _staging_round(ctx: Ctx, sd: dict, dst: dict, *, recycle: bool) -> dict[str, Any]:
+    """One store: prepare, (a) first commit, (c) back to back, (b) paused; see the module docstring."""
+    from paramstore import ParamStore
+    from paramstore.retention import KeepLast
+
+    a = ctx.args
+    reader = ctx.get_reader()
+    root = new_root(a.shm_dir, "staging")
+    n_b2b, n_paused = a.b2b, a.paused
+    steps = list(range(1, 2 + n_b2b + n_paused))
+    out: dict[str, Any] = {"recycle": recycle, "commits": []}
+    store = ParamStore(root, retention=KeepLast(2), recycle_buffers=recycle)
+    try:
+        reader.call("open", root)
+        reader.conn.send(("watch", steps))
+        reader.recv()  # armed
+        bare = [bare_copy(sd, dst)]
+        t0 = time.perf_counter()
+        store.prepare(sd, wait=True)
+        out["prepare_s"] = time.perf_counter() - t0
+        bare.append(bare_copy(sd, dst))
+        prev = None
+        for step in steps:
+            case = "a" if step == 1 else "c" if step <= 1 + n_b2b else "b"
+            if case == "b":
+                if prev is not None:
+                    prev.result()
+                time.sleep(a.pause / 2)
+                bare.append(bare_copy(sd, dst))  # in the pause: no commit work is running
+                time.sleep(a.pause / 2)
+            elif prev is not None:
+                prev.result()  # back to back: the next commit the moment the previous is visible
+            wall0 = time.time()
+            t0 = time.perf_counter()
+            h = store.commit(step, sd)
+            h.staged.result()
+            staged = time.perf_counter() - t0
+            out["commits"].append({"step": step, "case": case, "staged_s": staged, "wall0": wall0})
+            mutate(sd)  # the training step (while the commit is hashed and published)
+            prev = h
+        prev.result()
+        t_end = {c["step"]: c for c in out["commits"]}
+        _, seen = reader.recv(timeout=120)
+        for step, t in seen.items():
+            t_end[int(step)]["visible_s"] = t - t_end[int(step)]["wall0"]
+        bare.append(bare_copy(sd, dst))
+        out["hash_s"] = hash_all_cores(sd)
+        store._maintainer.wait_idle(30)
+        out["pool"] = dict(store._pool.stats)
+        out["bare_s"] = bare
+    finally:
+        store.close()
+        reader.call("free")
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def part_staging(ctx: Ctx) -> dict[str, Any]:
+    a = ctx.args
+    sd = flat_state_dict(int(a.gib * GIB), a.staging_tensors)
+    dst = preallocate_like(sd)
+    bare_copy(sd, dst)
+    log(f"staging: {len(sd)} tensors, {sum(t.nbytes for t in sd.values()) / GIB:.3f} GiB")
+    out: dict[str, Any] = {"on": [], "off": [], "tensors": len(sd), "pause_s": a.pause, "hash_threads": os.cpu_count()}
+    modes = [True] + ([False] if a.staging_off else [])
+    for i in range(a.repeats):
+        for recycle in (modes if i % 2 == 0 else modes[::-1]):
+            ctx.quiet_round()
+            ctx.meter.start()
+            r = _staging_round(ctx, sd, dst, recycle=recycle)
+            r["foreign_cpu_pct"] = ctx.meter.stop()["foreign_pct"]
+            out["on" if recycle else "off"].append(r)
+            med = statistics.median(r["bare_s"])
+            log(f"staging: round {i + 1}/{a.repeats} recycle={recycle}: bare {med * 1e3:.0f} ms, prepare "
+                f"{r['prepare_s']:.2f} s, staged x bare " + " ".join(
+                    f"{c['case']}{c['step']}={c['staged_s'] / med:.2f}/{c.get('visible_s', 0) / med:.2f}"
+                    for c in r["commits"]) + f", pool {r['pool']}")
+    return out
+
+
 def part_checkout(ctx: Ctx) -> dict[str, Any]:
     """Stores of every size exist side by side, so that their checkouts can be interleaved."""
     a = ctx.args
@@ -848,6 +968,47 @@ def rows(res: dict[str, Any]) -> list[dict[str, str]]:
         row("3. commit -> visible (first commit)", "info", stats([f["visible_s"]]), stats([f["bare_s"]]),
             paired([f["visible_s"]], [f["bare_s"]]), "info", base_name="bare_copy")
         row("(info) commit -> next commit's slabs faulted", "info", stats(ps("pool_ready_s")), None, None, "info")
+    sg = res.get("staging")
+    if sg:
+        names = {"a": "(a) first commit after prepare()", "c": "(c) back to back",
+                 "b": f"(b) steady, {sg['pause_s']:g} s pause"}
+        for mode in ("on", "off"):
+            rr = sg.get(mode) or []
+            if not rr:
+                continue
+            label = "" if mode == "on" else " [recycle_buffers=False]"
+            for metric, goal_x in (("staged_s", 1.3), ("visible_s", 1.5)):
+                what = "staged" if metric == "staged_s" else "visible (other process)"
+                for case in ("a", "c", "b"):
+                    xs, bs, ratios = [], [], []
+                    for r in rr:
+                        med = statistics.median(r["bare_s"])
+                        for c in r["commits"]:
+                            if c["case"] == case and c.get(metric) is not None:
+                                xs.append(c[metric])
+                                bs.append(med)
+                                ratios.append(c[metric] / med)
+                    if not ratios:
+                        continue
+                    ra = {"median": statistics.median(ratios), "best": min(x for x in xs) / min(bs)}
+                    worst = max(ratios)
+                    goal = f"<= {goal_x:g}x bare copy"
+                    row(f"item 6. commit -> {what}, {names[case]}{label}", goal if mode == "on" else "info",
+                        stats(xs), stats(bs), ra,
+                        (verdict(ra["median"], goal_x) + (f"; worst {worst:.2f}x" if worst > goal_x else ""))
+                        if mode == "on" else "info",
+                        note=f"worst commit {worst:.2f}x; {len(sg[mode])} stores x {len(xs) // len(rr)} commits",
+                        base_name="bare_copy (median of its round)")
+            if mode == "on":
+                hs = [r["hash_s"] for r in rr]
+                bs = [statistics.median(r["bare_s"]) for r in rr]
+                row(f"item 6. (floor) blake3 of the model's bytes, {sg.get('hash_threads')} threads", "info", stats(hs),
+                    stats(bs), paired(hs, bs), "info", base_name="bare_copy (median of its round)",
+                    note="what commit -> visible costs beyond the copy, unless hashing overlaps it on spare cores")
+            pools = [r["pool"] for r in rr]
+            row(f"item 6. (info) buffers per store{label}", "info", stats([r["prepare_s"] for r in rr]), None, None,
+                "info", note="prepare(wait=True) time; pool: " + ", ".join(
+                    f"{k} {statistics.median(p[k] for p in pools):g}" for k in pools[0]))
     ck = res.get("checkout")
     if ck:
         meds = {}
@@ -945,6 +1106,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra sizes for the checkout benchmark (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="measured rounds per benchmark (default 5)")
     p.add_argument("--skip-dcp", action="store_true", help="no DCP baseline")
+    p.add_argument("--staging-tensors", type=int, default=64, help="tensors of the staging part's model (default 64)")
+    p.add_argument("--b2b", type=int, default=6, help="staging: back-to-back commits per store (default 6)")
+    p.add_argument("--paused", type=int, default=4, help="staging: paused commits per store (default 4)")
+    p.add_argument("--pause", type=float, default=1.5, help="staging: seconds between paused commits (default 1.5)")
+    p.add_argument("--staging-off", action="store_true",
+                   help="staging: also run each round with recycle_buffers=False (info rows)")
     p.add_argument("--only", action="append", default=[], help=f"run only these parts: {', '.join(PARTS)}")
     p.add_argument("--ls-versions", type=int, default=10_000)
     p.add_argument("--ls-tensors", type=int, default=300)
@@ -968,14 +1135,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     res: dict[str, Any] = {"argv": [os.path.relpath(sys.argv[0])] + sys.argv[1:], "machine": machine()}
     parts: dict[str, Callable[[Ctx], dict]] = {
-        "commit": part_commit, "checkout": part_checkout, "load": part_load, "dedup": part_dedup,
+        "commit": part_commit, "staging": part_staging, "checkout": part_checkout, "load": part_load, "dedup": part_dedup,
         "ls": part_ls, "safetensors": part_safetensors,
     }
     failed = []
     meter = CpuMeter(lambda: [os.getpid()] + ([ctx.reader.proc.pid] if ctx.reader is not None else []))
     ctx.meter = CpuMeter(lambda: [os.getpid()] + ([ctx.reader.proc.pid] if ctx.reader is not None else []))
     try:
-        if any(x in only for x in ("commit", "checkout", "load")):
+        if any(x in only for x in ("commit", "staging", "checkout", "load")):
             ctx.get_reader()  # start the spawned reader early (importing torch takes a while)
         for name in PARTS:
             if name not in only:
