@@ -30,6 +30,8 @@ from .errors import (
     RegistryError,
     RemoteError,
     StepOrderError,
+    StorageError,
+    StorageFullError,
     StoreClosedError,
     TagNotFoundError,
     TransferError,
@@ -59,7 +61,7 @@ __all__ = [
     "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
     "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
-    "TransferError", "ParamStoreWarning", "FetchReport",
+    "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning", "FetchReport",
 ]
 
 

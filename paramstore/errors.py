@@ -25,6 +25,8 @@ __all__ = [
     "RegistryError",
     "RemoteError",
     "TransferError",
+    "StorageError",
+    "StorageFullError",
     "ParamStoreWarning",
 ]
 
@@ -111,6 +113,16 @@ class RemoteError(ParamStoreError, OSError):
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+class StorageError(ParamStoreError, OSError):
+    """The store's own filesystem refused a write (permissions, I/O error...). ``errno`` and
+    ``filename`` are those of the underlying OSError."""
+
+
+class StorageFullError(StorageError):
+    """The filesystem holding the store is full (ENOSPC) or over quota. The message names the
+    filesystem, the bytes needed and the bytes free."""
 
 
 class TransferError(ParamStoreError, ConnectionError):

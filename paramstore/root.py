@@ -25,7 +25,7 @@ from paramstore.backends.registries import Registry, open_registry
 from paramstore.backends.registries.lmdb import LmdbRegistry
 from paramstore.backends.tiers.local import LocalTier
 
-from .errors import InvalidArgumentError, NotAStoreError, TagNotFoundError, VersionNotFoundError
+from .errors import InvalidArgumentError, NotAStoreError, StorageError, TagNotFoundError, VersionNotFoundError
 
 __all__ = ["StoreRoot", "VersionSpec", "open_root", "MARKER", "STORE_FORMAT"]
 
@@ -129,7 +129,11 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
             raise NotAStoreError(_not_a_store(path, create=False))
         if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))):
             raise NotAStoreError(_not_a_store(path, create=True))
-        _create(path, marker)
+        try:
+            _create(path, marker)
+        except OSError as e:  # a parent that does not exist or cannot be written, a full disk...
+            raise StorageError(e.errno, f"cannot create a store at {path}: {e.strerror}; choose a directory "
+                                        "you can write to (on /dev/shm for shared memory)", path) from e
     try:
         with open(marker) as f:
             info = json.load(f)

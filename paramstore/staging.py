@@ -59,9 +59,10 @@ import weakref
 from dataclasses import dataclass
 
 from paramstore import liveness
+from paramstore.errors import StorageError, StorageFullError
 from paramstore.liveness import libc
 
-__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers"]
+__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error"]
 
 _counter = itertools.count()
 
@@ -278,8 +279,7 @@ class SlabPool:
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory in {self._tmp}: "
-                                   f"{e.strerror} (free space in /dev/shm, or use a smaller model/shard)") from e
+            raise storage_error(e, self._tmp, size) from e
         try:
             m, mfd, owned = _map_fd(fd, size)
         except BaseException:
@@ -645,3 +645,19 @@ def _forget_pools_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
+def storage_error(e: OSError, directory: str, needed: int) -> "StorageError":
+    """The package's error for a failed reservation of ``needed`` bytes in ``directory``: a
+    StorageFullError (ENOSPC, EDQUOT) that names the filesystem and what is free, else a StorageError."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(e.errno, f"cannot reserve {needed} bytes in {directory}: {e.strerror}", directory)
+    try:
+        st = os.statvfs(directory)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
+    except OSError:
+        free = "free space unknown"
+    return StorageFullError(
+        e.errno, f"the filesystem of {directory} is full: a commit needs {needed / 2**20:.1f} MiB more "
+        f"({free}). Free space there (prune and gc old versions: retention=, `paramstore prune`, "
+        "`paramstore gc`), or give the store a larger filesystem", directory)

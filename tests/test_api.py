@@ -288,3 +288,12 @@ def test_a_subscription_dropped_unused_frees_its_watch(three):
         three.subscribe(timeout=1)
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds + 1
+
+
+def test_a_root_that_cannot_be_created_is_the_package_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ParamStoreWarning)
+        with pytest.raises(paramstore.StorageError, match="cannot create a store at /proc/"):
+            ParamStore("/proc/paramstore-cannot-be-here")
+    with pytest.raises(InvalidArgumentError):
+        ParamStore("")
