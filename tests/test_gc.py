@@ -173,9 +173,10 @@ def slab_owner_main(root: str, conn) -> None:
         with ParamStore(root, create=False) as store:
             store.commit(1, state_for(1)).result(timeout=60)
             tmp = os.path.join(store.root, "tmp")
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 30  # the publisher asks the pool for the next slabs after commit 1...
             while not os.listdir(tmp) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert store._pool.wait_prepared(30), "the pool did not finish preparing"  # ...and gets them all
             conn.send(("ok", sorted(os.listdir(tmp))))
             conn.recv()
             store.commit(2, state_for(2)).result(timeout=60)
