@@ -221,7 +221,8 @@ class ParamStore:
             step: trainer step, a non-negative int above every committed step.
             model: a ``torch.nn.Module`` (its ``state_dict()``) or a mapping of names to tensors.
             tags: names to point at this version (a tag that exists is moved).
-            metrics: numbers to record (for retention by best metric, dashboards).
+            metrics: numbers to record (for retention by best metric, dashboards): ints, floats, NumPy
+                scalars or one-element tensors (``loss.detach()``), stored as floats.
             metadata: any JSON-serializable mapping to record.
 
         Returns:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
@@ -53,10 +54,28 @@ def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     out = {}
     for k, v in metrics.items():
         check_name(k, "metric name")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise InvalidArgumentError(f"metric {k!r} must be a finite number, got {v!r}")
-        out[k] = float(v)
+        x = _scalar(v)
+        if x is None:
+            raise InvalidArgumentError(f"metric {k!r} must be a number (int, float, a NumPy scalar or a one-element "
+                                       f"tensor), got {type(v).__name__}: {v!r}")
+        if not math.isfinite(x):
+            raise InvalidArgumentError(f"metric {k!r} must be finite, got {x!r}")
+        out[k] = x
     return out
+
+
+def _scalar(v: Any) -> float | None:
+    """``v`` as a float if it is a real number: Python, NumPy (``np.float32``...) or a one-element
+    tensor (``loss.detach()``); None otherwise (bools and complex numbers included)."""
+    if isinstance(v, bool) or type(v).__name__ in ("bool_", "bool"):
+        return None
+    if isinstance(v, numbers.Real):  # int, float, NumPy scalars
+        return float(v)
+    item, numel = getattr(v, "item", None), getattr(v, "numel", None)
+    if callable(item) and callable(numel) and numel() == 1 and not getattr(v, "is_complex", lambda: False)():
+        x = item()
+        return None if isinstance(x, bool) else float(x)
+    return None
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

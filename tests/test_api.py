@@ -297,3 +297,14 @@ def test_a_root_that_cannot_be_created_is_the_package_error():
             ParamStore("/proc/paramstore-cannot-be-here")
     with pytest.raises(InvalidArgumentError):
         ParamStore("")
+
+
+def test_metrics_from_numpy_and_torch_are_numbers(store):
+    import numpy as np
+
+    v = store.commit(1, sd(1), metrics={"loss": torch.tensor(0.25), "reward": np.float32(1.5),
+                                        "tokens": np.int64(7)}).result()
+    assert dict(v.metrics) == {"loss": 0.25, "reward": 1.5, "tokens": 7.0}
+    for bad, why in [(torch.ones(2), "one-element tensor"), (True, "number"), (float("inf"), "finite")]:
+        with pytest.raises(InvalidArgumentError, match=why):
+            store.commit(2, sd(2), metrics={"m": bad})

@@ -137,8 +137,8 @@ def test_step_too_large_for_the_registry(pstore):
 @pytest.mark.parametrize(
     "metrics",
     [{"loss": float("nan")}, {"loss": float("inf")}, {"loss": "0.5"}, {"loss": None}, {"ok": True},
-     {"loss": [1.0]}, {"loss": torch.tensor(1.0)}, [("loss", 1.0)], "loss"],
-    ids=["nan", "inf", "str", "none", "bool", "list", "tensor", "pairs", "str-metrics"],
+     {"loss": [1.0]}, {"loss": torch.tensor([1.0, 2.0])}, [("loss", 1.0)], "loss"],
+    ids=["nan", "inf", "str", "none", "bool", "list", "tensor-of-two", "pairs", "str-metrics"],
 )
 def test_bad_metrics(pstore, metrics):
     expect_error(pstore, InvalidArgumentError, ValueError, pstore.commit, 2, GOOD, metrics=metrics)
