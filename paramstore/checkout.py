@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from paramstore.backends.registries.lmdb import LmdbRegistry
+
 from .errors import InvalidArgumentError, ObjectUnavailableError, ParamStoreError, TransferError, VersionNotFoundError
 from .manifest import Manifest
 from .root import StoreRoot, VersionSpec
@@ -142,13 +144,10 @@ class Fetcher:
 
             sizes = reg.object_sizes(missing)
             try:
-                got = peer_fetch(self._root, self._transport(), sizes, pool=self._pool, server=self._server())
+                peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=report, server=self._server())
             except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
                 peer_error = e
             else:
-                report.from_peers = got.fetched
-                report.bytes_from.update(got.bytes_from)
-                report.rejected.update(got.rejected)
                 if self._prepare:  # destinations for the next version (same layout), faulted in the background
                     self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
             missing = [o for o in missing if not tier.exists(o)]
@@ -171,7 +170,7 @@ class Fetcher:
 
 
 def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: bool) -> str:
-    shared = type(root.registry).__name__ != "LmdbRegistry"
+    shared = not isinstance(root.registry, LmdbRegistry)  # the single-host registry: no peers to ask
     what = f"{len(missing)} object{'s' if len(missing) > 1 else ''} of version {step} ({missing[0][:12]}…)"
     if shared:
         where = "no live host serves " + ("them" if len(missing) > 1 else "it")

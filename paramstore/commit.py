@@ -40,7 +40,7 @@ import torch
 from .errors import WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
-from .staging import Slab, SlabPool
+from .staging import Slab, SlabPool, address
 from .tensors import ST_TO_TORCH, Collected
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
@@ -53,7 +53,8 @@ _INLINE_HASH_BYTES = 1 << 20
 #: half the cores, rather than after the whole commit is staged: commit -> visible then costs about
 #: the copy plus the last shard's hash. Hashing takes cores from the copy, so only with at least
 #: this many cores: on 2 cores it made commit -> staged 1.9x a bare copy (from 1.0x) for visible
-#: 2.7x (from 2.9x): blake3 runs at ~2 GB/s per core there, a fifth of the copy's speed.
+#: 2.7x (from 2.9x): blake3 of 1 GiB took 189 ms on both cores there (bench_core's floor row),
+#: about twice the bare copy.
 OVERLAP_HASH_MIN_CPUS = 4
 #: Commits' worth of slabs the pool keeps prepared: commits in quick succession each find one
 #: faulted while the next is being prepared (or recycled).
@@ -444,7 +445,7 @@ def _compact(slab: Slab, plan: ShardPlan, keep: list[Placement]) -> tuple[bytes,
     if len(keep) == len(plan.placements):
         return plan.header, [p.offset for p in keep]
     new = layout([p.spec for p in keep])
-    base = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
+    base = address(slab.map)
     for old, moved in zip(keep, new.placements):
         if moved.offset != old.offset and old.nbytes:
             ctypes.memmove(base + moved.offset, base + old.offset, old.nbytes)

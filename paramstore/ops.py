@@ -57,8 +57,8 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}
     results: dict[str, tuple[str, dict[tuple[int, int], str]] | str | None] = {}  # None: missing
     selected: list[int] = []
-    total = sum(root.tier.sizes({o for s in wanted for o in _objects_of(root, s)}).values())
-    with progress(total, "verify", enabled=show_progress) as bar:
+    sizes = root.tier.sizes({o for s in wanted for o in _objects_of(root, s)})  # for the bar and the report
+    with progress(sum(sizes.values()), "verify", enabled=show_progress) as bar:
         for s in wanted:
             with root.leased([s], skip_missing=whole) as held:
                 if not held:
@@ -68,8 +68,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                     refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
                     if e.object not in results:
                         results[e.object] = _hash_or_why(root, e.object)
-                        if results[e.object] is not None:
-                            bar.update(root.tier.sizes([e.object]).get(e.object, 0))
+                        bar.update(sizes.get(e.object, 0))
     corrupt: dict[str, str] = {}
     missing = sorted(o for o, r in results.items() if r is None)
     for obj, r in sorted(results.items()):
@@ -88,7 +87,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
         "ok": not corrupt and not missing,
         "versions_checked": len(selected),
         "objects_checked": len(checked),
-        "bytes_checked": sum(root.tier.sizes(checked).values()),
+        "bytes_checked": sum(sizes.get(o, 0) for o in checked),
         "corrupt": corrupt,
         "missing": missing,
         "damaged_versions": sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]}),

@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Mapping
 
@@ -37,6 +36,7 @@ import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
+from .checkout import FetchReport
 from .format import ObjectHasher, rehash
 from .root import StoreRoot
 from .staging import SlabPool
@@ -44,7 +44,10 @@ from .staging import SlabPool
 from paramstore.backends.registries.base import Peer
 from paramstore.backends.transports.base import Transport
 
-__all__ = ["PeerServer", "fetch", "FetchReport"]
+__all__ = ["PeerServer", "fetch", "FETCH_CONCURRENCY"]
+
+#: Objects a fetch reads at once.
+FETCH_CONCURRENCY = 4
 
 SLICE_BYTES = 4 << 20  # unit of spreading one object over several peers (a read batches its slices)
 
@@ -135,31 +138,18 @@ class PeerServer:
                 self._drop(d)
 
 
-class FetchReport:
-    """What :func:`fetch` moved: objects fetched, bytes read per peer session, objects left over."""
-
-    def __init__(self) -> None:
-        self.fetched: list[str] = []
-        self.missing: list[str] = []
-        self.bytes_from: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()  # objects that failed verification, per peer (single-peer reads)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.bytes_from.values())
-
-
 def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, pool: SlabPool,
-          server: PeerServer | None = None, concurrency: int = 4) -> FetchReport:
+          report: FetchReport, server: PeerServer | None = None, concurrency: int | None = None) -> None:
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
     The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
     faulted ahead of time when the pool prepared one of that size). ``server``: this process's
     peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
-    the same version read it from here: a swarm) and each object once verified. Objects no peer
-    delivered intact are in the report's ``missing``.
+    the same version read it from here: a swarm) and each object once verified. ``report`` (the
+    checkout's) gets the objects delivered intact (``from_peers``), bytes per peer and rejections;
+    an object no peer delivered intact is simply not in the local tier afterwards.
     """
-    report = FetchReport()
+    concurrency = FETCH_CONCURRENCY if concurrency is None else concurrency
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
     lock = threading.Lock()
     random.shuffle(todo)  # hosts fetching at once start on different objects
@@ -167,11 +157,11 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
             ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
         def one(digest: str) -> None:
             ok = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers).run()
-            with lock:
-                (report.fetched if ok else report.missing).append(digest)
+            if ok:
+                with lock:
+                    report.from_peers.append(digest)
 
         list(readers.map(one, todo))
-    return report
 
 
 class _Fetch:

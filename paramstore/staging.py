@@ -62,7 +62,7 @@ from paramstore import liveness
 from paramstore.errors import StorageError, StorageFullError
 from paramstore.liveness import libc
 
-__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error"]
+__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error", "address"]
 
 _counter = itertools.count()
 
@@ -142,11 +142,12 @@ def _map_fd(fd: int, size: int) -> tuple[mmap.mmap, int, bool]:
     if size:
         # A forked child (a data-loader worker...) does not inherit staging buffers: it has no use
         # for them, and its copy of the mapping would keep a deleted slab's memory allocated.
-        libc().madvise(ctypes.c_void_p(_addr(m)), ctypes.c_size_t(size), _MADV_DONTFORK)
+        libc().madvise(ctypes.c_void_p(address(m)), ctypes.c_size_t(size), _MADV_DONTFORK)
     return m, own, own == fd
 
 
-def _addr(m: mmap.mmap) -> int:
+def address(m: mmap.mmap) -> int:
+    """The address of a writable mapping's first byte (for madvise, memmove, cudaHostRegister)."""
     c = ctypes.c_char.from_buffer(m)  # a buffer export while it lives: dropped at once
     try:
         return ctypes.addressof(c)
@@ -168,7 +169,7 @@ def _populate(m: mmap.mmap) -> None:
     process's memory-map lock while it populates, and ``mmap``/``munmap``/``mprotect`` anywhere
     in the process (the allocator of the training thread, a commit publishing) wait for it.
     """
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    addr = address(m)
     size = len(m)
     libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), _MADV_HUGEPAGE)  # on huge=advise tmpfs
     for off in range(0, size, _POPULATE_CHUNK):
@@ -196,7 +197,7 @@ def _pin(slab: Slab) -> None:
         return
     if not torch.cuda.is_available() or slab.size == 0:
         return
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
+    addr = address(slab.map)
     err = torch.cuda.cudart().cudaHostRegister(addr, slab.size, 0)
     if int(err) == 0:
         slab.pinned = True
@@ -214,8 +215,7 @@ def _unpin(slab: Slab) -> None:
     if slab.pinned:
         import torch
 
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(slab.map))
-        torch.cuda.cudart().cudaHostUnregister(addr)
+        torch.cuda.cudart().cudaHostUnregister(address(slab.map))
         slab.pinned = False
 
 
@@ -573,7 +573,7 @@ def _used_elsewhere(slab: Slab) -> bool:
     during the scan are scanned too)."""
     st = os.fstat(slab.fd)
     me = os.getpid()
-    lo = _addr(slab.map) if slab.size else 0
+    lo = address(slab.map) if slab.size else 0
     seen: set[int] = set()
     for _ in range(2):
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in seen]

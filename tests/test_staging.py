@@ -254,7 +254,7 @@ def test_lease_sees_a_mapping_in_another_process(mapped_elsewhere):
 def test_proc_scan_sees_a_mapping_in_another_process(mapped_elsewhere):
     slab, conn, pid = mapped_elsewhere
     st = os.fstat(slab.fd)
-    lo = staging._addr(slab.map)
+    lo = staging.address(slab.map)
     # this process's own mapping of the slab does not count; the other process's does
     own = (lo, lo + slab.size, slab.fd)
     assert not staging._holds(os.getpid(), st.st_dev, st.st_ino, own)

@@ -144,11 +144,9 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
 
     for kv in filter(None, tune.split(",")):  # experiments: peer.py's knobs overridden in this host
         k, v = kv.split("=")
-        if k == "concurrency":
-            paramstore.store.fetch = functools.partial(paramstore.peer.fetch, concurrency=int(v))
-        else:
-            assert hasattr(paramstore.peer, k), k
-            setattr(paramstore.peer, k, int(v))
+        k = {"concurrency": "FETCH_CONCURRENCY"}.get(k, k)
+        assert hasattr(paramstore.peer, k), k
+        setattr(paramstore.peer, k, int(v))
 
     def say(**kw: Any) -> None:
         print(json.dumps(kw), flush=True)

@@ -34,6 +34,7 @@ import abc
 import re
 from typing import Iterable, Iterator, Mapping, NamedTuple
 
+from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import InvalidArgumentError
 from paramstore.manifest import Manifest, Version
 
@@ -62,7 +63,6 @@ class Peer(NamedTuple):
 
 
 _PEER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
-_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
 
 
 def check_peer_id(peer_id: object) -> str:
@@ -93,8 +93,7 @@ def check_digests(digests: Iterable[str]) -> list[str]:
         raise InvalidArgumentError("expected an iterable of digests, got a single string")
     out = list(dict.fromkeys(digests))
     for d in out:
-        if not isinstance(d, str) or not _DIGEST.match(d):
-            raise InvalidArgumentError(f"an object digest is 64 lowercase hex digits, got {d!r}")
+        check_digest(d)
     return out
 
 

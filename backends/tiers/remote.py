@@ -176,10 +176,10 @@ class RemoteTier(Tier):
 
         Raises FileNotFoundError if the remote has no such object, FileExistsError if ``path`` exists.
         """
-        key = object_key(digest)
+        key = object_key(digest)  # validated before anything is touched
         if os.path.lexists(path):
             raise FileExistsError(path)
-        self._call("download", self.fs.get_file, self._path(object_key(digest)), path, missing_ok=True,
+        self._call("download", self.fs.get_file, self._path(key), path, missing_ok=True,
                    **({} if self.local else {"max_concurrency": self._concurrency, "chunksize": _PART_BYTES}))
 
     def put(self, digest: str, path: str, *, move: bool = False) -> bool:
