@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CorruptObjectError,
+    CorruptStoreError,
     InvalidArgumentError,
     InvalidNameError,
     InvalidTensorError,
     LoadError,
+    MetadataLostError,
     NotAStoreError,
     ObjectUnavailableError,
     ParamStoreError,
@@ -35,8 +37,10 @@ from .errors import (
     StoreClosedError,
     TagNotFoundError,
     TransferError,
+    UnsafeStoreError,
     VersionNotFoundError,
     WaitTimeoutError,
+    WriterConflictError,
 )
 from .manifest import Manifest, TensorEntry, Version
 
@@ -61,7 +65,8 @@ __all__ = [
     "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
     "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
-    "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning", "FetchReport",
+    "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning",
+    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "FetchReport",
 ]
 
 

@@ -27,6 +27,10 @@ __all__ = [
     "TransferError",
     "StorageError",
     "StorageFullError",
+    "CorruptStoreError",
+    "MetadataLostError",
+    "UnsafeStoreError",
+    "WriterConflictError",
     "ParamStoreWarning",
 ]
 
@@ -74,7 +78,28 @@ class InvalidArgumentError(ParamStoreError, ValueError):
 
 
 class CorruptObjectError(ParamStoreError, IOError):
-    """An object's bytes do not match its digest."""
+    """An object's bytes (or a manifest, index entry or record received from another tier, host or
+    registry) do not match their digest, size or the version that names them."""
+
+
+class CorruptStoreError(ParamStoreError, OSError):
+    """The store's own metadata on this host is damaged: a truncated or unreadable LMDB file, a
+    manifest or marker that is not valid JSON. The message names the file and what to do."""
+
+
+class MetadataLostError(CorruptStoreError):
+    """The store's metadata was deleted or replaced (e.g. ``meta/`` removed by a /dev/shm cleaner)
+    while its objects remain, or while this process had the store open. Nothing is re-created:
+    the message says how to restore (``pull`` from the remote) or to remove the directory."""
+
+
+class UnsafeStoreError(ParamStoreError, PermissionError):
+    """The store root is not safe to use: owned by another user, or writable by other users."""
+
+
+class WriterConflictError(ParamStoreError, RuntimeError):
+    """Another trainer (another writer id) owns this store; pass ``takeover=True`` (CLI
+    ``--takeover``) to take it over explicitly."""
 
 
 class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):
