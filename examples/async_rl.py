@@ -48,7 +48,7 @@ def rollout(root: str, eta: int, requests: "mp.Queue[int]", samples: "mp.Queue[S
     rng = random.Random(seed)
     policy = make_policy()
     loaded = None
-    with paramstore.ParamStore(root, create=False) as store:
+    with paramstore.ParamStore(root) as store:  # a reader: waits for the store, never creates it
         while (t := requests.get()) != STOP:
             with store.checkout(min_step=max(t - eta, 0), timeout=120, holder=f"rollout {seed}") as snap:
                 if snap.step != loaded:

@@ -65,7 +65,7 @@ def trainer(root: str, steps: int, ready: "mp.synchronize.Barrier") -> None:
 
 def rollout(root: str, rank: int, ready: "mp.synchronize.Barrier") -> None:
     policy = TinyTransformer()
-    with paramstore.ParamStore(root, create=False) as store:
+    with paramstore.ParamStore(root) as store:  # a reader: waits for the store, never creates it
         ready.wait()
         for v in store.subscribe(min_step=0, timeout=60):
             with store.checkout(v.step) as snap:
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
-    paramstore.ParamStore(args.root).close()  # create the store
+    # No need to create the store first: the trainer's first commit does, and the rollouts wait for it.
 
     ctx = mp.get_context("spawn")
     ready = ctx.Barrier(3)

@@ -11,7 +11,14 @@
    place only if the digest matches), then from the remote tier (downloaded, re-hashed, placed).
    What moved is described by a :class:`FetchReport`, which the snapshot carries (``snap.fetch``).
 3. **Map.** :class:`~paramstore.snapshot.Snapshot` maps each object copy-on-write and views every
-   tensor in place: no copy.
+   tensor in place: no copy. Each object's header and size are checked against the manifest as it
+   is mapped (an object truncated beforehand raises CorruptObjectError, not a short view or a SIGBUS), but
+   objects already on this host are **not re-hashed**: that would read every byte, which is what
+   zero-copy checkout avoids. Bytes that came from peers or the remote were hashed on arrival.
+4. **Verify** (only with ``checkout(v, verify=True)``): one blake3 pass over the mapped objects.
+   A damaged object is quarantined (moved to ``<root>/quarantine/``, dropped from the dedup index)
+   and CorruptObjectError names it and the version; ``paramstore verify --repair`` then fetches a
+   good copy.
 
 An object nobody can deliver raises :class:`~paramstore.errors.ObjectUnavailableError`, which
 names the object and says what to start.
@@ -28,8 +35,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from paramstore.backends.registries.lmdb import LmdbRegistry
 
-from .errors import InvalidArgumentError, ObjectUnavailableError, ParamStoreError, TransferError, VersionNotFoundError
+from .errors import (
+    CorruptObjectError,
+    InvalidArgumentError,
+    ObjectUnavailableError,
+    ParamStoreError,
+    TransferError,
+    VersionNotFoundError,
+)
 from .manifest import Manifest
+from .ops import quarantine, read_manifest
 from .root import StoreRoot, VersionSpec
 from .validate import check_bound, check_timeout
 
@@ -176,6 +191,11 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
         where = "no live host serves " + ("them" if len(missing) > 1 else "it")
         todo = ("run `paramstore serve` (or store.serve()) on a host that holds the version, "
                 + ("and check that the remote holds it" if has_remote else "or open the store with remote=URL"))
+    elif any(q.startswith(missing[0] + ".") for q in root.tier.quarantined()):
+        where = (f"quarantined as damaged (in {root.tier.quarantine_dir}) and "
+                 + ("the remote has no good copy" if has_remote else "no remote is open"))
+        todo = ("restore it from a remote that has it (`paramstore verify --repair --remote URL`), or remove the "
+                f"version (`paramstore rm {step}`)")
     else:
         where = "missing from this store (deleted outside paramstore?)"
         todo = "run `paramstore verify` to see what else is damaged, and `paramstore pull` it from a remote if one has it"
@@ -185,10 +205,12 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
 def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, min_step: int | None,
                   timeout: float | None, holder: str, resolve: Callable[[VersionSpec], int],
                   wait_for: Callable[[int, float | None], Any],
-                  pull: Callable[[int], "TransferReport | None"]) -> "Snapshot":
+                  pull: Callable[[int], "TransferReport | None"], verify: bool = False) -> "Snapshot":
     """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
 
-    ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). See
+    ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). ``verify``:
+    re-hash what was mapped; damaged objects are quarantined (:func:`paramstore.ops.quarantine`)
+    and CorruptObjectError names them and the version. See
     :meth:`paramstore.ParamStore.checkout` for the arguments and errors.
     """
     from .snapshot import Snapshot
@@ -218,14 +240,18 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
             continue
         release = functools.partial(release_lease, reg, lease.id, os.getpid())
         try:
-            manifest = reg.get_manifest(step)
+            manifest = read_manifest(root, step)
             report = fetcher.fetch(step, manifest)
             if pulled is not None and pulled.step == step:  # the pull placed some objects already
                 report.from_remote[:0] = pulled.moved
                 report.local -= len(pulled.moved)
                 report.bytes_from[pulled.url] += pulled.bytes
                 report.seconds += pulled.seconds
-            return Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report)
+            snap = Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report,
+                            sizes=reg.object_sizes(manifest.objects()))
+            if verify:
+                _verify_or_quarantine(root, snap)
+            return snap
         except ObjectUnavailableError:
             release()
             raise
@@ -236,6 +262,22 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
         except BaseException:
             release()
             raise
+
+
+def _verify_or_quarantine(root: StoreRoot, snap: "Snapshot") -> None:
+    """Re-hash ``snap``'s objects; if any is damaged, close the snapshot, quarantine the damaged
+    objects (so no commit reuses them) and raise CorruptObjectError naming them and the version."""
+    bad = snap.verify()
+    if not bad:
+        return
+    step = snap.step
+    snap.close()
+    moved = quarantine(root, bad)
+    first = min(bad)
+    where = f"; moved to {moved[first]}" if first in moved else ""
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise CorruptObjectError(f"version {step}: object {first} is damaged ({bad[first]}){where}{more}; run "
+                             "`paramstore verify --repair` to fetch a good copy from peers or the remote")
 
 
 def _is_step(version: str) -> bool:

@@ -72,6 +72,11 @@ def _needs_remote(args: argparse.Namespace) -> bool:
     return args.command in ("push", "pull") or getattr(args, "tier", "local") == "remote"
 
 
+def _repairs(args: argparse.Namespace) -> bool:
+    """``verify --repair``: opens the remote when one is named (a source of good copies), without needing one."""
+    return args.command == "verify" and bool(getattr(args, "repair", False))
+
+
 #: What a bare ``ls --remote`` (no URL; deprecated) parses to.
 _BARE = object()
 
@@ -101,13 +106,14 @@ def _ls(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         versions, persisted = store.versions(), store.persisted()
     metrics = [_metrics(v.metrics) for v in versions]
     width = max([len("METRICS"), *map(len, metrics)])
+    wwidth = max([len("WRITER"), *(len(v.writer or "-") for v in versions)])
     rows = [f"{'STEP':>10}  {'CREATED (UTC)':19}  {'SIZE':>11}  {'TENSORS':>7}  {'DIGEST':12}  "
-            f"{'' if persisted is None else 'PERSISTED  '}{'METRICS':{width}}  TAGS"]
+            f"{'' if persisted is None else 'PERSISTED  '}{'WRITER':{wwidth}}  {'METRICS':{width}}  TAGS"]
     out = []
     for v, m in zip(versions, metrics):
         mark = "" if persisted is None else f"{'yes' if v.step in persisted else 'no':9}  "
         rows.append(f"{v.step:>10}  {_when(v.created_at)}  {_human(v.nbytes):>11}  {v.num_tensors:>7}  "
-                    f"{v.digest[:12]}  {mark}{m:{width}}  {','.join(v.tags)}".rstrip())
+                    f"{v.digest[:12]}  {mark}{v.writer or '-':{wwidth}}  {m:{width}}  {','.join(v.tags)}".rstrip())
         out.append(v.as_dict() if persisted is None else {**v.as_dict(), "persisted": persisted.get(v.step)})
     return out, "\n".join(rows), 0
 
@@ -140,7 +146,7 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
         f"size       {_human(v.nbytes)} in {len(man.tensors)} tensors, {len(man.aliases)} aliases, "
         f"{len(man.objects())} objects",
-        f"tags       {', '.join(v.tags) or '-'}",
+        f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
         f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
     ]
     for n in man.names():
@@ -163,17 +169,32 @@ def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 def _verify(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
-    r = store.verify(args.version, show_progress=None)
+    r = store.verify(args.version, repair=args.repair, show_progress=None)
     lines = [f"checked {r['versions_checked']} versions, {r['objects_checked']} objects, {_human(r['bytes_checked'])}"]
     lines += [f"CORRUPT {o}: {why}" for o, why in r["corrupt"].items()]
     lines += [f"MISSING {o}" for o in r["missing"]]
+    lines += [f"UNREADABLE manifest of step {s}: {why}" for s, why in r.get("unreadable_manifests", {}).items()]
     if r["damaged_versions"]:
         lines.append(f"damaged versions: {', '.join(map(str, r['damaged_versions']))}")
     if "orphans" in r:
         lines.append(f"{len(r['orphans'])} unreferenced objects, {len(r['leftovers'])} temporary files "
                      "(in-flight commits or crash leftovers; reclaimed by gc)")
-    lines.append("OK" if r["ok"] else "DAMAGED")
+    if args.repair:
+        lines += [f"quarantined {o} -> {path}" for o, path in r["quarantined"].items()]
+        lines += [f"restored {o}" for o in r["restored"]]
+        lines += [f"still damaged: step {s}: {why}" for s, why in r["unrepaired"].items()]
+        lines.append(("REPAIRED" if r["damaged_versions"] else "OK") if r["ok"] else "DAMAGED")
+    else:
+        lines.append("OK" if r["ok"] else "DAMAGED")
+    if r.get("advice"):
+        lines.append(f"next: {r['advice']}")
     return r, "\n".join(lines), 0 if r["ok"] else 1
+
+
+def _rm(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    v = store.remove(args.version)
+    return ({"removed": v.step, "digest": v.digest},
+            f"removed step {v.step} ({v.digest[:12]}); run `paramstore gc` to free its objects", 0)
 
 
 def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -212,7 +233,14 @@ def _leases(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]
 
 
 def _policy_from_flags(args: argparse.Namespace) -> "Policy":
-    from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin
+    """The policy the keep flags describe (keep if any keeps).
+
+    Tagged versions are always kept (``KeepTagged()`` is added) unless ``--prune-tagged`` says
+    otherwise; then only ``--keep-tag`` protects tags. ``--keep-best`` takes its direction from
+    ``--mode`` or, for a well-known metric name (``loss``: min, ``reward``: max), from the name;
+    any other metric without ``--mode`` is refused.
+    """
+    from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin, infer_mode
 
     rules: list[Policy] = []
     if args.keep_last is not None:
@@ -222,17 +250,24 @@ def _policy_from_flags(args: argparse.Namespace) -> "Policy":
     if args.keep_best is not None:
         if not args.metric:
             raise InvalidArgumentError("--keep-best needs --metric NAME")
-        rules.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
-    elif args.metric:
-        raise InvalidArgumentError("--metric goes with --keep-best")
+        mode = args.mode or infer_mode(args.metric)
+        if mode is None:
+            raise InvalidArgumentError(
+                f"--keep-best cannot tell whether a higher or a lower {args.metric!r} is better: "
+                "add --mode max (higher is better) or --mode min (lower is better)")
+        rules.append(KeepBest(args.keep_best, args.metric, mode=mode))
+    elif args.metric or args.mode:
+        raise InvalidArgumentError(f"{'--metric' if args.metric else '--mode'} goes with --keep-best")
     if args.keep_tag:
-        rules.append(KeepTagged(*args.keep_tag))
+        rules.append(KeepTagged(*args.keep_tag))  # validated even when every tag is kept anyway
     if args.keep_within is not None:
         rules.append(KeepWithin(args.keep_within))
     if not rules:
         raise InvalidArgumentError(
             "no keep flag given: refusing to prune everything but the latest version; "
             "pass at least one of --keep-last, --keep-every, --keep-best, --keep-tag, --keep-within")
+    if not args.prune_tagged:  # every tagged version, which subsumes --keep-tag
+        rules = [r for r in rules if not isinstance(r, KeepTagged)] + [KeepTagged()]
     return rules[0] if len(rules) == 1 else AnyOf(*rules)
 
 
@@ -321,8 +356,13 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("diff", _diff, "compare two versions: tensors changed, added, removed; bytes; max |Δ|")
     sp.add_argument("a", type=_version_arg)
     sp.add_argument("b", type=_version_arg)
-    add("verify", _verify, "rehash objects; report corruption (exit 1), orphans and leftovers").add_argument(
-        "version", type=_version_arg, nargs="?")
+    sp = add("verify", _verify, "rehash objects; report corruption (exit 1), orphans and leftovers")
+    sp.add_argument("version", type=_version_arg, nargs="?")
+    sp.add_argument("--repair", action="store_true",
+                    help="move damaged objects to ROOT/quarantine/ (kept; no longer used for dedup) and fetch "
+                         "good copies from peers or the remote (--remote URL); exit 1 if versions stay damaged")
+    add("rm", _rm, "remove a version that cannot be repaired (refused while leased, and for the latest); "
+        "its objects go at the next gc").add_argument("version", type=_version_arg)
     add("du", _du, "logical vs stored bytes and the dedup ratio")
     sp = add("export", _export, "write a version as Hugging Face safetensors shards + index")
     sp.add_argument("version", type=_version_arg)
@@ -334,13 +374,20 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--delete", action="store_true")
     add("leases", _leases, "list live leases: which versions readers hold")
     sp = add("prune", _prune, "remove versions no keep flag keeps (flags compose: keep if any keeps); "
-             "the latest and leased versions are always kept")
+             "the latest, leased and tagged versions are always kept (tagged: unless --prune-tagged)")
     sp.add_argument("--keep-last", type=int, metavar="N")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
     sp.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
     sp.add_argument("--metric", metavar="NAME")
-    sp.add_argument("--mode", choices=("max", "min"), default="max")
-    sp.add_argument("--keep-tag", action="append", metavar="T", help="keep versions tagged T (repeatable)")
+    sp.add_argument("--mode", choices=("max", "min"), default=None,
+                    help="max: higher --metric is better; min: lower is. Needed unless the name says "
+                         "(loss, error, perplexity...: min; reward, accuracy, score...: max)")
+    sp.add_argument("--keep-tag", action="append", metavar="T",
+                    help="keep versions tagged T (repeatable; every tagged version is kept anyway "
+                         "unless --prune-tagged)")
+    sp.add_argument("--prune-tagged", action="store_true",
+                    help="tagged versions get no protection of their own: only --keep-tag and the "
+                         "other keep flags keep them")
     sp.add_argument("--keep-within", metavar="DURATION", help="e.g. 2h, 30m, 1d12h (from the newest version)")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     sp.add_argument("--tier", choices=("local", "remote"), default="local")
@@ -384,7 +431,7 @@ def _run(args: argparse.Namespace) -> int:
         if _needs_remote(args) and not args.remote:
             raise ParamStoreError(f"{args.command} needs a remote: pass --remote URL or set PARAMSTORE_REMOTE")
         with ParamStore(args.root, create=args.command == "serve", registry=args.registry, name=args.name,
-                        remote=args.remote if _needs_remote(args) else None) as store:
+                        remote=args.remote if _needs_remote(args) or _repairs(args) else None) as store:
             result, text, code = args.fn(store, args)
     except (ParamStoreError, OSError, lmdb.Error) as e:
         if args.json:

@@ -37,10 +37,11 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from .errors import WaitTimeoutError
+from .errors import StorageFullError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
-from .staging import Slab, SlabPool, address
+from .maintenance import reclaim_space
+from .staging import Slab, SlabPool, address, storage_error
 from .tensors import ST_TO_TORCH, Collected
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
@@ -59,6 +60,13 @@ OVERLAP_HASH_MIN_CPUS = 4
 #: Commits' worth of slabs the pool keeps prepared: commits in quick succession each find one
 #: faulted while the next is being prepared (or recycled).
 PREPARE_COPIES = 2
+#: How many times a commit that finds the filesystem full frees space and tries again before it
+#: fails with StorageFullError: it waits for the commit before it to be published, deletes the
+#: pool's spare slabs and has retention + GC run (see :meth:`Committer._reclaim`). Twice: a slab
+#: GC hands back to the pool may still be being checked for reuse at the first retry.
+RECLAIM_ATTEMPTS = 2
+#: Seconds a commit that found the filesystem full waits for one prune + gc run.
+RECLAIM_TIMEOUT_S = 120.0
 
 
 class CommitHandle:
@@ -144,7 +152,8 @@ class Committer:
 
     def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
                  *, gc_lock: Callable[[], ContextManager[None]], prepare_buffers: bool = True,
-                 on_commit: Callable[[Version, CommitHandle], None] | None = None) -> None:
+                 on_commit: Callable[[Version, CommitHandle], None] | None = None, writer: str = "") -> None:
+        self._writer = writer  # run id recorded with each version
         self._tier = tier
         self._gc_lock = gc_lock
         self._on_commit = on_commit
@@ -154,6 +163,7 @@ class Committer:
         self._prepare = prepare_buffers
         self._stock = PREPARE_COPIES  # commits' worth the pool may hold (prepare() may ask for more)
         self._layout: tuple[list[TensorSpec], list[ShardPlan]] = ([], [])
+        self._handed: CommitHandle | None = None  # the last commit the stager handed to the publisher
         self._stage_q: queue.Queue[_Job | None] = queue.Queue()
         # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
@@ -219,7 +229,7 @@ class Committer:
             sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
             # Device copies are still in flight when a shard's loop ends: those are hashed later.
             early = self._hash_early if self._early is not None and not job.ready_events else None
-            _copy_into_slabs(job, sources, self._pool, on_shard=early)
+            _copy_into_slabs(job, sources, lambda size: self._take(job, size), on_shard=early)
             job.collected = Collected(job.collected.specs, [], job.collected.aliases)  # drop refs
             job.handle.staged.set_result(None)
         except BaseException as e:  # noqa: BLE001 - delivered to the caller through the futures
@@ -228,7 +238,39 @@ class Committer:
                 slab.discard()
             _fail(job.handle, e)
             return
+        self._handed = job.handle
         self._publish_q.put(job)
+
+    def _take(self, job: _Job, size: int) -> Slab:
+        """A slab for ``job``'s next shard. On a full filesystem, free space (:meth:`_reclaim`) and
+        try again, up to :data:`RECLAIM_ATTEMPTS` times; then fail with a StorageFullError that
+        names what the rest of the commit needs."""
+        reclaimed = False
+        for attempt in range(RECLAIM_ATTEMPTS + 1):
+            try:
+                return self._pool.take(size)
+            except StorageFullError as e:
+                if attempt == RECLAIM_ATTEMPTS:
+                    need = sum(p.size for p in job.plans[len(job.slabs):])
+                    what = f"step {job.handle.step}" + (", after retention and GC ran," if reclaimed else "")
+                    raise storage_error(OSError(e.errno, os.strerror(e.errno or 0)), self._tier.tmp_dir,
+                                        need, what) from e
+                reclaimed = self._reclaim(job) or reclaimed
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reclaim(self, job: _Job) -> bool:
+        """Free space for ``job``, which found the filesystem full: wait until the commit before
+        it is published (only then may retention prune the version before that), delete the
+        pool's spare slabs (keeping those of ``job``'s remaining shards) and have this process's
+        retention thread, if any, run prune + gc now. Returns whether retention ran.
+
+        No lock is held here: GC takes the GC lock exclusive, which a publishing commit holds
+        shared, and the publisher never waits for the stager."""
+        previous = self._handed
+        if previous is not None:
+            futures.wait([previous.committed])
+        self._pool.shed([p.size for p in job.plans[len(job.slabs):]])
+        return reclaim_space(self._tier.tmp_dir, RECLAIM_TIMEOUT_S)
 
     def _hash_early(self, job: _Job, i: int, plan: ShardPlan, slab: Slab) -> None:
         # Shard i is copied: its tensors go to the hash threads now (whole tensors; the small ones
@@ -350,6 +392,7 @@ class Committer:
             tags=tuple(sorted(set(job.tags))),
             metrics=job.metrics,
             metadata=job.metadata,
+            writer=self._writer,
         )
         # Index what this commit stored (also bytes known only at an offset misaligned for their dtype).
         new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
@@ -380,10 +423,10 @@ def _entry(p: Placement, digest: str, loc: TensorLocation) -> TensorEntry:
     return TensorEntry(p.spec.dtype, p.spec.shape, digest, loc.object, loc.offset, p.nbytes)
 
 
-def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], pool: SlabPool,
+def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Callable[[int], Slab],
                      on_shard: Callable[[_Job, int, ShardPlan, Slab], None] | None = None) -> None:
-    """Take a slab per shard, write its header and copy every tensor into place; then
-    ``on_shard(job, i, plan, slab)`` for each shard as soon as its copies are done.
+    """Take a slab per shard (``take(size)``), write its header and copy every tensor into place;
+    then ``on_shard(job, i, plan, slab)`` for each shard as soon as its copies are done.
 
     Device tensors are copied with ``non_blocking=True`` on one side stream per device, ordered
     after the work the caller had queued when it called ``commit`` (``job.ready_events``), and all
@@ -395,7 +438,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], pool: SlabP
         streams[dev].wait_event(event)
     try:
         for i, plan in enumerate(job.plans):
-            slab = pool.take(plan.size)
+            slab = take(plan.size)
             job.slabs.append(slab)
             slab.map[: len(plan.header)] = plan.header
             buf = torch.frombuffer(slab.map, dtype=torch.uint8)

@@ -98,8 +98,8 @@ class UnsafeStoreError(ParamStoreError, PermissionError):
 
 
 class WriterConflictError(ParamStoreError, RuntimeError):
-    """Another trainer (another writer id) owns this store; pass ``takeover=True`` (CLI
-    ``--takeover``) to take it over explicitly."""
+    """Another live trainer (another run id) writes this store; pass ``takeover=True`` to take it
+    over explicitly (see :mod:`paramstore.writer`)."""
 
 
 class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):

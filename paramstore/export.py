@@ -2,8 +2,17 @@
 
 The result loads with ``safetensors.torch.load_file`` (each shard) and with ``transformers``'
 ``from_pretrained(dir)``. Bytes are streamed from the store's objects into the shards: no torch, no
-full copy in memory. Each file is written under a temporary name and renamed into place. Tied names
-are written as separate tensors (safetensors cannot alias).
+full copy in memory. Each file is written under a temporary name and renamed into place.
+
+Tied weights (names that shared one storage at commit: the manifest's aliases) are written once,
+under the name the store keeps for the group (the smallest name), and only that name is in the
+index's ``weight_map``; the index's ``metadata.paramstore_aliases`` maps each tied name left out to
+it. This is what ``save_pretrained`` does too (safetensors cannot alias; it writes one name of a
+tied group and ``from_pretrained`` re-ties the others), though it may keep another name of the
+group: for GPT-2 it keeps ``transformer.wte.weight`` where the store keeps ``lm_head.weight``.
+``from_pretrained`` loads either (transformers 5 checked), for a model that ties these weights
+(``tie_word_embeddings``). A loader that does not re-tie (``load_file`` then ``load_state_dict``)
+must copy the tied names from ``paramstore_aliases``.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
             m.close()
         raise
 
-    names = man.names()
+    names = sorted(man.tensors)  # not the aliases: a tied tensor is written once (module docstring)
     shards: list[list[str]] = [[]]
     filled = 0
     for n in names:
@@ -74,7 +83,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
 
     weight_map: dict[str, str] = {}
     try:
-        with progress(man.nbytes + sum(man.entry(a).nbytes for a in man.aliases), f"export {step}",
+        with progress(man.nbytes, f"export {step}",
                       enabled=show_progress) as bar:
             for fname, group in zip(files, shards):
                 plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group])
@@ -96,7 +105,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
             m.close()
     index = {
         "metadata": {"total_size": sum(man.entry(n).nbytes for n in names), "paramstore_step": step,
-                     "paramstore_digest": version.digest},
+                     "paramstore_digest": version.digest, "paramstore_aliases": dict(sorted(man.aliases.items()))},
         "weight_map": weight_map,
     }
     tmp = os.path.join(directory, INDEX_NAME + ".partial")

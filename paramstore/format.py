@@ -167,10 +167,11 @@ def parse_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict]]:
     (``__metadata__`` removed). Raises ``ValueError`` on a malformed header.
     """
     if len(buf) < 8:
-        raise ValueError("file too short for a safetensors header")
+        raise ValueError(f"file too short for a safetensors header ({len(buf)} bytes): truncated")
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > len(buf) - 8 or n > 100_000_000:
-        raise ValueError(f"safetensors header length {n} exceeds the file")
+        raise ValueError(f"safetensors header length {n} exceeds the file ({len(buf)} bytes): truncated, or not "
+                         "a safetensors file")
     try:
         entries = json.loads(bytes(buf[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -232,6 +233,8 @@ def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tu
         if b != pos or e < b:
             raise ValueError("data offsets do not tile the file")
         pos = e
+    if pos > size:
+        raise ValueError(f"truncated: its tensors end at byte {pos}, the file at byte {size}")
     if pos != size:
         raise ValueError(f"{size - pos} bytes past the last tensor")
     return start, spans

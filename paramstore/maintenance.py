@@ -18,7 +18,8 @@
   the remote's exclusive lock, so it never runs while a push or pull is in progress (see
   :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
 * :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``),
-  and remote prune + gc after each version persisted to the remote.
+  and remote prune + gc after each version persisted to the remote. A commit that finds the
+  filesystem full asks it for a run and waits (:func:`reclaim_space`) before it gives up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from .remote import Remote
 
 __all__ = ["PruneReport", "GcReport", "prune", "gc", "prune_remote", "gc_remote", "Maintainer",
-           "tier_policies", "TIERS"]
+           "reclaim_space", "tier_policies", "TIERS"]
 
 #: Tiers a retention policy can name: ``"local"`` (shared memory) and ``"remote"`` (S3...).
 TIERS = ("local", "remote")
@@ -218,6 +220,8 @@ class Maintainer:
 
     :meth:`poke` (after each commit) asks for prune + gc of the local tier; :meth:`poke_remote`
     (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
+    :meth:`reclaim` (a commit that found the filesystem full: see :func:`reclaim_space`) asks for a
+    local run and waits for it.
     Errors are reported once as warnings and kept in ``last_error``; the next poke retries.
     """
 
@@ -234,8 +238,16 @@ class Maintainer:
         self._idle.set()
         self.last_error: BaseException | None = None
         self.runs = 0  # completed runs, for monitoring
+        # Local runs asked for / finished (under _cond): reclaim() waits for a run asked after it.
+        self._local_asked = 0
+        self._local_done = 0
         self._thread = threading.Thread(target=self._loop, name="paramstore-retention", daemon=True)
         self._thread.start()
+        tmp_dir = getattr(getattr(root, "tier", None), "tmp_dir", None)
+        self._tmp_dir = os.path.realpath(tmp_dir) if isinstance(tmp_dir, str) else None
+        if self._tmp_dir is not None:
+            with _maintainers_lock:
+                _maintainers.setdefault(self._tmp_dir, weakref.WeakSet()).add(self)
 
     def poke(self, *_: object) -> None:
         """Ask for a run on the local tier (called after each commit)."""
@@ -246,13 +258,34 @@ class Maintainer:
         if self._remote is not None:
             self._ask("remote")
 
-    def _ask(self, tier: str) -> None:
+    def _ask(self, tier: str) -> int | None:
+        # Returns the number of the local run that will serve this ask (None: closed, or remote).
         with self._cond:
             if self._stop:  # closed: nobody would run it (and wait_idle would never return)
-                return
+                return None
             self._idle.clear()
             self._pending.add(tier)
-            self._cond.notify()
+            self._cond.notify_all()  # the loop (reclaim() callers wait on the same condition)
+            if tier == "local":
+                self._local_asked += 1
+                return self._local_asked
+            return None
+
+    def reclaim(self, timeout: float | None = None) -> bool:
+        """Run prune + gc of the local tier now and wait for it: a commit that found the
+        filesystem full calls this before it gives up (retention otherwise runs only after a
+        successful commit). A run already in progress does not count (it may have looked at the
+        registry before the latest commit). True when a run asked for after this call finished
+        within ``timeout`` seconds (its errors are in ``last_error``); False if not, or if closed.
+
+        Must not be called with the GC lock held (GC takes it exclusive)."""
+        if threading.current_thread() is self._thread:  # from a run: nothing to wait for
+            return False
+        ticket = self._ask("local")
+        if ticket is None:
+            return False
+        with self._cond:
+            return self._cond.wait_for(lambda: self._local_done >= ticket, timeout)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no run is pending or in progress."""
@@ -267,6 +300,7 @@ class Maintainer:
                     self._idle.set()
                     return
                 pending, self._pending = self._pending, set()
+                serving = self._local_asked  # every local ask so far is served by this run
             error = None  # reported once, retried on the next poke
             for tier in sorted(pending):
                 error = self._run(tier) or error
@@ -275,6 +309,9 @@ class Maintainer:
             self.last_error = error
             with self._cond:
                 self.runs += 1
+                if "local" in pending:
+                    self._local_done = serving
+                    self._cond.notify_all()  # reclaim()
                 if not self._pending:  # else a poke came during the run: run again first
                     self._idle.set()
 
@@ -302,5 +339,37 @@ class Maintainer:
         """Finish the current run and any run asked for, then stop."""
         with self._cond:
             self._stop = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
+        with self._cond:  # a reclaim() still waiting: nothing more will run
+            self._local_done = self._local_asked
+            self._cond.notify_all()
+        if self._tmp_dir is not None:
+            with _maintainers_lock:
+                _maintainers.get(self._tmp_dir, weakref.WeakSet()).discard(self)
+
+
+_maintainers: dict[str, "weakref.WeakSet[Maintainer]"] = {}  # realpath of a tier's tmp/ -> open Maintainers
+_maintainers_lock = threading.Lock()
+
+
+def reclaim_space(tmp_dir: str, timeout: float | None = None) -> bool:
+    """Ask every open :class:`Maintainer` of this process whose local tier stages into
+    ``tmp_dir`` to run prune + gc now, and wait for them (see :meth:`Maintainer.reclaim`).
+    False if there is none (no retention configured) or a run did not finish in time."""
+    with _maintainers_lock:
+        found = list(_maintainers.get(os.path.realpath(tmp_dir), ()))
+    ran = False
+    for m in found:
+        ran = m.reclaim(timeout) or ran
+    return ran
+
+
+def _forget_maintainers_in_child() -> None:
+    # A forked child has no retention thread of its parent's (and the lock may have been held).
+    global _maintainers_lock
+    _maintainers_lock = threading.Lock()
+    _maintainers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_maintainers_in_child)

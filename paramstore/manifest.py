@@ -18,9 +18,13 @@ from typing import Any, Mapping
 
 import blake3
 
-from .errors import ParamStoreError
+from .errors import CorruptObjectError, ParamStoreError
+from .format import ITEMSIZE
+from .validate import check_name
 
-__all__ = ["TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT"]
+from paramstore.backends.tiers.base import check_digest
+
+__all__ = ["TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "check_manifest"]
 
 MANIFEST_FORMAT = 1
 _VERSION_DOMAIN = b"paramstore/version/v1\0"
@@ -49,8 +53,24 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TensorEntry":
+        """Parse and check an entry's fields: a dtype string, a shape of ints >= 0, both digests 64
+        lowercase hex digits (so ``object`` can never name a path), an offset and a length >= 0.
+        Raises CorruptObjectError. (Whether the length fits the dtype and shape, and the entry its
+        object: :func:`check_manifest`.)"""
         _expect_keys("tensor entry", d, {"dtype", "shape", "digest", "object", "offset", "nbytes"})
-        return cls(d["dtype"], tuple(d["shape"]), d["digest"], d["object"], d["offset"], d["nbytes"])
+        dtype, shape = d["dtype"], d["shape"]
+        if not isinstance(dtype, str) or not dtype:
+            raise CorruptObjectError(f"tensor entry has a bad dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_count(n) for n in shape):
+            raise CorruptObjectError(f"tensor entry has a bad shape {shape!r}: expected a list of ints >= 0")
+        try:
+            check_digest(d["digest"])
+            check_digest(d["object"])
+        except ParamStoreError as e:
+            raise CorruptObjectError(f"tensor entry: {e}") from None
+        if not _count(d["offset"]) or not _count(d["nbytes"]):
+            raise CorruptObjectError(f"tensor entry has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
+        return cls(dtype, tuple(shape), d["digest"], d["object"], d["offset"], d["nbytes"])
 
 
 @dataclass(frozen=True)
@@ -95,13 +115,28 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Manifest":
+        """Parse and check a manifest (see :meth:`TensorEntry.from_json`; names are valid, each alias
+        names a stored tensor and is not one). Raises CorruptObjectError, or ParamStoreError for a
+        format this paramstore does not read."""
         _expect_keys("manifest", d, {"format", "tensors", "aliases"})
         if d["format"] != MANIFEST_FORMAT:
             raise ParamStoreError(
                 f"manifest format {d['format']} is not supported by this paramstore "
                 f"(expects {MANIFEST_FORMAT}); upgrade paramstore"
             )
-        tensors = {n: TensorEntry.from_json(e) for n, e in d["tensors"].items()}
+        if not isinstance(d["tensors"], dict) or not isinstance(d["aliases"], dict):
+            raise CorruptObjectError("manifest: 'tensors' and 'aliases' must be JSON objects")
+        tensors = {}
+        for n, e in d["tensors"].items():
+            _check_name(n)
+            try:
+                tensors[n] = TensorEntry.from_json(e)
+            except CorruptObjectError as err:
+                raise CorruptObjectError(f"manifest entry {n!r}: {err}") from None
+        for a, n in d["aliases"].items():
+            _check_name(a)
+            if not isinstance(n, str) or n not in tensors or a in tensors:
+                raise CorruptObjectError(f"manifest alias {a!r} -> {n!r} does not name a stored tensor")
         return cls(tensors, dict(d["aliases"]))
 
 
@@ -118,6 +153,7 @@ class Version:
         nbytes: logical size, bytes of every tensor (aliases not counted twice).
         digest: content digest of the whole version (names, dtypes, shapes, bytes).
         num_tensors: number of names, aliases included.
+        writer: run id of the trainer that committed it ("" for versions written before 0.2).
     """
 
     step: int
@@ -128,6 +164,7 @@ class Version:
     tags: tuple[str, ...] = ()
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    writer: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """JSON form. Tags are not stored with the version (they move); they are joined on read."""
@@ -139,7 +176,7 @@ class Version:
             "num_tensors": self.num_tensors,
             "metrics": dict(self.metrics),
             "metadata": dict(self.metadata),
-        }
+        } | ({"writer": self.writer} if self.writer else {})
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form with tags, as the CLI prints it."""
@@ -147,9 +184,24 @@ class Version:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], tags: tuple[str, ...] = ()) -> "Version":
-        _expect_keys(
+        """Parse and check a version record (field types, a 64-hex digest). Raises CorruptObjectError."""
+        _expect_keys(  # "writer" is optional: versions written before 0.2 have none
             "version", d, {"step", "created_at", "nbytes", "digest", "num_tensors", "metrics", "metadata"}
+            | ({"writer"} & set(d))
         )
+        if not isinstance(d.get("writer", ""), str) or len(d.get("writer", "")) > 128:
+            raise CorruptObjectError(f"version record has a bad writer {d.get('writer')!r}")
+        if not (_count(d["step"]) and _count(d["nbytes"]) and _count(d["num_tensors"])):
+            raise CorruptObjectError(f"version record has a bad step, nbytes or num_tensors: {d['step']!r}, "
+                                     f"{d['nbytes']!r}, {d['num_tensors']!r}")
+        if isinstance(d["created_at"], bool) or not isinstance(d["created_at"], (int, float)):
+            raise CorruptObjectError(f"version record has a bad created_at {d['created_at']!r}")
+        if not isinstance(d["metrics"], dict) or not isinstance(d["metadata"], dict):
+            raise CorruptObjectError("version record: metrics and metadata must be JSON objects")
+        try:
+            check_digest(d["digest"])
+        except ParamStoreError as e:
+            raise CorruptObjectError(f"version record: bad version digest: {e}") from None
         return cls(
             step=d["step"],
             created_at=d["created_at"],
@@ -159,11 +211,65 @@ class Version:
             tags=tags,
             metrics=d["metrics"],
             metadata=d["metadata"],
+            writer=d.get("writer", ""),
         )
+
+
+def check_manifest(manifest: Manifest, version: Version, sizes: Mapping[str, int] | None = None, *,
+                   where: str = "") -> None:
+    """Raise CorruptObjectError unless ``manifest`` is the one ``version`` names, and lies in ``sizes``.
+
+    Checks the version digest (names, dtypes, shapes, tensor digests and aliases), the logical size
+    and the tensor count. With ``sizes`` (object digest -> size, e.g. a remote record's), also the
+    layout: the manifest references exactly those objects, every dtype is one paramstore stores,
+    every length is the shape's element count times the item size, and every entry lies inside
+    its object, past the 8-byte header length, at an offset aligned for its dtype. ``where`` (a
+    URL, a key) is named in the message. For a manifest read from another host, bucket or
+    registry, before use.
+    """
+    at = f" ({where})" if where else ""
+    got = manifest.digest()
+    if got != version.digest:
+        raise CorruptObjectError(f"the manifest of version {version.step}{at} hashes to {got[:16]}…, but the "
+                                 f"version's digest is {version.digest[:16]}…: tampered or mixed up")
+    count = len(manifest.tensors) + len(manifest.aliases)
+    if manifest.nbytes != version.nbytes or count != version.num_tensors:
+        raise CorruptObjectError(f"the manifest of version {version.step}{at} holds {count} names and "
+                                 f"{manifest.nbytes} bytes; the version says {version.num_tensors} and "
+                                 f"{version.nbytes}")
+    if sizes is None:
+        return
+    if set(sizes) != manifest.objects():
+        raise CorruptObjectError(f"version {version.step}{at}: its record lists other objects than its manifest")
+    for name, e in manifest.tensors.items():
+        want = ITEMSIZE.get(e.dtype, 0)
+        for n in e.shape:
+            want *= n
+        if e.dtype not in ITEMSIZE or e.nbytes != want:
+            raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} of dtype {e.dtype!r} and shape "
+                                     f"{list(e.shape)} says {e.nbytes} bytes (an unknown dtype, or not {want})")
+        if e.offset < 8 or e.offset + e.nbytes > sizes[e.object] or e.offset % ITEMSIZE[e.dtype]:
+            raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} at [{e.offset}, "
+                                     f"{e.offset + e.nbytes}) does not lie in object {e.object[:16]}… of "
+                                     f"{sizes[e.object]} bytes (aligned for {e.dtype})")
+
+
+def _count(n: Any) -> bool:
+    """Whether ``n`` is an int >= 0 (a bool is not)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _check_name(name: Any) -> None:
+    try:
+        check_name(name)
+    except ParamStoreError as e:
+        raise CorruptObjectError(f"manifest: {e}") from None
 
 
 def _expect_keys(what: str, d: Mapping[str, Any], keys: set[str]) -> None:
     # Never silently skip an unknown field: a newer writer may have meant something by it.
+    if not isinstance(d, Mapping):
+        raise CorruptObjectError(f"{what} record is not a JSON object: {type(d).__name__}")
     have = set(d)
     if have != keys:
         missing, unknown = sorted(keys - have), sorted(have - keys)

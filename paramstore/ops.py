@@ -1,20 +1,47 @@
-"""Whole-store operations: verify, du, diff (``ParamStore.verify/du/diff`` delegate here). Only
-``diff`` imports torch.
+"""Whole-store operations: verify (and repair), remove a version, du, diff
+(``ParamStore.verify/remove/du/diff`` delegate here). Only ``diff`` imports torch.
 
-Each returns a plain dict (what the CLI's ``--json`` prints).
+Each returns a plain dict (what the CLI's ``--json`` prints), but :func:`remove_version`.
+
+Damage and what is done about it:
+
+* :func:`verify` re-hashes objects and reports what is ``corrupt`` or ``missing``, which versions
+  are damaged, and (``advice``) what to run next.
+* :func:`quarantine` moves damaged objects to ``<root>/quarantine/`` (renamed, kept for forensics)
+  and drops their tensor-index entries, so that no later commit deduplicates against them: the next
+  commit of the same weights writes fresh bytes.
+* :func:`repair` (``verify(repair=True)``) quarantines, then fetches good copies from peers or the
+  remote (each re-hashed before it is placed) and reports the versions that stay damaged.
+* :func:`remove_version` removes such a version (``paramstore rm``); GC reclaims its objects.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .errors import CorruptObjectError, ObjectUnavailableError, VersionNotFoundError
+from paramstore.backends.registries.lmdb import LmdbRegistry
+
+from .errors import (
+    CorruptObjectError,
+    CorruptStoreError,
+    InvalidArgumentError,
+    ObjectUnavailableError,
+    ParamStoreError,
+    RemoteError,
+    TransferError,
+    VersionNotFoundError,
+)
 from .format import rehash
+from .manifest import Manifest, Version
 from .progress import progress
 from .root import StoreRoot
 
-__all__ = ["verify", "du", "diff", "hash_object"]
+if TYPE_CHECKING:
+    from .checkout import Fetcher
+
+__all__ = ["verify", "repair", "quarantine", "remove_version", "read_manifest", "check_buffer", "du", "diff",
+           "hash_object"]
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
@@ -45,7 +72,10 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     Reports ``corrupt`` objects (bytes do not match the name, or a tensor's digest differs from its
     manifest), ``missing`` objects, and, for a whole-store check, ``orphans`` (objects no version
     references) and ``leftovers`` (files in ``tmp/``: an in-flight commit's, or a crash's).
-    ``ok`` is False when anything is corrupt or missing. Each version is leased while its objects
+    ``ok`` is False when anything is corrupt or missing. ``unreadable_manifests`` (step -> why)
+    lists versions whose manifest cannot be parsed (damaged registry). ``advice`` says what to run
+    next (empty when all is well): ``paramstore verify --repair`` (see :func:`repair`). Each
+    version is leased while its objects
     are hashed, one version at a time (a trainer's ``wait_for_readers`` is held up by one version,
     never by the whole run); a version pruned before its turn is skipped in a whole-store check.
     ``show_progress``: None shows a bar when stderr is a terminal.
@@ -57,6 +87,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}
     results: dict[str, tuple[str, dict[tuple[int, int], str]] | str | None] = {}  # None: missing
     selected: list[int] = []
+    unreadable: dict[int, str] = {}
     sizes = root.tier.sizes({o for s in wanted for o in _objects_of(root, s)})  # for the bar and the report
     with progress(sum(sizes.values()), "verify", enabled=show_progress) as bar:
         for s in wanted:
@@ -64,7 +95,12 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                 if not held:
                     continue
                 selected.append(s)
-                for name, e in reg.get_manifest(s).tensors.items():
+                try:
+                    manifest = read_manifest(root, s)
+                except CorruptStoreError as e:
+                    unreadable[s] = str(e)
+                    continue
+                for name, e in manifest.tensors.items():
                     refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
                     if e.object not in results:
                         results[e.object] = _hash_or_why(root, e.object)
@@ -83,14 +119,21 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                 if bad:
                     corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
     checked = [o for o, r in results.items() if r is not None]
+    damaged = sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]} | set(unreadable))
     report: dict[str, Any] = {
-        "ok": not corrupt and not missing,
+        "ok": not corrupt and not missing and not unreadable,
         "versions_checked": len(selected),
         "objects_checked": len(checked),
         "bytes_checked": sum(sizes.get(o, 0) for o in checked),
         "corrupt": corrupt,
         "missing": missing,
-        "damaged_versions": sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]}),
+        "unreadable_manifests": unreadable,
+        "damaged_versions": damaged,
+        "advice": "" if not damaged else (
+            "run `paramstore verify --repair` (store.verify(repair=True)): it moves damaged objects to "
+            f"{os.path.join(root.path, 'quarantine')} so that no commit reuses them, and fetches good copies "
+            "from peers or the remote (--remote URL); checking out a damaged version meanwhile serves wrong "
+            "weights unless checkout(verify=True)"),
     }
     if whole:
         report["orphans"] = sorted(set(root.tier.list()) - set(refs))
@@ -100,9 +143,42 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
 
 def _objects_of(root: StoreRoot, step: int) -> set[str]:
     try:
-        return set(root.registry.get_manifest(step).objects())
-    except VersionNotFoundError:
+        return set(read_manifest(root, step).objects())
+    except (VersionNotFoundError, CorruptStoreError):
         return set()
+
+
+def read_manifest(root: StoreRoot, step: int) -> Manifest:
+    """The manifest of ``step``; CorruptStoreError (naming the registry's file) if it cannot be parsed.
+
+    Raises VersionNotFoundError if the version does not exist.
+
+    Example:
+        >>> from paramstore.ops import read_manifest
+        >>> sorted(read_manifest(store._root, 1).names())
+        ['0.bias', '0.weight', '2.bias', '2.weight']
+    """
+    try:
+        return root.registry.get_manifest(step)
+    except CorruptObjectError as e:  # JSON, but not a valid manifest (Manifest.from_json)
+        if not isinstance(root.registry, LmdbRegistry):
+            raise  # received from a shared registry: as the registry reports it
+        raise CorruptStoreError(f"the manifest of version {step} in {_registry_file(root)} is damaged ({e}): "
+                                f"remove the version (`paramstore rm {step}`) or restore the store from its "
+                                "remote (`paramstore pull`)") from None
+    except ParamStoreError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a manifest's JSON
+        raise CorruptStoreError(f"the manifest of version {step} in {_registry_file(root)} is damaged "
+                                f"({type(e).__name__}: {e}): remove the version (`paramstore rm {step}`) or "
+                                "restore the store from its remote (`paramstore pull`)") from None
+
+
+def _registry_file(root: StoreRoot) -> str:
+    """Where the registry keeps its records: a file of this host, or a server's URL."""
+    if isinstance(root.registry, LmdbRegistry):
+        return os.path.join(root.path, "meta", "data.mdb")
+    return f"the registry at {getattr(root.registry, 'url', type(root.registry).__name__)}"
 
 
 def _hash_or_why(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]] | str | None:
@@ -113,6 +189,161 @@ def _hash_or_why(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int
         return None
     except CorruptObjectError as e:
         return str(e)
+
+
+def check_buffer(digest: str, buf: memoryview, tensors: Mapping[tuple[int, int], str]) -> str | None:
+    """Why the bytes ``buf`` are not object ``digest`` holding ``tensors`` (span -> tensor digest),
+    or None if they are. One blake3 pass over ``buf``.
+
+    Example:
+        >>> from paramstore.format import layout, TensorSpec, tensor_digest, object_digest
+        >>> plan = layout([TensorSpec("w", "U8", (4,))])
+        >>> data = plan.header + bytes([1, 2, 3, 4])
+        >>> span = (len(plan.header), len(data))
+        >>> good = object_digest(plan.header, [tensor_digest(bytes([1, 2, 3, 4]))])
+        >>> check_buffer(good, memoryview(data), {span: tensor_digest(bytes([1, 2, 3, 4]))}) is None
+        True
+        >>> check_buffer(good, memoryview(data[:-1] + b"\\xff"), {}).startswith("bytes hash to ")
+        True
+        >>> check_buffer(good, memoryview(data[:-1]), {})
+        'malformed (truncated: its tensors end at byte 68, the file at byte 67)'
+    """
+    try:
+        got, digests = rehash(buf)
+    except ValueError as e:
+        return f"malformed ({e})"
+    if got != digest:
+        return f"bytes hash to {got}"
+    bad = [f"{b}..{e}" for (b, e), d in sorted(tensors.items()) if digests.get((b, e)) != d]
+    return f"tensor digests differ from the manifest at bytes {', '.join(bad[:5])}" if bad else None
+
+
+def quarantine(root: StoreRoot, digests: Iterable[str]) -> dict[str, str]:
+    """Move damaged objects to ``<root>/quarantine/`` and keep commits from deduplicating against them.
+
+    Each file is renamed, never deleted (:meth:`LocalTier.quarantine`); readers mapping it keep
+    their pages. With the host's own (LMDB) registry their records and tensor-index entries are
+    dropped (:meth:`Registry.forget_objects`), so the next commit of the same weights writes
+    fresh bytes. With a registry shared by hosts the records stay (other hosts may hold good
+    copies, and peers fetch by them): a commit deduplicates only against objects present on its
+    own host, and the file is gone from here. Runs under the GC lock (exclusive), so no commit is
+    between its dedup lookup and its publish. Returns ``{digest: new path}`` for the files moved.
+
+    Example:
+        >>> from paramstore.ops import quarantine
+        >>> digest = sorted(store.manifest(1).objects())[0]
+        >>> moved = quarantine(store._root, [digest])
+        >>> os.path.basename(os.path.dirname(moved[digest])), store.verify()["missing"] == [digest]
+        ('quarantine', True)
+    """
+    digests = sorted(set(digests))
+    moved: dict[str, str] = {}
+    with root.gc_lock(exclusive=True):
+        for d in digests:
+            path = root.tier.quarantine(d)
+            if path is not None:
+                moved[d] = path
+        if digests and isinstance(root.registry, LmdbRegistry):
+            root.registry.forget_objects(set(digests))
+    return moved
+
+
+def repair(root: StoreRoot, fetcher: "Fetcher", report: dict[str, Any]) -> dict[str, Any]:
+    """Act on a :func:`verify` report: quarantine, re-fetch, and say what stays damaged.
+
+    Objects whose bytes do not match their digest (re-hashed once more here) are quarantined
+    (:func:`quarantine`). Then each damaged version is leased and its missing objects are fetched
+    from peers, then the remote (``fetcher``: the checkout path's, which re-hashes every object
+    before placing it). Adds to ``report`` (and returns it): ``quarantined`` (digest -> path),
+    ``restored`` (digests fetched), ``unrepaired`` (step -> why) and ``ok``/``advice`` for the
+    state *after* the repair. A version whose manifest disagrees with an intact object, or that
+    no peer or remote holds, stays damaged: remove it with :func:`remove_version`.
+    """
+    tier = root.tier
+    bad_bytes = []
+    for o in report["corrupt"]:
+        r = _hash_or_why(root, o)
+        if isinstance(r, str) or (r is not None and r[0] != o):
+            bad_bytes.append(o)
+    quarantined = quarantine(root, bad_bytes)
+    restored: set[str] = set()
+    unrepaired: dict[int, str] = dict(report.get("unreadable_manifests", {}))
+    unfetched: dict[int, set[str]] = {}  # a version another version's fetch may still have completed
+    for s in report["damaged_versions"]:
+        if s in unrepaired:
+            continue
+        with root.leased([s], skip_missing=True) as held:
+            if not held:
+                continue  # removed meanwhile: nothing left to repair
+            try:
+                manifest = read_manifest(root, s)
+            except (CorruptObjectError, CorruptStoreError) as e:
+                unrepaired[s] = str(e)
+                continue
+            try:
+                restored.update(fetcher.fetch(s, manifest).fetched)
+            except (CorruptObjectError, RemoteError, TransferError) as e:  # unavailable, or a bad copy
+                unrepaired[s] = str(e)
+                unfetched[s] = manifest.objects()
+                continue
+            intact = [o for o in report["corrupt"] if o not in bad_bytes and o in manifest.objects()]
+            if intact:
+                unrepaired[s] = (f"its manifest disagrees with intact object {intact[0]} "
+                                 f"({report['corrupt'][intact[0]]}): the registry's record is damaged")
+            elif any(not tier.exists(o) for o in manifest.objects()):
+                unrepaired[s] = "some of its objects are still missing"
+    for s, objects in unfetched.items():  # an object shared with a version fetched later is here now
+        if all(tier.exists(o) for o in objects):
+            del unrepaired[s]
+    report.update(
+        quarantined=quarantined, restored=sorted(restored), unrepaired=dict(sorted(unrepaired.items())),
+        ok=not unrepaired,
+        advice="" if not unrepaired else (
+            f"no peer or remote holds a good copy of version{'s' if len(unrepaired) > 1 else ''} "
+            f"{', '.join(map(str, sorted(unrepaired)))}: remove "
+            + ("them" if len(unrepaired) > 1 else "it") + " with "
+            + " and ".join(f"`paramstore rm {s}`" for s in sorted(unrepaired))
+            + " (store.remove(step); objects go at the next `paramstore gc`; the latest "
+            "version can be removed once a newer one is committed), or open the store with --remote URL of a "
+            "remote that has " + ("them" if len(unrepaired) > 1 else "it") + " and repair again"),
+    )
+    return report
+
+
+def remove_version(root: StoreRoot, step: int) -> Version:
+    """Remove version ``step`` from this store (its manifest, tags and persisted mark), for good.
+
+    For a version that cannot be repaired. Refused (InvalidArgumentError) while a reader holds a
+    lease on it (the message names the holders: close their snapshots or stop them first) and for
+    the latest version (the registry always keeps it: commit a newer one first). Objects are not
+    touched: the next GC deletes those no other version references. A remote keeps its copy
+    (``prune --tier remote`` removes remote versions). Raises VersionNotFoundError if there is none.
+    Returns the removed version's record.
+
+    Example:
+        >>> from paramstore.ops import remove_version
+        >>> _ = store.commit(2, model).result()
+        >>> remove_version(store._root, 1).step, [v.step for v in store.versions()]
+        (1, [2])
+    """
+    reg = root.registry
+    version = reg.get_version(step)
+    for _ in range(2):  # the checks, then the transaction re-checks them; one retry for a race
+        holders = [lease for lease in reg.leases() if lease.step == step]
+        if holders:
+            who = "; ".join(f"{lease.holder!r} (pid {lease.pid} on {lease.host})" for lease in holders)
+            raise InvalidArgumentError(f"version {step} is in use: leased by {who}; close those snapshots (or stop "
+                                       "those processes) and remove it again")
+        if reg.latest_step() == step:
+            raise InvalidArgumentError(f"version {step} is the latest, which the store always keeps: commit a newer "
+                                       f"version (the correct weights, say), then remove {step}")
+        if step in reg.remove_versions([step]):
+            return version
+        try:
+            reg.get_version(step)
+        except VersionNotFoundError:
+            return version  # removed by someone else meanwhile
+    raise InvalidArgumentError(f"version {step} could not be removed: it was leased again meanwhile")
 
 
 def du(root: StoreRoot) -> dict[str, Any]:
@@ -143,6 +374,9 @@ def diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     """Tensors added, removed and changed from version ``a`` to ``b``, with bytes and max |Δ|.
 
     ``max_abs_diff`` is given for changed tensors of the same dtype and shape (floating or integer).
+    Every name is listed, tied names (aliases) included, but ``changed_bytes`` and ``added_bytes``
+    count the bytes of each distinct tensor digest once: a tied embedding and output projection
+    are one tensor, stored and moved once.
     """
     with root.leased(sorted({a, b})):
         return _diff(root, a, b)
@@ -185,8 +419,9 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
         "removed": sorted(na - nb),
         "changed": changed,
         "unchanged": len(na & nb) - len(changed),
-        "changed_bytes": sum(c["nbytes"] for c in changed),
-        "added_bytes": sum(mb.entry(n).nbytes for n in nb - na),
+        # once per distinct digest (tied names share one; so do equal tensors, stored once)
+        "changed_bytes": sum({mb.entry(c["name"]).digest: c["nbytes"] for c in changed}.values()),
+        "added_bytes": sum({mb.entry(n).digest: mb.entry(n).nbytes for n in nb - na}.values()),
         "digest_from": va.digest,
         "digest_to": vb.digest,
     }

@@ -2,29 +2,69 @@
 
 The :class:`Persister` takes a local lease on a version the moment it is committed (so local
 retention cannot prune it before it is durable remotely), then pushes versions in commit order on
-one thread. Transient failures (the endpoint down, timeouts, server errors) are retried with
-exponential backoff for up to ``retry_for`` seconds; refusals (missing bucket, access denied)
-fail at once. Either way the version stays usable locally, ``ls`` shows it as not persisted, and
-the error is on ``handle.persisted``. No torch.
+one thread. Three rules keep a slow or absent remote from filling shared memory:
+
+* **A bounded backlog.** Besides the version being pushed, at most ``backlog`` versions wait
+  (with their leases). When one more is committed, the *oldest* waiting version is skipped: it
+  leaves the queue, its lease is released so local retention may prune it, a RuntimeWarning says
+  so, and its ``handle.persisted`` fails with a RemoteError saying it was skipped because of the
+  backlog (during an outage, or because commits outpace uploads). The newest versions are the
+  ones kept and retried. So at most ``backlog + 1`` versions are held for the uploader.
+* **One retry loop for the whole queue.** Transient failures (the endpoint down, timeouts,
+  server errors) are retried with exponential backoff (0.5 s doubling to 30 s), always on the
+  oldest waiting version; each version gives up ``retry_for`` seconds after it was queued (its
+  future fails with the last error), so a long outage fails a backlog at once, not one
+  ``retry_for`` after another. Refusals (missing bucket, access denied) fail that version at once.
+* **Resume.** A store opened with a remote queues, in the background, the uploads a previous run
+  left unfinished: local versions not marked persisted for this remote, whose objects are on this
+  host, at or above the remote's newest step (older ones were skipped or failed for good), and
+  not being pushed by another live process — the newest ``backlog`` of them.
+
+Either way a version stays usable locally, ``ls`` shows it as not persisted, and the error is on
+``handle.persisted``. No torch.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import Callable
 
-from .errors import ParamStoreError, RemoteError
+from .errors import InvalidArgumentError, ParamStoreError, RemoteError, VersionNotFoundError
 from .manifest import Version
 from .remote import Remote
 from .root import StoreRoot
 
-__all__ = ["Persister"]
+__all__ = ["Persister", "DEFAULT_BACKLOG", "check_backlog"]
 
 _HOLDER = "paramstore push"
+#: Versions that may wait for upload besides the one being pushed (``ParamStore(persist_backlog=)``).
+DEFAULT_BACKLOG = 2
+_FIRST_DELAY, _MAX_DELAY = 0.5, 30.0  # seconds between retries while the remote is down
+
+
+def check_backlog(backlog: object) -> int:
+    """``backlog`` if it is an int >= 1 (``ParamStore(persist_backlog=)``); else InvalidArgumentError."""
+    if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 1:
+        raise InvalidArgumentError(f"persist_backlog must be an int >= 1 (versions that may wait for upload), "
+                                   f"got {backlog!r}")
+    return backlog
+
+
+@dataclass
+class _Upload:
+    """A version queued for upload, and the local lease that keeps it meanwhile."""
+
+    step: int
+    lease_id: str
+    future: Future[Version]
+    deadline: float  # time.monotonic() after which transient failures are not retried any more
+    resumed: bool = False  # queued by the resume scan: nobody holds its future, so failures are warned
+    skipped: bool = False  # taken off the queue because of the backlog
 
 
 class Persister:
@@ -33,89 +73,275 @@ class Persister:
     Args:
         root: the local store.
         remote: where versions go.
-        retry_for: seconds a version is retried through transient failures before its future fails.
+        retry_for: seconds after it is queued that a version stops being retried through
+            transient failures (its future then fails with the last error).
+        backlog: versions that may wait besides the one being pushed (an int >= 1); when one
+            more is queued, the oldest waiting one is skipped (see the module docstring).
+        resume: queue, in the background, the uploads a previous run left unfinished (at once;
+            else when :meth:`resume` is called: the store calls it when it first commits, so
+            readers and CLI commands never upload).
         on_persisted: called (on the push thread) with each version once it is durable remotely.
+        on_released: called (no arguments) when the uploader lets go of a version that is not the
+            newest local one, so that local retention may prune it.
+
+    Raises:
+        InvalidArgumentError: ``backlog`` is not an int >= 1.
     """
 
     def __init__(self, root: StoreRoot, remote: Remote, *, retry_for: float = 900.0,
-                 on_persisted: Callable[[Version], None] | None = None) -> None:
+                 backlog: int = DEFAULT_BACKLOG, resume: bool = True,
+                 on_persisted: Callable[[Version], None] | None = None,
+                 on_released: Callable[[], None] | None = None) -> None:
         self._root = root
         self._remote = remote
         self._retry_for = retry_for
+        self._backlog = check_backlog(backlog)
         self._on_persisted = on_persisted
-        self._queue: queue.Queue[tuple[int, str, Future[Version]] | None] = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._drained = threading.Condition(self._lock)
+        self._on_released = on_released
+        self._cond = threading.Condition()  # guards everything below
+        self._waiting: collections.deque[_Upload] = collections.deque()  # oldest first
+        self._pending = 0  # versions queued or being pushed, until their future is resolved
+        self._resume_below: int | None = None  # newest step when resume() was called
+        self._resuming = False
+        self._resume_asked = False
+        self._closing = False
+        self._outage: RemoteError | None = None  # the last transient failure, until a push succeeds
         self.last_error: BaseException | None = None
+        self.resumed: list[int] = []  #: steps queued by the resume scan
+        self.skipped = 0  #: versions skipped because of the backlog, since the open
         self._thread = threading.Thread(target=self._loop, name="paramstore-persist", daemon=True)
         self._thread.start()
+        if resume:
+            self.resume()
+
+    def resume(self) -> None:
+        """Queue, in the background, the uploads a previous run left unfinished (once; later calls
+        do nothing)."""
+        with self._cond:
+            if self._resume_asked:
+                return
+            self._resume_asked = True
+            self._resume_below = self._root.registry.latest_step()
+            self._resuming = self._resume_below is not None
+            self._cond.notify_all()
 
     def submit(self, step: int, future: Future[Version] | None = None) -> Future[Version]:
-        """Queue version ``step`` for upload; its local lease is taken now. Returns its future."""
+        """Queue version ``step`` for upload; its local lease is taken now. Returns its future.
+
+        If more than ``backlog`` versions would then wait, the oldest waiting one is skipped (its
+        lease released before this one is taken: never more than ``backlog + 1`` leases)."""
         future = future if future is not None else Future()
-        lease = self._root.registry.acquire_lease(step, _HOLDER)
-        with self._lock:
+        with self._cond:
             self._pending += 1
-        self._queue.put((step, lease.id, future))
+            skipped = self._trim(room=1)
+        for u in skipped:
+            self._finish(u, error=self._skip_error(u))
+        try:
+            lease = self._root.registry.acquire_lease(step, _HOLDER)
+        except BaseException:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._waiting.append(_Upload(step, lease.id, future, time.monotonic() + self._retry_for))
+            skipped = self._trim()  # a failed push may have come back to the queue meanwhile
+            self._cond.notify_all()
+        for u in skipped:
+            self._finish(u, error=self._skip_error(u))
         return future
 
     @property
     def pending(self) -> int:
-        """Versions queued or being pushed."""
-        return self._pending
+        """Versions queued or being pushed (plus one while the resume scan has not run)."""
+        return self._pending + self._resuming
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every queued version is pushed (or failed). False on timeout."""
-        with self._drained:
-            return self._drained.wait_for(lambda: self._pending == 0, timeout)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending + self._resuming == 0, timeout)
+
+    def close(self) -> None:
+        """Finish every queued push (each retried up to ``retry_for`` after it was queued), then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- the push thread ---------------------------------------------------------------------
+    def _resume_once(self) -> None:
+        below, self._resume_below = self._resume_below, None
+        try:
+            if below is not None:
+                self._resume(below)
+        except Exception as e:  # noqa: BLE001 - resuming is best effort; the next open tries again
+            warnings.warn(f"paramstore: resuming unfinished uploads to {self._remote.url} failed: {e}",
+                          RuntimeWarning, stacklevel=1)
+        finally:
+            with self._cond:
+                self._resuming = False
+                self._cond.notify_all()
 
     def _loop(self) -> None:
+        delay = _FIRST_DELAY
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            step, lease_id, future = item
+            with self._cond:
+                while not self._waiting and not self._closing and not self._resuming:
+                    self._cond.wait()
+                resume = self._resuming
+            if resume:
+                self._resume_once()
+                continue
+            with self._cond:
+                if not self._waiting:
+                    return
+                upload = self._waiting.popleft()
             try:
-                version = self._push(step)
+                self._remote.push(self._root, upload.step, show_progress=False)
+                version = self._root.registry.get_version(upload.step)
+            except RemoteError as e:
+                if not e.transient:
+                    self._finish(upload, error=e)
+                elif self._retry_later(upload, e, delay):
+                    time.sleep(delay)  # one wait for the whole queue
+                    delay = min(delay * 2, _MAX_DELAY)
             except BaseException as e:  # noqa: BLE001 - delivered through the future
-                self.last_error = e
-                future.set_exception(e)
+                self._finish(upload, error=e)
             else:
-                future.set_result(version)
+                delay = _FIRST_DELAY
+                with self._cond:
+                    self._outage = None
+                self._finish(upload, version=version)
+
+    def _retry_later(self, upload: _Upload, error: RemoteError, delay: float) -> bool:
+        """Put ``upload`` back at the head of the queue after a transient failure; fail the
+        versions whose time is up and skip those over the backlog. True if any still waits."""
+        with self._cond:
+            first = self._outage is None
+            self._outage = error
+            self._waiting.appendleft(upload)
+            horizon = time.monotonic() + delay  # a version that would not get another try fails now
+            expired = [u for u in self._waiting if u.deadline <= horizon]
+            for u in expired:
+                self._waiting.remove(u)
+            skipped = self._trim()
+            waiting = len(self._waiting)
+        if first and waiting:
+            warnings.warn(f"paramstore: pushing step {upload.step} to {self._remote.url} failed ({error}); retrying "
+                          f"the {waiting} waiting versions (the newest {self._backlog} are kept) for up to "
+                          f"{self._retry_for:.0f} s after each was committed", RuntimeWarning, stacklevel=1)
+        for u in expired:
+            self._finish(u, error=error)
+        for u in skipped:
+            self._finish(u, error=self._skip_error(u))
+        return waiting > 0
+
+    def _trim(self, room: int = 0) -> list[_Upload]:
+        """Take the oldest waiting versions off the queue until at most ``backlog - room`` wait
+        (the caller holds ``_cond`` and finishes them outside it)."""
+        out = []
+        while len(self._waiting) > self._backlog - room:
+            out.append(self._waiting.popleft())
+        for u in out:
+            u.skipped = True
+        self.skipped += len(out)
+        return out
+
+    def _skip_error(self, upload: _Upload) -> RemoteError:
+        outage = self._outage
+        why = (f"during an outage of the remote (last error: {outage})" if outage is not None
+               else "while an upload was still running (the remote is slow or unreachable: commits outpace uploads)")
+        return RemoteError(
+            f"step {upload.step} was not uploaded to {self._remote.url}: skipped because the upload backlog was "
+            f"full {why}; at most {self._backlog} versions wait for upload (ParamStore(persist_backlog=)) and the "
+            f"newest are kept. It stays in the local store until retention prunes it; store.push({upload.step}) "
+            "uploads it", transient=False)
+
+    def _finish(self, upload: _Upload, *, version: Version | None = None,
+                error: BaseException | None = None) -> None:
+        """Resolve ``upload``'s future, release its lease, and count it done."""
+        try:
+            if error is not None:
+                self.last_error = error
+                if upload.resumed or upload.skipped:
+                    warnings.warn(f"paramstore: {error}" if upload.skipped else
+                                  f"paramstore: resuming the upload of step {upload.step} failed: {error}",
+                                  RuntimeWarning, stacklevel=1)
+                try:
+                    upload.future.set_exception(error)
+                except InvalidStateError:
+                    pass
+            else:
+                assert version is not None
+                try:
+                    upload.future.set_result(version)
+                except InvalidStateError:
+                    pass
                 if self._on_persisted is not None:
                     try:
                         self._on_persisted(version)
                     except Exception as e:  # noqa: BLE001
-                        warnings.warn(f"paramstore: after persisting step {step}: {e}", RuntimeWarning, stacklevel=1)
-            finally:
-                try:
-                    self._root.registry.release_lease(lease_id)
-                except (ParamStoreError, RuntimeError, OSError):
-                    pass
-                with self._drained:
-                    self._pending -= 1
-                    self._drained.notify_all()
+                        warnings.warn(f"paramstore: after persisting step {upload.step}: {e}", RuntimeWarning,
+                                      stacklevel=1)
+        finally:
+            try:
+                self._root.registry.release_lease(upload.lease_id)
+                if self._on_released is not None and upload.step != self._root.registry.latest_step():
+                    self._on_released()
+            except (ParamStoreError, RuntimeError, OSError):
+                pass
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
 
-    def _push(self, step: int) -> Version:
-        deadline = time.monotonic() + self._retry_for
-        delay = 0.5
-        warned = False
+    def _resume(self, below: int) -> None:
+        """Queue the uploads a previous run left unfinished (see the module docstring): local
+        versions up to step ``below`` not persisted to this remote, with their objects here, at or
+        above the remote's newest step, not leased by another uploader; the newest ``backlog``."""
+        delay, deadline = _FIRST_DELAY, time.monotonic() + self._retry_for
         while True:
             try:
-                self._remote.push(self._root, step, show_progress=False)
-                return self._root.registry.get_version(step)
+                remote_steps = self._remote.steps()
+                break
             except RemoteError as e:
-                if not e.transient or time.monotonic() + delay > deadline:
+                with self._cond:
+                    closing = self._closing
+                if not e.transient or closing or time.monotonic() + delay > deadline:
                     raise
-                if not warned:
-                    warnings.warn(f"paramstore: pushing step {step} to {self._remote.url} failed ({e}); "
-                                  f"retrying for up to {self._retry_for:.0f} s", RuntimeWarning, stacklevel=1)
-                    warned = True
                 time.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, _MAX_DELAY)
+        reg = self._root.registry
+        floor = remote_steps[-1] - 1 if remote_steps else None  # the remote's newest may lack its mark here
+        persisted = reg.persisted()
+        busy = {lease.step for lease in reg.leases() if lease.holder.startswith(_HOLDER)}
+        chosen: list[int] = []
+        for v in reversed(list(reg.versions(after=floor))):
+            if len(chosen) == self._backlog:
+                break
+            if v.step <= below and persisted.get(v.step) != self._remote.url and v.step not in busy \
+                    and self._objects_here(v.step):
+                chosen.append(v.step)
+        uploads = []
+        for step in sorted(chosen):
+            try:
+                lease = reg.acquire_lease(step, _HOLDER)
+            except ParamStoreError:
+                continue  # pruned meanwhile (or the registry refused): the next open tries again
+            uploads.append(_Upload(step, lease.id, Future(), time.monotonic() + self._retry_for, resumed=True))
+        with self._cond:
+            self._pending += len(uploads)
+            self._waiting.extendleft(reversed(uploads))  # older than anything committed since the open
+            self.resumed.extend(u.step for u in uploads)
+            skipped = self._trim()
+            self._cond.notify_all()
+        for u in skipped:
+            self._finish(u, error=self._skip_error(u))
 
-    def close(self) -> None:
-        """Finish every queued push (each bounded by ``retry_for``), then stop."""
-        self._queue.put(None)
-        self._thread.join()
+    def _objects_here(self, step: int) -> bool:
+        """Whether every object of local version ``step`` is on this host (a shared registry
+        lists versions whose bytes are elsewhere)."""
+        try:
+            objects = self._root.registry.get_manifest(step).objects()
+        except VersionNotFoundError:
+            return False
+        return all(self._root.tier.exists(o) for o in objects)

@@ -18,13 +18,18 @@ at push time, and the objects it references). Rules:
   lock remains; a pusher that sees the exclusive lock withdraws its own and waits. Each side writes
   its own key before looking for the other's, so on a store with read-after-write consistency (S3,
   MinIO, a POSIX filesystem) they never both proceed. A lock not refreshed for ``lock_ttl``
-  seconds is stale (its holder died) and ignored. As a second line, GC spares unreferenced objects
+  seconds is stale (its holder died) and ignored. A lock's body names its holder: host name,
+  *node* (host name, boot id and PID namespace: where its pid means something), pid and process
+  start time. A lock whose node is this one and whose process is dead (the rule of
+  :mod:`paramstore.liveness`, as for leases) is stale at once, and whoever sees it deletes it;
+  locks of other nodes keep the TTL rule. As a second line, GC spares unreferenced objects
   younger than ``grace`` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
@@ -35,17 +40,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from .errors import CorruptObjectError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError
-from .format import rehash
-from .manifest import Manifest, Version
+from . import liveness
+from .errors import (
+    CorruptObjectError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
+)
+from .format import rehash, tensor_digest
+from .manifest import Manifest, TensorEntry, Version, check_manifest
+from .validate import check_tag
 from .progress import progress
 from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
 
-from paramstore.backends.registries.base import ObjectInfo, TensorLocation
+from paramstore.backends.registries.base import ObjectInfo, TensorLocation, check_digests
 from paramstore.backends.tiers.remote import RemoteTier
 
-__all__ = ["Remote", "TransferReport", "DEFAULT_LOCK_TTL"]
+__all__ = ["Remote", "TransferReport", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
+
+#: A manifest in the remote larger than this is refused before it is read (CorruptObjectError).
+#: About 150 bytes per tensor: 64 MiB is ~400k tensors.
+MAX_MANIFEST_BYTES = 64 << 20
+#: A version record larger than this is refused before it is read. A record holds a version's
+#: metrics, metadata and objects (~100 bytes per object): a few KiB, unless the commit's
+#: metadata is large (commit does not limit it; push does not check this yet).
+MAX_RECORD_BYTES = 4 << 20
 
 DEFAULT_LOCK_TTL = 600.0  # seconds without refresh after which a lock is stale
 _EXCLUSIVE = "locks/exclusive.json"
@@ -106,6 +123,7 @@ class Remote:
         self._concurrency = concurrency
         self._records: dict[int, _Record] = {}  # records are immutable: cached once read
         self._lock = threading.Lock()
+        self._lock_holders: dict[str, dict[str, Any]] = {}  # shared lock key -> its body (never rewritten)
 
     # -- versions ----------------------------------------------------------------------------
     def _record(self, step: int) -> _Record:
@@ -113,13 +131,14 @@ class Remote:
             rec = self._records.get(step)
         if rec is not None:
             return rec
+        key = _record_key(step)
         try:
-            raw = json.loads(self.tier.get_record(_record_key(step)))
+            raw = _parse(self.tier.get_record(key, max_bytes=MAX_RECORD_BYTES), f"{self.url}/{key}")
         except FileNotFoundError:
             raise VersionNotFoundError(f"no version at step {step} in {self.url}") from None
         if raw.get("format") != _RECORD_FORMAT:
             raise RemoteError(f"version record {step} in {self.url} has format {raw.get('format')!r}")
-        rec = _Record(Version.from_json(raw["version"], tuple(raw["tags"])), dict(raw["objects"]))
+        rec = _check_record(raw, step, f"{self.url}/{key}")
         with self._lock:
             self._records[step] = rec
         return rec
@@ -144,12 +163,24 @@ class Remote:
         return self._record(step).version
 
     def get_manifest(self, step: int) -> Manifest:
-        """The manifest of ``step``. Raises VersionNotFoundError."""
-        self._record(step)  # only complete versions
+        """The manifest of ``step``, checked against its record before it is returned.
+
+        Raises VersionNotFoundError; CorruptObjectError (naming the key) for a manifest over
+        :data:`MAX_MANIFEST_BYTES`, malformed, or not the one the record's version digest names
+        (or with entries outside the objects the record lists).
+        """
+        record = self._record(step)  # only complete versions
+        where = f"{self.url}/{_manifest_key(step)}"
         try:
-            return Manifest.from_json(json.loads(self.tier.get_record(_manifest_key(step))))
+            raw = _parse(self.tier.get_record(_manifest_key(step), max_bytes=MAX_MANIFEST_BYTES), where)
         except FileNotFoundError:
             raise VersionNotFoundError(f"version {step} in {self.url} lost its manifest") from None
+        try:
+            manifest = Manifest.from_json(raw)
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"{where} (version {step}): {e}") from None
+        check_manifest(manifest, record.version, record.objects, where=where)
+        return manifest
 
     def resolve(self, version: VersionSpec) -> int:
         """The step named by a step, ``"latest"`` or a tag (tags as they were when pushed)."""
@@ -234,18 +265,23 @@ class Remote:
     def pull(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> TransferReport:
         """Download version ``step`` into the local store, verified, and register it there.
 
-        Objects the local tier already holds are not downloaded. Each downloaded object is
-        re-hashed before it is renamed into place; one whose bytes do not match its name raises
-        CorruptObjectError and is never placed. Idempotent.
+        Nothing the remote says is trusted: the record and the manifest are checked against each
+        other and against the version digest before anything is downloaded (see
+        :meth:`get_manifest`). Objects the local tier already holds are not downloaded. Each
+        downloaded object is re-hashed, and each tensor the manifest places in it checked, before it
+        is renamed into place; one whose bytes do not match raises CorruptObjectError and is never
+        placed. The manifest's tensors in objects already here are checked too before the version is
+        registered (a manifest that misplaces a tensor would poison the tensor index). Idempotent.
         """
         t0 = time.monotonic()
         record, manifest = self._record(step), self.get_manifest(step)
         # Shared GC lock on the local host for the whole pull: the objects we rely on stay put.
         with self.shared_lock("pull"), root.gc_lock():
-            moved = self._fetch(root, record.objects, f"pull {step}", show_progress)
+            moved = self._fetch(root, record.objects, f"pull {step}", show_progress, manifest)
             try:
                 root.registry.get_version(step)  # registered already (pulled meanwhile, or a shared registry)
             except VersionNotFoundError:
+                self._check_local(root, step, manifest, record.objects, skip=set(moved))
                 new_objects, new_tensors = _index(manifest, record.objects)
                 try:
                     root.registry.publish(record.version, manifest, new_objects, new_tensors, require_newest=False)
@@ -261,26 +297,42 @@ class Remote:
 
         For a version already registered (a registry shared by several hosts) whose bytes are not
         on this host. The caller holds a lease on the version. Returns the digests downloaded.
+        Raises CorruptObjectError if the remote's version at ``step`` is not the registered one.
         """
+        record = self._record(step)
+        ours = root.registry.get_version(step).digest
+        if record.version.digest != ours:
+            raise CorruptObjectError(f"{self.url}/{_record_key(step)} names version digest "
+                                     f"{record.version.digest[:16]}…, the registry {ours[:16]}…: another version")
         with self.shared_lock("pull"):
-            return self._fetch(root, self._record(step).objects, f"fetch {step}", show_progress)
+            return self._fetch(root, record.objects, f"fetch {step}", show_progress)
 
-    def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None) -> list[str]:
+    def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None,
+               manifest: Manifest | None = None) -> list[str]:
+        """Download, verify and place the ``objects`` (digest -> size) the local tier lacks; with
+        ``manifest``, also check the tensors it places in each one before placing it."""
+        check_digests(objects)  # (validated by _record already: never a path)
         todo = sorted((o for o in objects if not root.tier.exists(o)), key=lambda o: -objects[o])
+        entries = _entries_by_object(manifest)
         # Downloads on one pool, verification on another: a hash never holds up the next download.
         with progress(sum(objects[o] for o in todo), what, enabled=show_progress) as bar, \
                 ThreadPoolExecutor(self._concurrency) as io, ThreadPoolExecutor(os.cpu_count() or 2) as cpu:
             def down(o: str) -> Any:
-                tmp = self._download(root, o)
+                tmp = self._download(root, o, objects[o])
                 bar.update(objects[o])
-                return cpu.submit(self._verify_and_place, root, o, tmp)
+                return cpu.submit(self._verify_and_place, root, o, tmp, objects[o], entries.get(o, []))
             for checked in list(io.map(down, todo)):
                 checked.result()
         return todo
 
-    def _download(self, root: StoreRoot, digest: str) -> str:
+    def _download(self, root: StoreRoot, digest: str, size: int) -> str:
+        """Download object ``digest`` into a new file of the local tier's ``tmp/``, only if the remote
+        holds exactly ``size`` bytes under its key (CorruptObjectError otherwise, nothing read)."""
         tmp = os.path.join(root.tier.tmp_dir, tmp_name())
         try:
+            got = self.tier.size(digest)
+            if got != size:
+                raise CorruptObjectError(f"object {digest} of {self.url} is {got} bytes; its record says {size}")
             self.tier.get_file(digest, tmp)
         except FileNotFoundError:
             raise RemoteError(f"object {digest} of {self.url} is missing") from None
@@ -290,34 +342,64 @@ class Remote:
             raise
         return tmp
 
-    def _verify_and_place(self, root: StoreRoot, digest: str, tmp: str) -> None:
+    def _verify_and_place(self, root: StoreRoot, digest: str, tmp: str, size: int,
+                          entries: list[tuple[str, TensorEntry]]) -> None:
+        """Place the downloaded file ``tmp`` as object ``digest`` if its bytes hash to that name, it
+        has ``size`` bytes and each of ``entries`` (the manifest's tensors in it) lies where it
+        says; else CorruptObjectError, and ``tmp`` is removed."""
         try:
-            try:
-                got = rehash_file(tmp)
-            except CorruptObjectError as e:
-                raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: {e}") from None
-            if got != digest:
-                raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: its bytes hash to {got}")
+            with _mapped(tmp) as buf:
+                try:
+                    got, spans = rehash(buf)
+                except ValueError as e:
+                    raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: {tmp} is not a "
+                                             f"well-formed object: {e}") from None
+                if got != digest:
+                    raise CorruptObjectError(f"object {digest} from {self.url} is corrupt: its bytes hash to {got}")
+                if len(buf) != size:
+                    raise CorruptObjectError(f"object {digest} from {self.url} is {len(buf)} bytes; its record "
+                                             f"says {size}")
+                _check_entries(buf, entries, spans, f"{self.url}, object {digest}")
             root.tier.put(digest, tmp, move=True)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _check_local(self, root: StoreRoot, step: int, manifest: Manifest, sizes: Mapping[str, int], *,
+                     skip: set[str]) -> None:
+        """CorruptObjectError unless each tensor the pulled ``manifest`` places in an object this host
+        already held (those not in ``skip``, the ones just downloaded and checked) lies there: the
+        object has its recorded size and the bytes hash to the tensor's digest. Tensors the local
+        index already locates at the very same place are not hashed again."""
+        entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
+        if not entries:
+            return
+        known = root.registry.locate_tensors(list(dict.fromkeys(e.digest for es in entries.values() for _, e in es)))
+        where = f"{self.url}/{_manifest_key(step)}"
+        for o, es in entries.items():
+            if root.tier.size(o) != sizes[o]:
+                raise CorruptObjectError(f"{where}: object {o} is {root.tier.size(o)} bytes here; the record "
+                                         f"says {sizes[o]}")
+            todo = [(n, e) for n, e in es if known.get(e.digest) != (o, e.offset, e.nbytes)]
+            if todo:
+                with root.tier.map(o) as m, memoryview(m) as buf:
+                    _check_entries(buf, todo, None, f"{where}, object {o}")
 
     # -- locks -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def shared_lock(self, purpose: str) -> Iterator["_HeldLock"]:
         """Held by pushes and pulls: GC waits for it; it waits while GC holds the exclusive lock."""
         key = f"locks/shared-{uuid.uuid4().hex}.json"
-        body = json.dumps({"purpose": purpose, "pid": os.getpid(), "host": os.uname().nodename}).encode()
+        body = _lock_body(purpose)
         delay = 0.05
         while True:
             self.tier.put_record(key, body)
             try:
-                self.tier.get_record(_EXCLUSIVE)  # one GET; a missing key costs more through stat
-                mtime = self.tier.record_mtime(_EXCLUSIVE)
+                gc_body = self.tier.get_record(_EXCLUSIVE)  # one GET; a missing key costs more through stat
+                stale = _holder_dead(gc_body) or time.time() - self.tier.record_mtime(_EXCLUSIVE) > self.lock_ttl
             except FileNotFoundError:
                 break
-            if time.time() - mtime > self.lock_ttl:
+            if stale:
                 self.tier.delete_records([_EXCLUSIVE])  # its GC died; a new GC would wait for us
                 continue
             self.tier.delete_records([key])  # GC is running or waiting: let it go first
@@ -336,7 +418,7 @@ class Remote:
         Raises WaitTimeoutError (the lock is not taken) if another GC holds it or pushes and
         pulls are still running after ``timeout`` seconds.
         """
-        body = json.dumps({"purpose": "gc", "pid": os.getpid(), "host": os.uname().nodename}).encode()
+        body = _lock_body("gc")
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -344,7 +426,8 @@ class Remote:
                 break
             except FileExistsError:
                 try:
-                    stale = time.time() - self.tier.record_mtime(_EXCLUSIVE) > self.lock_ttl
+                    stale = (_holder_dead(self.tier.get_record(_EXCLUSIVE))
+                             or time.time() - self.tier.record_mtime(_EXCLUSIVE) > self.lock_ttl)
                 except FileNotFoundError:
                     continue
                 if stale:
@@ -367,16 +450,98 @@ class Remote:
             held.release()
 
     def live_shared_locks(self) -> list[str]:
-        """Keys of shared locks refreshed within ``lock_ttl``."""
-        now = time.time()
-        return [k for k, t in self.tier.records("locks").items()
-                if k.startswith("shared-") and now - t <= self.lock_ttl]
+        """Keys of shared locks refreshed within ``lock_ttl`` whose holders may be alive.
+
+        A lock held by a dead process of this node is deleted here (whoever looks first)."""
+        live, dead, _ = self._shared_locks()
+        if dead:
+            with contextlib.suppress(RemoteError):
+                self.tier.delete_records([f"locks/{k}" for k in dead])
+        return live
 
     def stale_locks(self) -> list[str]:
-        """Keys (under ``locks/``) of shared locks whose holders stopped refreshing them."""
+        """Keys (under ``locks/``) of shared locks whose holders stopped refreshing them, or
+        died on this node."""
+        _, dead, expired = self._shared_locks()
+        return sorted(dead + expired)
+
+    def _shared_locks(self) -> tuple[list[str], list[str], list[str]]:
+        """(live, dead, expired) shared locks, from one listing: refreshed within ``lock_ttl``
+        with a holder alive or on another node; held by a dead process of this node; not
+        refreshed within ``lock_ttl``. Each lock's body is read once (it never changes)."""
         now = time.time()
-        return [k for k, t in self.tier.records("locks").items()
-                if k.startswith("shared-") and now - t > self.lock_ttl]
+        locks = {k: t for k, t in self.tier.records("locks").items() if k.startswith("shared-")}
+        fresh = [k for k, t in locks.items() if now - t <= self.lock_ttl]
+        expired = [k for k, t in locks.items() if now - t > self.lock_ttl]
+        live: list[str] = []
+        dead: list[str] = []
+        for k in fresh:
+            with self._lock:
+                holder = self._lock_holders.get(k)
+            if holder is None:
+                try:
+                    holder = _parse_holder(self.tier.get_record(f"locks/{k}"))
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                with self._lock:
+                    self._lock_holders[k] = holder
+            (dead if _dead(holder) else live).append(k)
+        with self._lock:  # forget bodies of locks that are gone
+            for k in set(self._lock_holders) - set(fresh):
+                del self._lock_holders[k]
+        return live, dead, expired
+
+
+def _read_first_line(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _node_id() -> str:
+    """Where a pid of this process means something: host name, boot id and PID namespace.
+
+    Two containers sharing a host name but not a PID namespace (or a kernel) differ here, so
+    neither judges the other's locks by pid. Empty if the boot id cannot be read (then no lock
+    is judged by liveness, only by its TTL).
+    """
+    boot = _read_first_line("/proc/sys/kernel/random/boot_id")
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return f"{liveness.HOST}/{boot}/{pidns}" if boot else ""
+
+
+def _lock_body(purpose: str) -> bytes:
+    """The body of a lock key this process writes: what it is for and who holds it."""
+    pid, start = liveness.this_process()
+    return json.dumps({"purpose": purpose, "host": liveness.HOST, "node": _node_id(), "pid": pid,
+                       "start": start}).encode()
+
+
+def _parse_holder(body: bytes) -> dict[str, Any]:
+    """A lock body as a dict (empty if it is not one: such a lock is judged by its TTL only)."""
+    try:
+        holder = json.loads(body)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _dead(holder: Mapping[str, Any]) -> bool:
+    """Whether a lock's holder is a process of this node that is no longer running."""
+    node, pid, start = holder.get("node"), holder.get("pid"), holder.get("start")
+    if not node or node != _node_id() or type(pid) is not int or type(start) is not int:
+        return False  # another node (or an older paramstore): the TTL decides
+    return not liveness.alive(pid, start)
+
+
+def _holder_dead(body: bytes) -> bool:
+    return _dead(_parse_holder(body))
 
 
 class _HeldLock:
@@ -417,14 +582,79 @@ def rehash_file(path: str) -> str:
 
     Raises CorruptObjectError if the file is not a well-formed object (empty, a bad header...).
     """
+    with _mapped(path) as mv:
+        try:
+            return rehash(mv)[0]
+        except ValueError as e:
+            raise CorruptObjectError(f"{path} is not a well-formed object: {e}") from None
+
+
+@contextlib.contextmanager
+def _mapped(path: str) -> Iterator[memoryview]:
+    """The bytes of the file at ``path``, mapped read-only. CorruptObjectError if it is empty."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise CorruptObjectError(f"{path} is empty: not an object")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m, memoryview(m) as mv:
-            try:
-                return rehash(mv)[0]
-            except ValueError as e:
-                raise CorruptObjectError(f"{path} is not a well-formed object: {e}") from None
+            yield mv
+
+
+def _parse(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON object in ``data`` (a record or manifest read from ``where``); else CorruptObjectError."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptObjectError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CorruptObjectError(f"{where} is not a JSON object")
+    return raw
+
+
+def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
+    """The version record ``raw`` read from ``where`` (the key of ``step``), checked: its version
+    is well-formed and at ``step``, its tags are tags, its objects 64-hex digests with positive
+    sizes. Else CorruptObjectError."""
+    try:
+        if set(raw) != {"format", "version", "tags", "objects"}:
+            raise CorruptObjectError(f"fields {sorted(raw)}, expected format, version, tags and objects")
+        tags, objects = raw["tags"], raw["objects"]
+        if not isinstance(tags, list) or not isinstance(objects, dict):
+            raise CorruptObjectError("tags must be a JSON list and objects a JSON object")
+        version = Version.from_json(raw["version"], tuple(check_tag(t) for t in tags))
+        check_digests(objects)
+        bad = [n for n in objects.values() if isinstance(n, bool) or not isinstance(n, int) or n <= 0]
+        if bad:
+            raise CorruptObjectError(f"object sizes must be positive ints, got {bad[0]!r}")
+    except ParamStoreError as e:
+        raise CorruptObjectError(f"version record {where} is malformed: {e}") from None
+    if version.step != step:
+        raise CorruptObjectError(f"{where} holds the record of step {version.step}, not {step}: tampered or moved")
+    return _Record(version, dict(objects))
+
+
+def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, TensorEntry]]]:
+    """The manifest's tensors (name, entry) grouped by the object that holds them."""
+    out: dict[str, list[tuple[str, TensorEntry]]] = {}
+    for name, e in manifest.tensors.items() if manifest is not None else ():
+        out.setdefault(e.object, []).append((name, e))
+    return out
+
+
+def _check_entries(buf: memoryview, entries: list[tuple[str, TensorEntry]],
+                   spans: Mapping[tuple[int, int], str] | None, where: str) -> None:
+    """CorruptObjectError unless the bytes each entry names in the object ``buf`` hash to its tensor
+    digest. ``spans``: the object's tensor digests by (begin, end) when already computed (a
+    rehash); other ranges are hashed here."""
+    for name, e in entries:
+        begin, end = e.offset, e.offset + e.nbytes
+        got = spans.get((begin, end)) if spans is not None else None
+        if got is None:
+            if end > len(buf):
+                raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
+            got = tensor_digest(buf[begin:end])
+        if got != e.digest:
+            raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "
+                                     f"{got[:16]}…, its manifest says {e.digest[:16]}…: a tampered manifest")
 
 
 def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:

@@ -23,7 +23,7 @@ from .manifest import Version
 
 __all__ = [
     "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepTagged", "KeepWithin", "AnyOf",
-    "Decision", "decide", "parse_duration",
+    "Decision", "decide", "parse_duration", "infer_mode",
 ]
 
 Reasons = dict[int, list[str]]
@@ -102,10 +102,40 @@ class KeepEvery(Policy):
         return f"keep every {n}{suffix} step"
 
 
+#: Words that make a metric's direction known (see :func:`infer_mode`).
+LOWER_IS_BETTER = frozenset({"loss", "error", "err", "perplexity", "ppl", "nll", "mse", "mae", "rmse", "wer", "cer",
+                             "regret", "cost"})
+HIGHER_IS_BETTER = frozenset({"reward", "return", "accuracy", "acc", "score", "f1", "bleu", "rouge", "auc",
+                              "precision", "recall"})
+_NEGATION = frozenset({"neg", "negative", "minus", "inv", "inverse"})
+
+
+def infer_mode(metric: str) -> str | None:
+    """``"min"`` or ``"max"`` when ``metric``'s name says which way is better, else None.
+
+    The name is split into words (``val/loss``, ``eval_loss``, ``valLoss``, ``loss2``); a word of
+    :data:`LOWER_IS_BETTER` means ``"min"``, one of :data:`HIGHER_IS_BETTER` ``"max"``. Words of
+    both kinds, or a negation (``neg_loss``), make the name ambiguous (None).
+
+    Example:
+        >>> infer_mode("val/loss"), infer_mode("episode_reward"), infer_mode("neg_loss"), infer_mode("entropy")
+        ('min', 'max', None, None)
+    """
+    spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", metric).lower()
+    words = set(re.findall(r"[a-z0-9]+", spaced)) | set(re.findall(r"[a-z]+", spaced))
+    lower, higher = bool(words & LOWER_IS_BETTER), bool(words & HIGHER_IS_BETTER)
+    if lower == higher or words & _NEGATION:
+        return None
+    return "min" if lower else "max"
+
+
 @dataclass(frozen=True)
 class KeepBest(Policy):
-    """Keep the ``n`` best versions by ``metric`` (``mode="max"`` or ``"min"``).
+    """Keep the ``n`` best versions by ``metric`` (``mode="max"``: higher is better; ``"min"``: lower).
 
+    Without ``mode`` the direction comes from the metric's name (:func:`infer_mode`: ``loss`` ranks
+    by min, ``reward`` by max). A name that says neither still ranks by max, as before 0.2, with a
+    DeprecationWarning: pass ``mode=`` (the CLI refuses such a metric without ``--mode``).
     Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked.
     Raises (at decision time) if no version at all has the metric: a misspelt metric would
     otherwise silently keep nothing.
@@ -113,7 +143,7 @@ class KeepBest(Policy):
     Example:
         >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0, metrics={"loss": loss})
         ...             for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6)]]
-        >>> KeepBest(1, "loss", mode="min").keep(versions, now=0.0)
+        >>> KeepBest(1, "loss").keep(versions, now=0.0)
         {2: ['best 1 by loss (min)']}
         >>> KeepBest(1, "reward").keep(versions, now=0.0)
         Traceback (most recent call last):
@@ -123,13 +153,22 @@ class KeepBest(Policy):
 
     n: int
     metric: str
-    mode: str = "max"
+    mode: str | None = None  # resolved in __post_init__: always "max" or "min" afterwards
     keep_without_metric: bool = False
 
     def __post_init__(self) -> None:
         _count("KeepBest(n)", self.n)
         if not isinstance(self.metric, str) or not self.metric:
             raise InvalidArgumentError(f"KeepBest metric must be a non-empty string, got {self.metric!r}")
+        if self.mode is None:
+            inferred = infer_mode(self.metric)
+            if inferred is None:
+                import warnings
+
+                warnings.warn(f"KeepBest({self.n}, {self.metric!r}) without mode= keeps the highest {self.metric}: "
+                              "this default is deprecated; pass mode='max' (higher is better) or "
+                              "mode='min' (lower is better)", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "mode", inferred or "max")
         if self.mode not in ("max", "min"):
             raise InvalidArgumentError(f"KeepBest mode must be 'max' or 'min', got {self.mode!r}")
 
@@ -153,6 +192,11 @@ class KeepBest(Policy):
 @dataclass(frozen=True)
 class KeepTagged(Policy):
     """Keep versions carrying any of ``tags`` (no argument: any tag at all).
+
+    A policy passed to the Python API (``ParamStore(retention=...)``, ``store.prune(policy)``) keeps
+    exactly what it says: tagged versions are protected only by a ``KeepTagged`` in it (e.g.
+    ``KeepLast(2) | KeepTagged()``), so that a run that tags often cannot fill shared memory
+    unawares. The CLI's ``prune`` adds ``KeepTagged()`` itself unless given ``--prune-tagged``.
 
     Example:
         >>> versions = [Version(1, 0.0, 0, "", 0, tags=("release",)), Version(2, 0.0, 0, "", 0, tags=("wip",))]

@@ -8,6 +8,17 @@ A store root holds::
     tmp/              slabs being written; leftovers here after a crash are unreferenced
 
 Put the root on a tmpfs (``/dev/shm/...``) so objects live in shared memory.
+
+Identity: the marker's ``store_id`` is also written into the registry when the store is created,
+and every open compares the two, so metadata that was deleted (a /dev/shm cleaner) or replaced is
+refused with :class:`~paramstore.errors.MetadataLostError`, never silently re-created. With a
+shared (Redis) registry the marker remembers the registry's own id the first time it is joined.
+
+Safety: a root is created private (``0700``: the objects and metadata are the owner's alone;
+``shared_group=True`` makes it ``2770`` for a group whose processes run with umask ``007``), and
+a root owned by another user or writable by others is refused
+(:class:`~paramstore.errors.UnsafeStoreError`): whoever owns the directory could swap its
+``objects/`` under the trainer.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -25,9 +37,12 @@ from paramstore.backends.registries import Registry, open_registry
 from paramstore.backends.registries.lmdb import LmdbRegistry
 from paramstore.backends.tiers.local import LocalTier
 
-from .errors import InvalidArgumentError, NotAStoreError, StorageError, TagNotFoundError, VersionNotFoundError
+from .errors import (
+    CorruptStoreError, InvalidArgumentError, MetadataLostError, NotAStoreError, StorageError,
+    TagNotFoundError, UnsafeStoreError, VersionNotFoundError,
+)
 
-__all__ = ["StoreRoot", "VersionSpec", "open_root", "MARKER", "STORE_FORMAT"]
+__all__ = ["StoreRoot", "VersionSpec", "open_root", "check_creatable", "check_safe", "MARKER", "STORE_FORMAT"]
 
 #: How a version is named: a step, ``"latest"``, or a tag.
 VersionSpec = int | str
@@ -112,15 +127,18 @@ class StoreRoot:
 
 
 def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | None = None,
-              name: str = "default") -> StoreRoot:
+              name: str = "default", shared_group: bool = False) -> StoreRoot:
     """Open the store at ``path``; with ``create``, make one if ``path`` is missing or empty.
 
     ``registry``: None for the LMDB registry in ``<path>/meta``, or a ``redis://`` URL shared by
-    several hosts; then ``name`` tells the stores sharing that server apart.
+    several hosts; then ``name`` tells the stores sharing that server apart. ``shared_group``: a
+    new root is made ``2770`` (group members may read and lease) instead of ``0700``.
 
     Raises:
         NotAStoreError: ``path`` holds no store (and ``create`` is false, or it holds other files),
             or a store of an unsupported format.
+        MetadataLostError: the store's metadata is missing or belongs to another store.
+        UnsafeStoreError: ``path`` is owned by another user or writable by others.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
@@ -129,22 +147,93 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
             raise NotAStoreError(_not_a_store(path, create=False))
         if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))):
             raise NotAStoreError(_not_a_store(path, create=True))
+        if os.path.isdir(path):
+            check_safe(path)  # an empty directory someone else made must not become our store
         try:
-            _create(path, marker)
+            _create(path, marker, mode=0o2770 if shared_group else 0o700)
         except OSError as e:  # a parent that does not exist or cannot be written, a full disk...
             raise StorageError(e.errno, f"cannot create a store at {path}: {e.strerror}; choose a directory "
                                         "you can write to (on /dev/shm for shared memory)", path) from e
+    check_safe(path)
+    info = _read_marker(path, marker)
+    meta = os.path.join(path, "meta")
+    if registry is None and not os.path.exists(os.path.join(meta, "data.mdb")):
+        raise MetadataLostError(
+            f"the metadata of the store at {path} is missing ({meta}/data.mdb was deleted, by a /dev/shm cleaner?): "
+            f"its versions are lost here and nothing was re-created. Restore them from the store's remote "
+            f"(paramstore --root {path} pull VERSION), or remove {path} and start a new store")
+    reg = LmdbRegistry(meta, mode=0o660 if shared_group else 0o600) if registry is None \
+        else open_registry(registry, meta, name)
+    try:
+        info = _check_identity(path, marker, info, reg, shared=registry is not None)
+        tier = LocalTier(path, create=True)
+    except BaseException:
+        reg.close()
+        raise
+    return StoreRoot(path, info, reg, tier)
+
+
+def check_creatable(path: str) -> None:
+    """Raise NotAStoreError if ``path`` holds something that is not a store and could not become one
+    (a file, a directory of other files); a missing or empty directory, or a store, passes."""
+    if os.path.exists(os.path.join(path, MARKER)) or not os.path.exists(path):
+        return
+    if not os.path.isdir(path) or not _creatable(os.listdir(path)):
+        raise NotAStoreError(_not_a_store(path, create=True))
+
+
+def check_safe(path: str) -> None:
+    """Refuse a root owned by another user or writable by others (UnsafeStoreError)."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise UnsafeStoreError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): whoever "
+                               "owns it could replace the store's objects. Use a directory of your own")
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeStoreError(f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): anyone could "
+                               f"replace the store's objects. Run: chmod o-w {path}")
+
+
+def _read_marker(path: str, marker: str) -> dict[str, Any]:
     try:
         with open(marker) as f:
             info = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
         raise NotAStoreError(f"{marker} is unreadable: {e}") from e
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: restore it "
+                                "from its remote (paramstore pull) or remove it") from e
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:
         raise NotAStoreError(f"{path} holds a store of format {info.get('format') if isinstance(info, dict) else '?'}; "
                              f"this paramstore reads format {STORE_FORMAT}")
-    reg = open_registry(registry, os.path.join(path, "meta"), name)
-    tier = LocalTier(path, create=True)
-    return StoreRoot(path, info, reg, tier)
+    if not isinstance(info.get("store_id"), str):
+        raise CorruptStoreError(f"{marker} has no store_id: the store's identity cannot be checked")
+    return info
+
+
+def _check_identity(path: str, marker: str, info: dict[str, Any], reg: Registry, *, shared: bool) -> dict[str, Any]:
+    """Compare the registry's identity with the marker's; returns the marker's info (updated if joined)."""
+    if not shared:
+        held = reg.swap_meta("store_id", None, info["store_id"])  # a store made before 0.2 is adopted
+        if held != info["store_id"]:
+            raise MetadataLostError(
+                f"the metadata in {path}/meta belongs to another store (id {held}, this root's is {info['store_id']}): "
+                "it was replaced. Nothing was changed; restore the right meta/ or remove the directory")
+        return info
+    known = info.get("registry_id")
+    held = reg.get_meta("store_id")
+    if held is None and known is None:
+        held = reg.swap_meta("store_id", None, uuid.uuid4().hex)  # the first host to join names it
+    if held is None:
+        raise MetadataLostError(
+            f"the shared registry no longer holds this store's metadata (it had id {known}; the server was flushed "
+            "or the name changed?): nothing was re-created. Restore it from the remote, or use a new store name")
+    if known is not None and held != known:
+        raise MetadataLostError(f"the shared registry holds another store under this name (id {held}; {path} "
+                                f"belongs to id {known}): check the registry URL and name=")
+    if known is None:
+        info = {**info, "registry_id": held}
+        _write_json(marker, info)
+    return info
 
 
 # Descriptors of GC locks held right now. A flock belongs to the open file description, which a
@@ -177,7 +266,9 @@ def _not_a_store(path: str, *, create: bool) -> str:
     if other or create:  # create: only a non-empty directory is refused
         return (f"{path} is not a paramstore root (no {MARKER}) and is not empty, so no store can be "
                 f"created there either; {instead}")
-    return f"{path} is not a paramstore root (no {MARKER}); create one with ParamStore({path!r})"
+    return (f"no store exists at {path} (no {MARKER}); a reader never creates one: check the path. If the "
+            "trainer has not committed yet, wait for it (wait_for, subscribe or checkout(min_step=, timeout=)); "
+            f"a trainer's first commit creates it (ParamStore({path!r}).commit(...))")
 
 
 def _creatable(entries: list[str]) -> bool:
@@ -185,13 +276,24 @@ def _creatable(entries: list[str]) -> bool:
     return all(e in ("meta", "objects", "tmp") or e.startswith(MARKER + ".") for e in entries)
 
 
-def _create(path: str, marker: str) -> None:
-    os.makedirs(path, exist_ok=True)
-    LmdbRegistry(os.path.join(path, "meta"), create=True).close()
+def _create(path: str, marker: str, *, mode: int) -> None:
+    os.makedirs(path, mode=mode, exist_ok=True)
+    os.chmod(path, mode)  # makedirs' mode is filtered by the umask
+    store_id = uuid.uuid4().hex
+    reg = LmdbRegistry(os.path.join(path, "meta"), create=True, mode=0o660 if mode & 0o070 else 0o600)
+    try:
+        store_id = reg.swap_meta("store_id", None, store_id) or store_id  # two creators: the first id wins
+    finally:
+        reg.close()
     LocalTier(path, create=True)
-    tmp = f"{marker}.{os.getpid()}.partial"
+    _write_json(marker, {"format": STORE_FORMAT, "store_id": store_id})
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``path`` atomically (a temporary file, fsync, rename)."""
+    tmp = f"{path}.{os.getpid()}.partial"
     with open(tmp, "w") as f:
-        json.dump({"format": STORE_FORMAT, "store_id": uuid.uuid4().hex}, f)
+        json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, marker)  # two processes creating at once: the last marker wins, both valid
+    os.replace(tmp, path)

@@ -7,18 +7,27 @@ No tensor byte is read or copied by checkout itself; the first touch of a page m
 into this process (``Snapshot.prefault`` does it ahead of time). The views are writable, copy-on-write:
 writing through one copies that page privately (later reads of that name in this process see the
 change), and the store never changes.
+
+Mapping checks each object's shape, not its bytes: its size must be the one the registry recorded,
+its safetensors header length must fit in it, and every byte range the manifest points into must
+lie in it; otherwise CorruptObjectError names the file. So an object truncated before checkout never
+yields a short tensor view (a bare torch RuntimeError) or a SIGBUS on first touch. (A file truncated
+*while* mapped still raises SIGBUS in its readers: published objects are never written, so only
+something outside paramstore can do that.) The bytes themselves are not re-hashed — that would cost a
+read of every byte — unless asked for: :meth:`Snapshot.verify`, or ``store.checkout(v, verify=True)``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import struct
 import weakref
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from .errors import LoadError, StoreClosedError
+from .errors import CorruptObjectError, LoadError, StoreClosedError
 from .liveness import libc
 from .manifest import Manifest, Version
 from .tensors import ST_TO_TORCH
@@ -54,6 +63,9 @@ class Snapshot(Mapping[str, torch.Tensor]):
         fetch: how the bytes were obtained (:class:`~paramstore.checkout.FetchReport`: objects
             already here, from peers, from the remote; bytes per source), or None.
 
+    ``sizes`` (object -> bytes, the registry's records): each object's file must have that size
+    when it is mapped; objects left out are checked against the manifest's byte ranges only.
+
     Example:
         >>> with store.checkout("latest") as snap:
         ...     print(snap)
@@ -63,13 +75,20 @@ class Snapshot(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, version: Version, manifest: Manifest, tier: Tier,
-                 on_close: Callable[[], None] | None = None, *, fetch: "FetchReport | None" = None) -> None:
+                 on_close: Callable[[], None] | None = None, *, fetch: "FetchReport | None" = None,
+                 sizes: Mapping[str, int] | None = None) -> None:
         self.version = version
         self.manifest = manifest
         self.fetch = fetch
         # Releases the lease on close, or when the snapshot is garbage collected unclosed.
         self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
-        self._maps: dict[str, mmap.mmap] = {o: tier.map(o, private=True) for o in sorted(manifest.objects())}
+        self._maps: dict[str, mmap.mmap] = {}
+        try:
+            for o, extent in sorted(_extents(manifest).items()):
+                self._maps[o] = _map_checked(tier, o, version.step, extent, (sizes or {}).get(o))
+        except BaseException:
+            self.close()  # releases the lease too
+            raise
         self._bufs: dict[str, torch.Tensor] | None = {
             o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()
         }
@@ -205,3 +224,74 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"Snapshot(step={self.version.step}, tensors={len(self)}, digest={self.version.digest[:12]})"
+
+    def verify(self) -> dict[str, str]:
+        """Re-hash every byte this snapshot maps; returns ``{object: why}`` for each damaged one.
+
+        One blake3 pass over the version's objects (both levels of each object digest, and each
+        tensor digest against the manifest), reading the very pages the tensor views use. Empty
+        when every object is intact. ``store.checkout(v, verify=True)`` calls it and raises.
+
+        Example:
+            >>> with store.checkout("latest") as snap:
+            ...     snap.verify()
+            {}
+        """
+        from .ops import check_buffer
+
+        if self._bufs is None:
+            raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        spans: dict[str, dict[tuple[int, int], str]] = {}
+        for e in self.manifest.tensors.values():
+            spans.setdefault(e.object, {})[(e.offset, e.offset + e.nbytes)] = e.digest
+        bad: dict[str, str] = {}
+        for o, m in self._maps.items():
+            with memoryview(m) as mv:
+                why = check_buffer(o, mv, spans.get(o, {}))
+            if why is not None:
+                bad[o] = why
+        return bad
+
+
+def _extents(manifest: Manifest) -> dict[str, tuple[int, int, str]]:
+    """Per object: the lowest offset and the highest end of the byte ranges the manifest points
+    into, and the name of the tensor that ends highest (one pass over the manifest)."""
+    out: dict[str, tuple[int, int, str]] = {}
+    for name, e in manifest.tensors.items():
+        lo, hi, last = out.get(e.object, (e.offset, -1, name))
+        end = e.offset + e.nbytes
+        out[e.object] = (min(lo, e.offset), end, name) if end > hi else (min(lo, e.offset), hi, last)
+    return out
+
+
+def _map_checked(tier: Tier, digest: str, step: int, extent: tuple[int, int, str],
+                 expected: int | None) -> mmap.mmap:
+    """Map object ``digest`` copy-on-write after checking its shape, not its bytes: its size is
+    the registry's record of it (``expected``, when known), its safetensors header length fits in
+    it, and every byte range the manifest points into (``extent``: lowest offset, highest end)
+    lies in its data section. So no tensor view is ever short and no page past the end of the
+    file is touched. A few header bytes are read; no JSON is parsed. Raises CorruptObjectError
+    naming the file."""
+    where = tier.object_path(digest) if hasattr(tier, "object_path") else digest
+    try:
+        m = tier.map(digest, private=True)
+    except ValueError as e:  # mmap refuses an empty file
+        raise CorruptObjectError(f"object {where} of version {step} is damaged ({e}: empty or truncated); "
+                                 "run `paramstore verify --repair`") from None
+    size, (lo, hi, last) = len(m), extent
+    why = ""
+    if expected is not None and size != expected:
+        why = f"{size} bytes, the registry recorded {expected}: {'truncated' if size < expected else 'grown'}"
+    elif size < 9:
+        why = f"{size} bytes: too short for a safetensors header, truncated"
+    else:
+        (n,) = struct.unpack_from("<Q", m, 0)
+        if 8 + n > size or m[8:9] != b"{":
+            why = f"{size} bytes: its safetensors header (length {n}) is truncated or invalid"
+        elif 8 + n > lo or hi > size:
+            why = f"{size} bytes: tensor {last!r} ends at byte {hi}, past its end: truncated"
+    if why:
+        m.close()
+        raise CorruptObjectError(f"object {where} of version {step} is damaged ({why}); "
+                                 "run `paramstore verify --repair`")
+    return m

@@ -62,7 +62,7 @@ from paramstore import liveness
 from paramstore.errors import StorageError, StorageFullError
 from paramstore.liveness import libc
 
-__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error", "address"]
+__all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error", "mount_point", "address"]
 
 _counter = itertools.count()
 
@@ -229,6 +229,8 @@ def tmp_name() -> str:
 #: How long, after a commit, a recycling pool waits for GC to hand back the slabs of the version
 #: that commit pushed out of retention before it faults new ones instead.
 RECYCLE_GRACE_S = 0.5
+#: How long :meth:`SlabPool.shed` waits for the slab the background thread is creating or checking.
+SHED_WAIT_S = 30.0
 
 
 class SlabPool:
@@ -261,6 +263,14 @@ class SlabPool:
         self._retired: dict[tuple[int, int], Slab] = {}  # (st_dev, st_ino) -> published slab, oldest first
         self._recycled: list[Slab] = []  # swept by GC into tmp/, not yet checked
         self._grace_until = 0.0
+        # Set when the background thread failed to create a slab (a full tmpfs: ENOSPC), or when a
+        # commit that ran out of space asked it to stand back (shed()): it then creates no new
+        # slab until the next prepare() (recycled ones are still checked). The thread never ends on
+        # an error: the error is kept in _fill_error (see prefault_error) instead.
+        self._stalled = False
+        self._busy = False  # the background thread holds a slab outside _free and _recycled
+        self._fill_error: BaseException | None = None
+        self._fill_warned = False
         # recycled: handed back by GC; reused: then written again; in_use: refused (open or mapped
         # elsewhere: deleted); unwanted: no commit wanted its size (deleted); created: new slabs
         # faulted (on_the_spot: by take(), on the hot path, none being ready)
@@ -268,10 +278,16 @@ class SlabPool:
         if recycle:
             _register(self)
 
-    def new(self, size: int) -> Slab:
-        """Create a slab of ``size`` bytes now: space reserved, every page faulted in."""
+    def new(self, size: int, *, what: str = "a staging buffer") -> Slab:
+        """Create a slab of ``size`` bytes now: space reserved, every page faulted in.
+
+        Raises StorageFullError (the filesystem is full; ``what`` says for what, in the
+        message) or StorageError."""
         path = os.path.join(self._tmp, tmp_name())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # ENOSPC here: out of inodes
+            raise storage_error(e, self._tmp, size, what) from e
         try:
             # Reserve the space now: a full tmpfs then fails here with ENOSPC (an error on the
             # commit) instead of SIGBUS when the copy touches a page that cannot be allocated.
@@ -279,7 +295,7 @@ class SlabPool:
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            raise storage_error(e, self._tmp, size) from e
+            raise storage_error(e, self._tmp, size, what) from e
         try:
             m, mfd, owned = _map_fd(fd, size)
         except BaseException:
@@ -406,6 +422,7 @@ class SlabPool:
         with self._lock:
             self._want[purpose] = list(sizes) * max(1, copies)
             self._keep[purpose] = list(sizes) * max(1, copies, keep or 0)
+            self._stalled = False  # try again: space may have been freed since a failure
             if purpose == "commit":
                 self._layout_bytes = sum(sizes)
                 if self.recycling and self._retired:
@@ -428,6 +445,13 @@ class SlabPool:
             slab.close()
 
     def _fill(self) -> None:
+        """The background thread: check recycled slabs, create and fault missing ones.
+
+        It never ends on an error (only on :meth:`close`): a failure is recorded
+        (:attr:`prefault_error`) and the thread stops creating slabs until the next
+        :meth:`prepare`. A full filesystem is no news for the caller here: the commit that then
+        finds no prepared slab creates one itself and reports the error. Any other error is also
+        reported once as a warning (never a traceback on stderr)."""
         while True:
             recycled = None
             with self._lock:
@@ -437,7 +461,7 @@ class SlabPool:
                     if self._recycled:
                         recycled = self._recycled.pop(0)
                         break
-                    missing = self._missing()
+                    missing = [] if self._stalled else self._missing()
                     if missing:
                         wait = self._grace_until - time.monotonic()
                         if wait <= 0:
@@ -445,16 +469,84 @@ class SlabPool:
                         self._wake.wait(wait)
                     else:
                         self._wake.wait()
-            if recycled is not None:
+                self._busy = True  # a slab in hand that neither take() nor shed() can see
+            try:
+                if recycled is not None:
+                    self._check_recycled(recycled)
+                else:
+                    self._add(self.new(missing[0], what="preparing the next commits' buffers"))
+                    self._fill_error = None
+            except Exception as e:  # noqa: BLE001 - kept for the caller; the thread must live on
+                if recycled is not None and not recycled.map.closed:
+                    try:
+                        recycled.discard()
+                    except OSError:
+                        pass
+                self._fill_failed(e)
+            finally:
                 with self._lock:
-                    wanted = recycled.size in self._missing()
-                if not wanted:
-                    self.stats["unwanted"] += 1
-                    recycled.discard()
-                elif self._reusable(recycled):
-                    self._add(recycled)
-                continue
-            self._add(self.new(missing[0]))
+                    self._busy = False
+                    self._wake.notify_all()  # shed()
+
+    def _check_recycled(self, slab: Slab) -> None:
+        """Pool a slab GC handed back if a commit wants its size and nobody else uses it; else
+        delete it."""
+        with self._lock:
+            wanted = slab.size in self._missing()
+        if not wanted:
+            self.stats["unwanted"] += 1
+            slab.discard()
+        elif self._reusable(slab):
+            self._add(slab)
+
+    def _fill_failed(self, e: Exception) -> None:
+        """Record a failure of the background thread and stop it creating slabs until the next
+        :meth:`prepare`."""
+        with self._lock:
+            self._fill_error = e
+            self._stalled = True
+            self._wake.notify_all()  # wait_prepared() reports it
+        if not isinstance(e, StorageFullError) and not self._fill_warned:
+            self._fill_warned = True
+            warnings.warn(f"paramstore: preparing staging buffers failed (commits create their own): {e!r}",
+                          RuntimeWarning, stacklevel=1)
+
+    @property
+    def prefault_error(self) -> BaseException | None:
+        """The last error of the background thread (None once it has created a slab again)."""
+        return self._fill_error
+
+    def shed(self, keep: list[int]) -> int:
+        """Free the shared memory this pool holds beyond ``keep`` (slab sizes a commit that ran out
+        of space still needs, one slab each): pooled and recycled slabs of other sizes are deleted,
+        mappings of objects deleted meanwhile (by another process's GC) are dropped, and the
+        background thread creates no new slab until the next :meth:`prepare`, so it does not take
+        the space back. Returns the bytes of the slabs deleted."""
+        budget: dict[int, int] = {}
+        for size in keep:
+            budget[size] = budget.get(size, 0) + 1
+        with self._lock:
+            self._stalled = True
+            # A slab being created (or a recycled one being checked) ends up pooled, or its space
+            # freed: wait for that before the commit tries again.
+            self._wake.wait_for(lambda: not self._busy or self._closed, SHED_WAIT_S)
+            drop = []
+            for size, free in self._free.items():
+                while len(free) > budget.get(size, 0):
+                    drop.append(free.pop())
+                budget[size] = budget.get(size, 0) - len(free)
+            for slab in list(self._recycled):
+                if budget.get(slab.size, 0) > 0:
+                    budget[slab.size] -= 1
+                else:
+                    self._recycled.remove(slab)
+                    drop.append(slab)
+            unmap = self._trim_retired()
+        for slab in drop:
+            slab.discard()
+        for slab in unmap:  # objects deleted by another process: their memory goes with the mapping
+            slab.close()
+        return sum(s.size for s in drop)
 
     def _add(self, slab: Slab) -> None:
         with self._lock:
@@ -466,9 +558,16 @@ class SlabPool:
             slab.discard()
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Wait until every slab :meth:`prepare` asked for is ready; False on timeout."""
+        """Wait until every slab :meth:`prepare` asked for is ready; False on timeout.
+
+        Raises the background thread's error (StorageFullError: they do not fit) if it gave up."""
         with self._lock:
-            return self._wake.wait_for(lambda: self._closed or not self._missing(), timeout)
+            done = self._wake.wait_for(
+                lambda: self._closed or not self._missing() or (self._stalled and self._fill_error is not None),
+                timeout)
+            if done and not self._closed and self._missing() and self._fill_error is not None:
+                raise self._fill_error
+            return done
 
     def _missing(self) -> list[int]:
         # Sizes wanted but not yet in the pool (called with the lock held).
@@ -539,7 +638,10 @@ def _lease_exact(tmp_dir: str) -> bool:
     dev = os.stat(tmp_dir).st_dev
     if dev not in _lease_trust:
         path = os.path.join(tmp_dir, tmp_name())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:  # no inode left (a full tmpfs): not known to be exact, probe again later
+            return False
         try:
             ro = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -647,17 +749,36 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
-def storage_error(e: OSError, directory: str, needed: int) -> "StorageError":
+def storage_error(e: OSError, directory: str, needed: int, what: str = "a staging buffer") -> "StorageError":
     """The package's error for a failed reservation of ``needed`` bytes in ``directory``: a
-    StorageFullError (ENOSPC, EDQUOT) that names the filesystem and what is free, else a StorageError."""
+    StorageFullError (ENOSPC, EDQUOT) that names the filesystem (its mount point and the
+    directory), what ``what`` needs and what is free, else a StorageError."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return StorageError(e.errno, f"cannot reserve {needed} bytes in {directory}: {e.strerror}", directory)
     try:
         st = os.statvfs(directory)
-        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
+        free = f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
     except OSError:
         free = "free space unknown"
+    full = "is over quota" if e.errno == errno.EDQUOT else "is full"
     return StorageFullError(
-        e.errno, f"the filesystem of {directory} is full: a commit needs {needed / 2**20:.1f} MiB more "
-        f"({free}). Free space there (prune and gc old versions: retention=, `paramstore prune`, "
-        "`paramstore gc`), or give the store a larger filesystem", directory)
+        e.errno, f"the filesystem mounted at {mount_point(directory)} (holding {directory}) {full}: {what} "
+        f"needs {_size(needed)} ({free}). Free space there (prune and gc old versions: retention=, "
+        "`paramstore prune`, `paramstore gc`), or give the store a larger filesystem", directory)
+
+
+def mount_point(path: str) -> str:
+    """The mount point of the filesystem holding ``path`` (the highest ancestor on the same device)."""
+    path = os.path.realpath(path)
+    try:
+        dev = os.stat(path).st_dev
+        while path != os.path.dirname(path) and os.stat(os.path.dirname(path)).st_dev == dev:
+            path = os.path.dirname(path)
+    except OSError:
+        pass
+    return path
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: MiB with one decimal, KiB below 0.1 MiB."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 or n == 0 else f"{n / 2**10:.1f} KiB"

@@ -30,12 +30,13 @@ from .errors import (
 )
 from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
 from .manifest import Manifest, Version
-from .persist import Persister
+from .persist import DEFAULT_BACKLOG, Persister, check_backlog
 from .remote import Remote, TransferReport
 from .retention import Policy
-from .root import VersionSpec, open_root
+from .root import MARKER, StoreRoot, VersionSpec, check_creatable, open_root
 from .staging import SlabPool
 from .validate import check_bound, check_metadata, check_metrics, check_step, check_tag, check_timeout
+from .writer import check_run_id, claim, new_run_id, release
 
 from paramstore.backends.registries.base import Lease
 from paramstore.backends.transports.base import Transport
@@ -69,6 +70,7 @@ def _keyword_timeout(positional: int) -> Callable[[_F], _F]:
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
 _DEATH_POLL_S = 0.2  # how often wait_for_readers re-checks for readers that died
+_STORE_POLL_S = 0.1  # how often a reader waiting for a store to be created looks for it
 
 
 class ParamStore:
@@ -77,8 +79,21 @@ class ParamStore:
     Any number of processes on the host may open the same root at once.
 
     Args:
-        root: the store directory; created if missing or empty (unless ``create=False``).
-        create: create the store if it does not exist.
+        root: the store directory. A missing store is created by the first :meth:`commit` (or
+            :meth:`prepare`), never by a reader: reads of a store that does not exist raise
+            NotAStoreError, and waits (``wait_for``, ``subscribe``, ``checkout(min_step=)``) wait
+            for it to appear, then say that no store exists at that path (a typo is obvious, and
+            the path is left as it was). With ``remote=`` or ``registry=`` the root is a local
+            cache of a store that lives elsewhere, created on first use to pull or fetch into.
+        create: True: create the store now if missing; False: it must exist now (else
+            NotAStoreError); None (default): open it if it exists, else the first commit creates it.
+        run_id: this trainer's name as the store's writer (default: host and a random suffix).
+            Only one writer commits to a store: a second process that commits while the first
+            lives is refused with WriterConflictError (see :mod:`paramstore.writer`); each
+            version records its writer's run id (``Version.writer``).
+        takeover: commit even though another live writer holds the store (it is refused from
+            then on).
+        shared_group: create the root group-accessible (``2770``) instead of private (``0700``).
         shard_size_bytes: target size of one object (a tensor larger than this gets its own).
         prepare_buffers: after each commit, and after each checkout that fetched objects from
             peers, create and fault in the background the shared-memory buffers of the next
@@ -108,6 +123,18 @@ class ParamStore:
             ``secret``, ``profile``...; by default the usual AWS environment and config files).
         remote_options: deprecated name of ``storage_options``.
         persist_retry_for: seconds a push is retried through transient remote failures.
+        persist_backlog: with a remote, how many committed versions may wait for upload besides
+            the one being pushed (an int >= 1, default 2). Each waiting version holds a local
+            lease, so retention cannot prune it. When a commit would make the backlog longer
+            (the remote is down, or commits outpace uploads), the *oldest* waiting version is
+            skipped: its lease is released (local retention may prune it), a RuntimeWarning
+            says so, and its ``handle.persisted`` fails with a RemoteError saying it was skipped
+            because of the backlog; the newest versions are kept and retried, by one retry loop
+            for the whole queue. So at most ``persist_backlog + 1`` versions are held in shared
+            memory for the upload. Opening a store with a remote also resumes, in the
+            background, the uploads a previous run left unfinished: its newest
+            ``persist_backlog`` local versions not persisted to that remote and not older than
+            the remote's newest version.
         registry: None for the single-host LMDB registry in ``root/meta``, or ``redis://[:password@]
             host:port/db``: a registry shared by the hosts of a store (see ``paramstore.backends``).
         name: with a shared registry, the store's name there (required: every host of one store
@@ -131,7 +158,7 @@ class ParamStore:
         self,
         root: str | os.PathLike[str],
         *,
-        create: bool = True,
+        create: bool | None = None,
         shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
         prepare_buffers: bool = True,
         recycle_buffers: bool = True,
@@ -140,9 +167,13 @@ class ParamStore:
         remote: str | Remote | None = None,
         storage_options: Mapping[str, Any] | None = None,
         persist_retry_for: float = 900.0,
+        persist_backlog: int = DEFAULT_BACKLOG,
         registry: str | None = None,
         name: str | None = None,
         remote_options: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+        takeover: bool = False,
+        shared_group: bool = False,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -159,47 +190,107 @@ class ParamStore:
                                        "(a Remote object carries its own options)")
         if isinstance(root, (str, os.PathLike)) and os.fspath(root) == "":
             raise InvalidArgumentError("root must be a directory path, got ''")
-        _warn_if_not_shared_memory(os.path.abspath(os.fspath(root)))  # before anything is opened
-        self._root = open_root(root, create=create, registry=registry, name=name or "")
-        self.root = self._root.path
+        if create is not None and not isinstance(create, bool):
+            raise InvalidArgumentError(f"create must be True, False or None, got {create!r}")
+        self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
+        self._takeover = bool(takeover)
+        self.root = os.path.abspath(os.fspath(root))
+        _warn_if_not_shared_memory(self.root)  # before anything is opened
+        self._open_args = {"registry": registry, "name": name or "", "shared_group": bool(shared_group)}
+        self._create = create
         self._lock = threading.Lock()
+        self._attach_lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
         self._last_handle: CommitHandle | None = None
-        local_policy = tier_policies(retention).get("local")  # recycling needs GC in this process
-        # Versions retention keeps (up to 3): published buffers stay mapped one commit longer (GC
-        # sweeps a version once that many newer ones exist), and prepare() faults that many more.
-        kept = min(maintenance.versions_kept(local_policy), 3)
-        self._pool = SlabPool(self._root.tier.tmp_dir, pin=pin_memory, keep_mapped=kept + 1,
-                              recycle=bool(recycle_buffers and prepare_buffers) and local_policy is not None)
-        self._recycle_ahead = kept if self._pool.recycling else 0
         self._committer: Committer | None = None
         self._shard_size = shard_size_bytes
-        policies = tier_policies(retention)
-        try:
-            self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, storage_options)
-        except BaseException:
-            self._root.close()
-            raise
-        if "remote" in policies and self._remote is None:
-            self._root.close()
+        self._policies = tier_policies(retention)
+        self._pin, self._recycle = pin_memory, recycle_buffers
+        self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, storage_options)
+        if "remote" in self._policies and self._remote is None:
             raise InvalidArgumentError("retention for the 'remote' tier needs remote=URL")
-        self._maintainer = Maintainer(self._root, policies, self._remote) if policies else None
-        self._persister = None if self._remote is None else Persister(
-            self._root, self._remote, retry_for=persist_retry_for,
-            on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None)
+        self._persist_retry_for = persist_retry_for
+        self._persist_backlog = check_backlog(persist_backlog)
         self._prepare = prepare_buffers
         self._peer: PeerServer | None = None
         self._transport: Transport | None = None
         self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
-        self._fetcher = Fetcher(self._root, self._pool, remote=self._remote, transport=self._get_transport,
-                                server=lambda: self._peer, prepare_buffers=prepare_buffers)
+        # Set by _attach(), once the store exists (now, or when the first commit creates it).
+        self._opened: StoreRoot | None = None
+        self._pool: SlabPool | None = None
+        self._maintainer: Maintainer | None = None
+        self._persister: Persister | None = None
+        self._fetcher: Fetcher | None = None
+        self._recycle_ahead = 0
         self._last_fetch: FetchReport | None = None
         self._closed = False
         self._owner = os.getpid()
+        if create is not None or os.path.exists(os.path.join(self.root, MARKER)):
+            self._attach(create=bool(create))  # create=False: the store must exist now
+        else:
+            check_creatable(self.root)  # a file or a directory of other files: refused at once
         # A script that commits and exits without close() must not lose the in-flight commit.
         ref = weakref.ref(self)
         self._atexit = lambda: (store := ref()) is not None and store.close()
         atexit.register(self._atexit)
+
+    # -- opening -----------------------------------------------------------------------------
+    def _attach(self, *, create: bool) -> StoreRoot:
+        """Open the store (creating it if ``create``) and the parts that work on it; idempotent."""
+        with self._attach_lock:
+            if self._opened is not None:
+                return self._opened
+            self._check_open()
+            root = open_root(self.root, create=create, **self._open_args)
+            try:
+                local_policy = self._policies.get("local")  # recycling needs GC in this process
+                # Versions retention keeps (up to 3): published buffers stay mapped one commit longer (GC
+                # sweeps a version once that many newer ones exist), and prepare() faults that many more.
+                kept = min(maintenance.versions_kept(local_policy), 3)
+                self._pool = SlabPool(root.tier.tmp_dir, pin=self._pin, keep_mapped=kept + 1,
+                                      recycle=bool(self._recycle and self._prepare) and local_policy is not None)
+                self._recycle_ahead = kept if self._pool.recycling else 0
+                self._maintainer = Maintainer(root, self._policies, self._remote) if self._policies else None
+                self._persister = None if self._remote is None else Persister(
+                    root, self._remote, retry_for=self._persist_retry_for, backlog=self._persist_backlog, resume=False,
+                    on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None,
+                    on_released=self._maintainer.poke if self._maintainer is not None else None)
+                self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
+                                        server=lambda: self._peer, prepare_buffers=self._prepare)
+            except BaseException:
+                root.close()
+                raise
+            self._opened = root
+            return root
+
+    @property
+    def _root(self) -> StoreRoot:
+        """The open store; a reader's first use opens it. A reader creates nothing, except that a
+        root backed by a remote or a shared registry is a local cache of a store that exists
+        elsewhere: it is made on first use (to pull or fetch into)."""
+        if self._opened is not None:
+            return self._opened
+        cache = self._remote is not None or self._open_args["registry"] is not None
+        return self._attach(create=cache and self._create is not False)
+
+    def _await_root(self, timeout: float | None) -> float | None:
+        """Wait until the store exists (a rollout started before its trainer); returns the time left.
+
+        Raises WaitTimeoutError naming the path when ``timeout`` passes first.
+        """
+        if self._opened is not None or self._remote is not None or self._open_args["registry"] is not None:
+            self._root  # noqa: B018 -- open it (a cache of a remote or shared store is made here)
+            return timeout
+        start, marker = time.monotonic(), os.path.join(self.root, MARKER)
+        while not os.path.exists(marker):
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                raise WaitTimeoutError(f"no store exists at {self.root} (waited {timeout} s for one to appear; a "
+                                       "reader never creates a store): check the path, and that the trainer started")
+            self._check_open()
+            time.sleep(_STORE_POLL_S if timeout is None else min(_STORE_POLL_S, max(0.0, timeout - waited)))
+        self._root  # noqa: B018 -- open it
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
 
     # -- commit ------------------------------------------------------------------------------
     def commit(
@@ -250,9 +341,13 @@ class ParamStore:
         if os.getpid() != self._owner:
             raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
                                   "after fork to commit from the child")
+        root = self._attach(create=self._create is not False)
         with self._lock:
             self._check_open()  # under the lock: close() cannot slip in between
-            latest = self._root.registry.latest_step()
+            claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
+            if self._persister is not None:
+                self._persister.resume()  # the writer finishes what its previous run left unpushed
+            latest = root.registry.latest_step()
             floor = max(x for x in (latest, self._last_step, -1) if x is not None)
             if step <= floor:
                 raise StepOrderError(f"step {step} must be above the latest step {floor}")
@@ -298,6 +393,7 @@ class ParamStore:
         timeout = check_timeout(timeout)
         from .tensors import collect
 
+        self._attach(create=self._create is not False)
         committer = self._get_committer()
         committer.prepare(collect(model), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
@@ -365,6 +461,7 @@ class ParamStore:
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
                 gc_lock=self._root.gc_lock, prepare_buffers=self._prepare, on_commit=self._after_commit,
+                writer=self._run_id,
             )
         return self._committer
 
@@ -387,8 +484,16 @@ class ParamStore:
         min_step: int | None = None,
         timeout: float | None = None,
         holder: str | None = None,
+        verify: bool = False,
     ) -> Snapshot:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
+
+        **Integrity.** Objects fetched from peers or the remote are re-hashed before they are
+        placed. Objects already on this host are *not* re-hashed by a plain checkout — by design,
+        for speed: checkout reads no tensor byte. Each object's header and size are checked as it
+        is mapped (a truncated object raises CorruptObjectError), but a flipped bit inside a
+        tensor is served as it is. ``verify=True`` costs one hash pass over the version's bytes
+        and catches it.
 
         Args:
             version: a step (int), ``"latest"``, or a tag. With a remote, a version (or tag) found
@@ -399,6 +504,9 @@ class ParamStore:
                 bound η asks for ``min_step=t - η``).
             timeout: with ``min_step``, seconds to wait before raising WaitTimeoutError.
             holder: a name for the lease (shown by ``leases()``); default ``pid <pid>``.
+            verify: re-hash every byte mapped (the pages the tensors view) against the object
+                digests and the manifest's tensor digests. A damaged object is moved to
+                ``<root>/quarantine/`` (kept, and no longer used for dedup) before the error.
 
         Returns:
             A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``, ``.step``,
@@ -407,6 +515,10 @@ class ParamStore:
         Raises:
             VersionNotFoundError / TagNotFoundError: no such version or tag.
             WaitTimeoutError: no version with step ≥ ``min_step`` within ``timeout``.
+            CorruptObjectError: an object is truncated or malformed, or (``verify``) its bytes do not
+                match; the message names the object and the version, and says to run
+                ``paramstore verify --repair``.
+            CorruptStoreError: the version's manifest in this host's registry cannot be parsed.
 
         Example:
             >>> with store.checkout("latest") as snap:
@@ -415,13 +527,18 @@ class ParamStore:
             >>> with store.checkout(min_step=1, timeout=60, holder="rollout-0") as snap:
             ...     snap.load_into(policy)  # the newest version with step >= 1 (waits for one)
             LoadResult(missing_keys=[], unexpected_keys=[])
+            >>> with store.checkout(1, verify=True) as snap:  # one hash pass over its bytes
+            ...     snap.step
+            1
         """
         self._check_open()
         check_checkout_args(version, min_step, timeout)
+        if min_step is not None:
+            timeout = self._await_root(timeout)
         snap = open_snapshot(self._root, self._fetcher, version, min_step=min_step, timeout=timeout,
                              holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
                              wait_for=lambda step, left: self.wait_for(step, timeout=left),
-                             pull=self._pull_if_remote)
+                             pull=self._pull_if_remote, verify=verify)
         self._last_fetch = snap.fetch
         return snap
 
@@ -646,7 +763,6 @@ class ParamStore:
             2
         """
         self._check_open()
-        reg = self._root.registry
         if after is not None:
             warnings.warn("subscribe(after=s) is deprecated: use subscribe(min_step=s + 1) (inclusive, like "
                           "checkout(min_step=) and wait_for)", DeprecationWarning, stacklevel=2)
@@ -656,6 +772,8 @@ class ParamStore:
         if min_step is not None:
             check_bound(min_step, "min_step")
         check_timeout(timeout)
+        self._await_root(timeout)
+        reg = self._root.registry
         watch = reg.watch()  # armed now: nothing committed after this call is missed
         if min_step is None:
             latest = reg.latest_step()
@@ -703,8 +821,9 @@ class ParamStore:
         self._check_open()
         check_timeout(timeout)
         check_bound(step, "step")
+        timeout_left = self._await_root(timeout)
         reg = self._root.registry
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout_left is None else time.monotonic() + timeout_left
         with reg.watch() as watch:
             while True:
                 latest = reg.latest_step()
@@ -798,23 +917,64 @@ class ParamStore:
         self._check_open()
         return self._root.registry.get_manifest(self._resolve(version))
 
-    def verify(self, version: VersionSpec | None = None, *, show_progress: bool | None = False) -> dict[str, Any]:
+    def verify(self, version: VersionSpec | None = None, *, repair: bool = False,
+               show_progress: bool | None = False) -> dict[str, Any]:
         """Re-hash the objects of one version (or of every version) and check every manifest entry.
 
         Returns a report: ``ok``, ``corrupt`` (object -> why), ``missing`` objects,
-        ``damaged_versions``, counts; for a whole-store check also ``orphans`` (objects no version
+        ``unreadable_manifests``, ``damaged_versions``, counts, and ``advice`` (what to run next,
+        empty when all is well); for a whole-store check also ``orphans`` (objects no version
         references) and ``leftovers`` (temporary files). Each version checked is leased meanwhile.
+
+        ``repair=True`` then acts on what it found: damaged objects are moved to
+        ``<root>/quarantine/`` (kept for forensics, dropped from the dedup index so that the next
+        commit of the same weights writes fresh bytes), and good copies are fetched from peers or
+        this store's remote (re-hashed before they are placed). The report adds ``quarantined``
+        (object -> path), ``restored`` (objects fetched) and ``unrepaired`` (step -> why), and
+        ``ok``/``advice`` then describe the store after the repair: remove what stays damaged
+        with :meth:`remove`.
 
         Example:
             >>> report = store.verify()
-            >>> report["ok"], report["versions_checked"], report["corrupt"], report["missing"]
-            (True, 1, {}, [])
+            >>> report["ok"], report["versions_checked"], report["corrupt"], report["missing"], report["advice"]
+            (True, 1, {}, [], '')
             >>> store.verify(1)["ok"]
             True
+            >>> r = store.verify(repair=True)  # nothing to repair
+            >>> r["ok"], r["quarantined"], r["restored"], r["unrepaired"]
+            (True, {}, [], {})
         """
         self._check_open()
         steps = None if version is None else [self._root.resolve(version)]
-        return ops.verify(self._root, steps, show_progress=show_progress)
+        report = ops.verify(self._root, steps, show_progress=show_progress)
+        return ops.repair(self._root, self._fetcher, report) if repair else report
+
+    def remove(self, version: VersionSpec) -> Version:
+        """Remove a version from this store, for good (``paramstore rm``): for one that
+        :meth:`verify` with ``repair=True`` could not repair.
+
+        Its manifest, tags and persisted mark go at once; its objects at the next :meth:`gc`
+        (those no other version references). A remote keeps its copy. Refused
+        (InvalidArgumentError) while a reader holds a lease on it — the message names the
+        holders — and for the latest version, which the store always keeps (commit a newer one
+        first). Returns the removed version's record.
+
+        Raises:
+            VersionNotFoundError / TagNotFoundError: no such version or tag.
+            InvalidArgumentError: the version is leased, or is the latest.
+
+        Example:
+            >>> _ = store.commit(2, model).result()
+            >>> store.remove(1).step, [v.step for v in store.versions()]
+            (1, [2])
+            >>> with store.checkout(2) as snap:
+            ...     store.remove(2)
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.InvalidArgumentError: version 2 is in use: leased by 'pid ...' ...
+        """
+        self._check_open()
+        return ops.remove_version(self._root, self._root.resolve(version))
 
     def du(self) -> dict[str, Any]:
         """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio.
@@ -973,13 +1133,19 @@ class ParamStore:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if self._opened is None:
+            return
         if os.getpid() != self._owner:
             # A forked child: the commit threads, the pool's files and the retention thread
             # belong to the parent. Only this process's registry handle is released.
-            self._root.close()
+            self._opened.close()
             return
         if self._committer is not None:
             self._committer.close()
+            try:
+                release(self._opened.registry, self._run_id)  # the next trainer starts without a warning
+            except ParamStoreError:
+                pass  # the registry is gone or damaged: nothing to give up
         if self._persister is not None:
             self._persister.close()  # every committed version is pushed (or has failed) first
         if self._maintainer is not None:
@@ -988,8 +1154,9 @@ class ParamStore:
             self._peer.close()
         if self._transport is not None:
             self._transport.close()
-        self._pool.close()
-        self._root.close()
+        if self._pool is not None:
+            self._pool.close()
+        self._opened.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -34,8 +34,8 @@ def store_root(shm_dir):
 
 @pytest.fixture
 def store(store_root):
-    """A new, empty store with default settings; closed after the test."""
-    s = paramstore.ParamStore(store_root)
+    """A new, empty store with default settings (created now); closed after the test."""
+    s = paramstore.ParamStore(store_root, create=True)
     try:
         yield s
     finally:

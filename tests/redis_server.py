@@ -29,11 +29,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(*extra: str, timeout: float = 10.0) -> Iterator[str]:
-    """Start redis-server on 127.0.0.1 (``--save "" --appendonly no``); yield ``redis://127.0.0.1:<port>/0``.
+def running(*extra: str, timeout: float = 10.0, password: str | None = "test-secret") -> Iterator[str]:
+    """Start redis-server on 127.0.0.1 (``--save "" --appendonly no``); yield ``redis://:<password>@127.0.0.1:<port>/0``.
 
-    ``extra``: more server arguments, e.g. ``"--requirepass", "pw"`` (the URL then needs the password).
+    ``password``: the server's ``requirepass`` (as a deployment would set; None for none).
+    ``extra``: more server arguments.
     """
+    if password is not None:
+        extra = (*extra, "--requirepass", password)
     for _ in range(5):  # another process may take the port between free_port() and the bind
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="paramstore-redis-") as work:
@@ -43,7 +46,7 @@ def running(*extra: str, timeout: float = 10.0) -> Iterator[str]:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             try:
-                url = f"redis://127.0.0.1:{port}/0"
+                url = f"redis://{'' if password is None else f':{password}@'}127.0.0.1:{port}/0"
                 if _ready(url, proc, time.monotonic() + timeout):
                     yield url
                     return

@@ -174,10 +174,10 @@ def test_a_root_on_a_disk_filesystem_warns_once(tmp_path):
         pytest.skip("the checkout is itself on a memory filesystem here")
     try:
         with pytest.warns(ParamStoreWarning, match="not tmpfs"):
-            ParamStore(disk).close()
+            ParamStore(disk, create=True).close()
         with warnings.catch_warnings():
             warnings.simplefilter("error", ParamStoreWarning)
-            ParamStore(disk).close()  # once per root
+            ParamStore(disk, create=True).close()  # once per root
     finally:
         shutil.rmtree(disk, ignore_errors=True)
     with warnings.catch_warnings():
@@ -294,7 +294,9 @@ def test_a_root_that_cannot_be_created_is_the_package_error():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ParamStoreWarning)
         with pytest.raises(paramstore.StorageError, match="cannot create a store at /proc/"):
-            ParamStore("/proc/paramstore-cannot-be-here")
+            ParamStore("/proc/paramstore-cannot-be-here", create=True)
+        with pytest.raises(paramstore.StorageError, match="cannot create a store at /proc/"):
+            ParamStore("/proc/paramstore-cannot-be-here").commit(1, sd(1))  # the first commit creates it
     with pytest.raises(InvalidArgumentError):
         ParamStore("")
 

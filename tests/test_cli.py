@@ -111,7 +111,7 @@ def test_tag_and_errors(populated):
 
 def test_not_a_store(tmp_path):
     proc = cli(str(tmp_path), "ls", check=False)
-    assert proc.returncode == 2 and "not a paramstore root" in proc.stderr
+    assert proc.returncode == 2 and f"no store exists at {tmp_path}" in proc.stderr
     assert not os.path.exists(tmp_path / "paramstore.json")
 
 
@@ -283,7 +283,8 @@ def test_ls_shows_metrics(store_root, capsys, no_env):
     code, out, _ = run(capsys, "--root", store_root, "ls", "--json")
     rows = json.loads(out)
     assert all(set(r) == {"step", "created_at", "nbytes", "digest", "num_tensors", "metrics", "metadata",
-                          "tags", "persisted"} for r in rows)
+                          "tags", "persisted", "writer"} for r in rows)
+    assert len({r["writer"] for r in rows}) == 1 and rows[0]["writer"] in header + one
     assert rows[0]["metrics"] == {"loss": 0.123456, "reward": 3} and rows[0]["tags"] == ["a"]
 
 
@@ -329,7 +330,7 @@ def test_warnings_are_one_line_and_tag_delete_takes_one_name(populated, capsys, 
     try:
         if _fstype(os.path.dirname(disk)) not in ("tmpfs", "ramfs", None):
             with pytest.warns(paramstore.ParamStoreWarning):
-                paramstore.ParamStore(disk).close()  # a store on disk
+                paramstore.ParamStore(disk, create=True).close()  # a store on disk
             import paramstore.store as store_mod
 
             store_mod._warned_roots.discard(disk)

@@ -29,19 +29,126 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_full_tmpfs_fails_the_commit_not_the_process(tmp_path):
+def _run_in_small_tmpfs(tmp_path, size: str, child: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the script ``child`` with the store root ``<tmpfs>/store`` and ``args`` in a private
+    mount namespace where a fresh tmpfs of ``size`` is mounted (skips the test where that is
+    impossible)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to mount a small tmpfs")
     mnt = tmp_path / "small"
     mnt.mkdir()
     script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    cmd = (f"mount -t tmpfs -o size=2m tmpfs {mnt} && "
-           f"{sys.executable} {script} {mnt}/store")
+    script.write_text(child)
+    cmd = (f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
+           f"{sys.executable} {script} {mnt}/store {' '.join(args)}")
     proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 and ("mount" in proc.stderr or "unshare" in proc.stderr) \
             and "permi" in proc.stderr.lower():
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return proc
+
+
+def test_full_tmpfs_fails_the_commit_not_the_process(tmp_path):
+    proc = _run_in_small_tmpfs(tmp_path, "2m", CHILD)
     assert proc.returncode == 0, f"exit {proc.returncode} (135 = SIGBUS): {proc.stderr}"
     assert proc.stdout.split() == ["ENOSPC", "latest", "1", "16.0"], proc.stdout
+
+
+# -- a full store recovers: retention and GC run before a commit gives up ---------------------------
+# The model is sized from the space left once the store exists (whatever the registry reserves), so
+# that ``keep`` versions plus one being written fit, with half a model to spare, but no more: the
+# pool cannot also hold its prepared buffers, and every commit after the first few finds the
+# filesystem full. Retention after each commit is switched off (Maintainer.poke does nothing), so
+# only the committer's own call (reclaim_space) can make room: every commit must still succeed.
+RECOVER = textwrap.dedent("""
+    import os, sys, torch, paramstore, paramstore.commit as commit
+    from paramstore.maintenance import Maintainer
+    from paramstore.retention import KeepLast
+    root, keep, prepare = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    Maintainer.poke = lambda self, *a: None  # retention runs only when a commit finds the disk full
+    reclaims = []
+    real = commit.reclaim_space
+    commit.reclaim_space = lambda *a, **k: reclaims.append(1) or real(*a, **k)
+    with paramstore.ParamStore(root, retention=KeepLast(keep), prepare_buffers=prepare) as store:
+        st = os.statvfs(os.path.dirname(root))  # the tmpfs
+        model_bytes = int(st.f_bavail * st.f_frsize / (keep + 1.5)) // 65536 * 65536 - 65536
+        model = {f"w{i}": torch.zeros(model_bytes // 16) for i in range(4)}  # 4 float32 tensors
+        committed = 0
+        for step in range(1, 21):
+            for i, t in enumerate(model.values()):
+                t.fill_(step * 10 + i)  # every tensor changes: no deduplication
+            committed += store.commit(step, model).result(timeout=60).step == step
+        # the last commit was not followed by a prune: one version more than retention keeps
+        print("committed", committed, "kept", len(store.versions()) <= keep + 1, "reclaims", len(reclaims) > 0)
+        print("alive", store._pool._thread is None or store._pool._thread.is_alive())
+""")
+
+
+@pytest.mark.parametrize("keep, prepare", [(1, True), (2, False)])
+def test_full_tmpfs_commits_go_on_with_retention(tmp_path, keep, prepare):
+    proc = _run_in_small_tmpfs(tmp_path, "6m", RECOVER, str(keep), "1" if prepare else "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["committed", "20", "kept", "True", "reclaims", "True", "alive", "True"], \
+        proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+
+
+# -- the tmpfs filled by another file: a clean error, and recovery once the file is gone -------------
+# A filler leaves room for one version and half a model: the first commit fits, the pool's
+# background thread then fails to prepare the next buffers (ENOSPC: recorded, the thread lives on),
+# the second commit fails with StorageFullError even after retention and GC. Once the filler is
+# deleted the third commit succeeds and the pool prepares buffers again.
+FILLED = textwrap.dedent("""
+    import os, sys, time, torch, paramstore
+    from paramstore.retention import KeepLast
+    root = sys.argv[1]
+    mnt = os.path.dirname(root)
+    with paramstore.ParamStore(root, retention=KeepLast(1)) as store:
+        st = os.statvfs(mnt)
+        free = st.f_bavail * st.f_frsize
+        model_bytes = free // 4 // 65536 * 65536
+        model = {f"w{i}": torch.full((model_bytes // 16,), float(i)) for i in range(4)}
+        filler = os.path.join(mnt, "filler")
+        fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o644)
+        os.posix_fallocate(fd, 0, free - int(1.5 * model_bytes))
+        os.close(fd)
+        store.commit(1, model).result(timeout=60)
+        pool = store._pool
+        deadline = time.monotonic() + 20
+        while pool.prefault_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("prefault", type(pool.prefault_error).__name__, "alive", pool._thread.is_alive())
+        try:
+            store.commit(2, model).result(timeout=60)
+            print("committed 2")
+        except paramstore.StorageFullError as e:
+            print("full", e.errno, mnt in str(e), "/dev/shm" not in str(e), "step 2" in str(e))
+        try:
+            store.prepare(model, wait=True, timeout=20)
+            print("prepared")
+        except paramstore.StorageFullError:
+            print("prepare-full")
+        print("alive", pool._thread.is_alive())
+        os.unlink(filler)
+        print("committed", store.commit(3, model).result(timeout=60).step)
+        print("prepared", pool.wait_prepared(20), pool.prefault_error is None, pool._thread.is_alive(),
+              sum(len(v) for v in pool._free.values()) >= 2)
+        with store.checkout("latest") as snap:
+            print("latest", snap.step, float(snap["w3"][0]))
+""")
+
+
+def test_full_tmpfs_filled_by_another_file(tmp_path):
+    proc = _run_in_small_tmpfs(tmp_path, "6m", FILLED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "prefault StorageFullError alive True",
+        "full 28 True True True",
+        "prepare-full",
+        "alive True",
+        "committed 3",
+        "prepared True True True True",
+        "latest 3 3.0",
+    ], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr

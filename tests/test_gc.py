@@ -189,7 +189,7 @@ def slab_owner_main(root: str, conn) -> None:
 # -- the race ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_readers_never_see_bad_bits_while_retention_prunes_and_collects(store_root):
-    ParamStore(store_root).close()
+    ParamStore(store_root, create=True).close()
     results = SPAWN.Queue()
     readers = [SPAWN.Process(target=reader_main, args=(store_root, NUM_COMMITS, i, results))
                for i in range(NUM_READERS)]
@@ -234,7 +234,7 @@ def test_readers_never_see_bad_bits_while_retention_prunes_and_collects(store_ro
 
 # -- crashes ----------------------------------------------------------------------------------
 def test_gc_reclaims_what_a_killed_commit_left(store_root):
-    ParamStore(store_root).close()
+    ParamStore(store_root, create=True).close()
     child = SPAWN.Process(target=committer_main, args=(store_root,))
     child.start()
     try:
@@ -289,7 +289,7 @@ def test_gc_reclaims_what_a_killed_commit_left(store_root):
 
 
 def test_gc_never_deletes_the_slabs_of_a_live_process(store_root):
-    ParamStore(store_root).close()
+    ParamStore(store_root, create=True).close()
     conn, child_conn = SPAWN.Pipe()
     owner = SPAWN.Process(target=slab_owner_main, args=(store_root, child_conn))
     owner.start()
@@ -504,7 +504,7 @@ def test_dedup_after_gc_stores_a_collected_tensor_again(store_root):
     a = random_tensor(torch.float32, (300,), seed=1)
     b = random_tensor(torch.float32, (300,), seed=2)
     c = random_tensor(torch.int16, (50,), seed=3)
-    with ParamStore(store_root) as store:
+    with ParamStore(store_root, create=True) as store:
         reg, tier = store._root.registry, store._root.tier
         store.commit(1, {"x": a, "c": c}).result()
         store.commit(2, {"x": b}).result()

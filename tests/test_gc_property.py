@@ -79,7 +79,7 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="paramstore-prop-", dir=SHM)
-        self.store = ParamStore(os.path.join(self.dir, "store"), shard_size_bytes=SHARD)
+        self.store = ParamStore(os.path.join(self.dir, "store"), shard_size_bytes=SHARD, create=True)
         self.reg, self.tier = self.store._root.registry, self.store._root.tier
         self.model: dict[int, dict[str, torch.Tensor]] = {}
         self.current: dict[str, torch.Tensor] = {}

@@ -73,7 +73,7 @@ def helper_main(conn) -> None:
 
     def store(root: str) -> ParamStore:
         if root not in stores:
-            stores[root] = ParamStore(root, create=False)
+            stores[root] = ParamStore(root, create=False, takeover=True)  # commits as a second trainer
         return stores[root]
 
     while True:

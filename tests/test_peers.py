@@ -26,6 +26,7 @@ class Host:
     """A host process; ``send`` a command, ``expect`` its JSON reply."""
 
     def __init__(self, root: str, registry: str, name: str, role: str) -> None:
+        self.root = root
         env = dict(os.environ, MC_FORCE_TCP="1")
         self.proc = subprocess.Popen([sys.executable, HOST_SCRIPT, root, registry, name, role],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -73,22 +74,56 @@ def hosts(redis_url, shm_dir):
         h.close()
 
 
+def stored_bytes(root: str) -> int:
+    """Bytes of every object file of a host's tier (what a fetch of all of them reads)."""
+    objects = os.path.join(root, "objects")
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(objects) for f in fs)
+
+
 def test_three_rollout_hosts_fetch_from_the_trainer_and_each_other(hosts):
+    """Only what the scheduling guarantees is asserted, so every run passes or fails alike.
+
+    How much leaves the trainer when hosts fetch *at once* depends on timing: a host whose first
+    holders lookup comes before the others announced that they fetch the object too reads it from
+    the trainer in growing bursts, as if alone; in a crowd, hosts that look up at the same moment
+    each read a slice from the trainer; starting slices and holders are chosen at random (1.19-2.25
+    model sizes measured for 3 hosts). So phase 1 asserts the exact invariants of a concurrent fetch,
+    and phase 2 sequences the fetches so that every object has exactly one holder at a time.
+    """
     trainer = hosts("trainer")
     rollouts = [hosts("rollout") for _ in range(3)]
+    sessions = {trainer.session} | {r.session for r in rollouts}
     assert trainer.ask("commit 1 1 16") == {"committed": 1}
-    for r in rollouts:  # at once
+    v1 = stored_bytes(trainer.root)
+    assert MODEL_BYTES < v1 < MODEL_BYTES + (64 << 10)  # the tensors plus the objects' headers
+
+    # 1. At once. Every host reads every slice exactly once (bytes_from sums to the objects' bytes:
+    #    none missing, none read twice, none rejected), from the trainer or another rollout host.
+    #    Every byte first leaves the trainer (the only holder at the start): between 1 and 3 copies.
+    for r in rollouts:
         r.send("checkout 1 1 16")
     replies = [r.expect() for r in rollouts]
-    assert all(rep["ok"] for rep in replies), replies
+    for r, rep in zip(rollouts, replies):
+        assert rep["ok"] and rep["rejected"] == {} and rep["fetched"] == 2, rep
+        assert sum(rep["bytes_from"].values()) == v1, rep
+        assert set(rep["bytes_from"]) <= sessions - {r.session}, rep
     egress = sum(rep["bytes_from"].get(trainer.session, 0) for rep in replies)
-    total = sum(sum(rep["bytes_from"].values()) for rep in replies)
-    assert total >= 3 * MODEL_BYTES * 0.99  # every host got a whole model...
-    print(f"trainer egress {egress / MODEL_BYTES:.2f} model sizes for 3 hosts")
-    # ...part of it from each other (swarm), not all from the trainer. Egress varies from run to run
-    # with scheduling on a 2-core host (1.19-2.13 model sizes measured): the bound is what every run
-    # meets; an egress that does not vary is the swarm work of a later issue.
-    assert egress <= 2.5 * MODEL_BYTES
+    assert v1 <= egress <= 3 * v1
+    print(f"at once: trainer egress {egress / v1:.2f} model sizes for 3 hosts")
+
+    # 2. One after another, each object with one holder at a time: a new version (every tensor
+    #    changed: new objects) goes trainer -> a; the trainer leaves; a -> b; a leaves; b -> c.
+    #    It left the trainer exactly once for three hosts, and rollout hosts served each other.
+    a, b, c = rollouts
+    assert trainer.ask("commit 2 2 16") == {"committed": 2}
+    v2 = stored_bytes(trainer.root) - v1
+    assert MODEL_BYTES < v2 < MODEL_BYTES + (64 << 10)
+    for source, reader, leaving in [(trainer, a, trainer), (a, b, a), (b, c, None)]:
+        rep = reader.ask("checkout 2 2 16")
+        assert rep["ok"] and rep["rejected"] == {} and rep["fetched"] == 2, rep
+        assert rep["bytes_from"] == {source.session: v2}, rep
+        if leaving is not None:
+            leaving.close()  # withdraws its peer: its objects are no longer announced
 
 
 def test_delta_moves_only_changed_objects(hosts):

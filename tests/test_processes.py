@@ -106,7 +106,7 @@ def committer_main(root: str, go) -> None:
 
 # -- tests -------------------------------------------------------------------------------------
 def test_one_trainer_three_readers(store_root):
-    ParamStore(store_root).close()
+    ParamStore(store_root, create=True).close()
     results = SPAWN.Queue()
     readers = [SPAWN.Process(target=reader_main, args=(store_root, TRAINER_STEPS, results)) for _ in range(3)]
     for r in readers:
@@ -158,7 +158,7 @@ def test_commits_survive_sigkill_at_random_moments(store_root):
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    ParamStore(store_root).close()
+    ParamStore(store_root, create=True).close()
     # All children start (and import torch) at once; each waits for its round's signal.
     gos = [SPAWN.Event() for _ in range(rounds)]
     children = [SPAWN.Process(target=committer_main, args=(store_root, go)) for go in gos]

@@ -34,7 +34,7 @@ from paramstore.backends.registries import (
     LmdbRegistry, ObjectInfo, Peer, RedisRegistry, Registry, TensorLocation, open_registry,
 )
 from paramstore.errors import (
-    InvalidArgumentError, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
+    InvalidArgumentError, ParamStoreWarning, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, TensorEntry, Version
 
@@ -231,6 +231,17 @@ def test_persisted_marks(reg):
 
 
 # -- leases and removal ------------------------------------------------------------------------
+def test_store_level_values_compare_and_set(reg):
+    assert reg.get_meta("writer") is None
+    assert reg.swap_meta("writer", None, "a") == "a"
+    assert reg.swap_meta("writer", None, "b") == "a"  # already set: the current value comes back
+    assert reg.swap_meta("writer", "x", "b") == "a"  # wrong expectation
+    assert reg.swap_meta("writer", "a", "b") == "b"
+    assert reg.get_meta("writer") == "b" and reg.get_meta("store_id") is None
+    with pytest.raises(InvalidArgumentError):
+        reg.get_meta("../etc")
+
+
 def test_leases(opened):
     reg, other = opened(), opened()
     publish(reg, 1)
@@ -617,7 +628,10 @@ def test_unreachable_server_raises_registry_error():
 
 @needs_server
 def test_password_in_url_and_server_going_away():
-    with redis_server.running("--requirepass", "s3cret") as url:
+    with redis_server.running(password=None) as bare, redis_server.running(password="s3cret") as url:
+        with pytest.warns(ParamStoreWarning, match="no password"):  # open_registry warns for a bare URL
+            open_registry(bare, "unused", "ns").close()
+        url = url.replace(":s3cret@", "")
         with pytest.raises(RegistryError) as e:
             RedisRegistry(url.replace("redis://", "redis://:wrong@"), "ns")
         assert "wrong" not in str(e.value)

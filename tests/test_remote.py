@@ -370,7 +370,7 @@ def test_per_tier_retention(s3_server, s3_remote, shm_dir):
     url, opts = s3_remote
     remote = Remote(url, opts, grace=0)
     policy = {"local": KeepLast(1), "remote": AnyOf(KeepLast(2), KeepEvery(3))}
-    with ParamStore(os.path.join(shm_dir, "a"), remote=remote, retention=policy) as s:
+    with ParamStore(os.path.join(shm_dir, "a"), remote=remote, retention=policy, persist_backlog=8) as s:
         sd = model(1)
         for step in range(8):
             sd = changed(sd, [f"layer{step}.weight"], step)
@@ -410,7 +410,7 @@ def test_cli_push_pull_ls_prune_gc(s3_server, s3_remote, shm_dir):
     assert "yes" in cli(a, "ls").stdout
     assert cli(a, "push").stdout.strip() == "nothing to push"
     assert [r["step"] for r in json.loads(cli(a, "ls", "--remote", "--json").stdout)] == [1, 2, 3]
-    ParamStore(b).close()
+    ParamStore(b, create=True).close()
     pulled = json.loads(cli(b, "pull", "2", "--json").stdout)
     assert pulled["step"] == 2 and pulled["objects"] >= 1
     assert json.loads(cli(b, "verify", "--json").stdout)["ok"]

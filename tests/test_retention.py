@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from paramstore import InvalidArgumentError
@@ -14,6 +16,7 @@ from paramstore.retention import (
     KeepTagged,
     KeepWithin,
     decide,
+    infer_mode,
     parse_duration,
 )
 
@@ -93,7 +96,7 @@ def test_bad_options(make):
 
 def test_metric_missing_everywhere_is_an_error():
     with pytest.raises(InvalidArgumentError, match="no version has the metric 'rewrd'"):
-        decide(KeepBest(2, "rewrd"), HISTORY, [], now=0.0)
+        decide(KeepBest(2, "rewrd", mode="max"), HISTORY, [], now=0.0)
 
 
 @pytest.mark.parametrize("text,seconds", [("90", 90), ("2x", None), ("90s", 90), ("30m", 1800), ("2h", 7200),
@@ -104,3 +107,37 @@ def test_parse_duration(text, seconds):
             parse_duration(text)
     else:
         assert parse_duration(text) == seconds
+
+
+LOSSES = [V(step, loss=loss, entropy=loss) for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6), (4, 0.8)]]
+
+
+def test_keep_best_by_loss_keeps_the_lowest_loss():
+    # before 0.2 mode defaulted to "max": KeepBest(1, "loss") kept the *highest* loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a well-known metric needs no mode=, and says nothing
+        policy = KeepBest(1, "loss")
+    assert policy.mode == "min" and policy == KeepBest(1, "loss", mode="min")
+    assert decide(policy, LOSSES, [], now=0.0).keep == {2: ["best 1 by loss (min)"], 4: ["latest"]}
+    assert str(policy) == "keep the best 1 by loss (min)"
+
+
+def test_keep_best_without_a_known_direction_warns_and_keeps_the_old_default():
+    with pytest.warns(DeprecationWarning, match="mode='max'.*mode='min'"):
+        policy = KeepBest(1, "entropy")
+    assert policy.mode == "max"  # as before 0.2
+    assert sorted(decide(policy, LOSSES, [], now=0.0).keep) == [1, 4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert KeepBest(1, "entropy", mode="min").mode == "min"
+        assert KeepBest(1, "loss", mode="max").mode == "max"  # an explicit mode always wins
+
+
+@pytest.mark.parametrize("metric,mode", [
+    ("loss", "min"), ("val/loss", "min"), ("eval_loss", "min"), ("valLoss", "min"), ("loss2", "min"),
+    ("perplexity", "min"), ("word_error_rate", "min"), ("reward", "max"), ("episode_return", "max"),
+    ("val_accuracy", "max"), ("f1", "max"), ("neg_loss", None), ("reward_loss", None), ("entropy", None),
+    ("kl", None), ("lossy", None),
+])
+def test_infer_mode(metric, mode):
+    assert infer_mode(metric) == mode

@@ -87,7 +87,7 @@ def test_prepare_wait_has_every_buffer_ready(store_root, retention, recycle, cop
 
 # -- recycling ---------------------------------------------------------------------------------
 def test_commits_with_recycling_are_bit_exact_and_reuse_the_files(store_root):
-    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2)) as store:
+    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
         assert store._pool.recycling
         store.prepare(model(0), wait=True)
         first = None
@@ -326,7 +326,8 @@ def test_recycled_slabs_of_a_killed_process_are_reclaimed_by_gc(store_root):
 
 # -- the option off ----------------------------------------------------------------------------
 def test_recycle_buffers_off_deletes_swept_objects_as_before(store_root):
-    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(1), recycle_buffers=False) as store:
+    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(1), recycle_buffers=False,
+                    create=True) as store:
         pool = store._pool
         assert not pool.recycling and not staging.recyclers(pool._tmp)
         store.prepare(model(0), wait=True)
@@ -344,7 +345,7 @@ def test_recycle_buffers_off_deletes_swept_objects_as_before(store_root):
 
 
 def test_no_retention_means_no_recycling(store_root):
-    with ParamStore(store_root, shard_size_bytes=SHARD) as store:
+    with ParamStore(store_root, shard_size_bytes=SHARD, create=True) as store:
         assert not store._pool.recycling
         store.commit(1, model(1)).result()
         assert not store._pool._retired
@@ -379,7 +380,7 @@ def test_mappings_of_objects_deleted_by_another_gc_are_released(store_root):
 
 def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch):
     monkeypatch.setattr(commit_mod, "OVERLAP_HASH_MIN_CPUS", 1)
-    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2)) as store:
+    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
         assert store._get_committer()._early is not None
         prev = None
         for step in range(1, 7):

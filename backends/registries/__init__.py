@@ -6,9 +6,11 @@ several hosts. Every registry implements :class:`Registry`; :func:`open_registry
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
-from paramstore.errors import InvalidArgumentError
+from paramstore.errors import InvalidArgumentError, ParamStoreWarning
 
 from .base import Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch
 from .lmdb import LmdbRegistry
@@ -28,6 +30,9 @@ def open_registry(url: str | None, meta_dir: str, namespace: str) -> Registry:
         meta_dir: the store's ``meta/`` directory (the LMDB environment, created if missing).
         namespace: separates stores that share one server: the store's ``name`` (``ParamStore(name=)``).
 
+    A ``redis://`` URL without a password draws a ParamStoreWarning: whoever reaches the server
+    could rewrite the store's metadata.
+
     Raises:
         InvalidArgumentError: an unsupported URL scheme.
         RegistryError: the server cannot be reached.
@@ -45,6 +50,11 @@ def open_registry(url: str | None, meta_dir: str, namespace: str) -> Registry:
     if url is None:
         return LmdbRegistry(meta_dir, create=True)
     if url.startswith(("redis://", "rediss://")):
+        parts = urlsplit(url)
+        if not parts.password and not parse_qs(parts.query).get("password"):
+            warnings.warn(f"the registry URL {url} has no password: anyone who reaches the server can rewrite this "
+                          "store's metadata (use redis://:PASSWORD@host:port/db and requirepass)",
+                          ParamStoreWarning, stacklevel=3)
         return _redis_registry()(url, namespace)
     scheme = url.partition("://")[0] if "://" in url else "(none)"
     raise InvalidArgumentError(f"unsupported registry URL scheme {scheme!r}: use redis://host:port/db, "

@@ -38,7 +38,18 @@ from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import InvalidArgumentError
 from paramstore.manifest import Manifest, Version
 
-__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer"]
+__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
+
+#: Store-level values a registry keeps (:meth:`Registry.get_meta`): the store's identity, written
+#: when it is created and checked by every open, and the current writer (see ``paramstore.writer``).
+META_KEYS = ("store_id", "writer")
+
+
+def check_meta_key(key: object) -> str:
+    """``key`` if it is one of :data:`META_KEYS`, else InvalidArgumentError."""
+    if key not in META_KEYS:
+        raise InvalidArgumentError(f"unknown store-level key {key!r}: one of {', '.join(META_KEYS)}")
+    return key  # type: ignore[return-value]
 
 
 class Lease(NamedTuple):
@@ -220,6 +231,18 @@ class Registry(abc.ABC):
     @abc.abstractmethod
     def persisted(self) -> dict[int, str]:
         """Every version known to be durable in a remote: step -> remote URL."""
+
+    @abc.abstractmethod
+    def get_meta(self, key: str) -> str | None:
+        """The store-level value ``key`` (``"store_id"``, ``"writer"``), or None if it was never set."""
+
+    @abc.abstractmethod
+    def swap_meta(self, key: str, expected: str | None, value: str) -> str | None:
+        """Set ``key`` to ``value`` if it now holds ``expected`` (None: unset), in one transaction.
+
+        Returns what ``key`` holds afterwards: ``value`` when the swap happened, else the current
+        value (so the caller sees who won). ``key`` is one of :data:`META_KEYS`.
+        """
 
     @abc.abstractmethod
     def acquire_lease(self, step: int, holder: str) -> Lease:

@@ -18,6 +18,7 @@ name              key                             value
                   + peer id (UTF-8)
 ``peer-objects``  peer id (UTF-8) + NUL           empty: the reverse of ``holders``, so a peer's objects go with it
                   + object digest (32 raw bytes)
+``meta``          ``store_id`` / ``writer``       the store's identity and its current writer (UTF-8)
 ================  ==============================  ===========================================
 
 ``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
@@ -26,6 +27,14 @@ see :mod:`paramstore.liveness`) runs; readers of ``leases`` release dead process
 live the same way (``node`` is the host that announced it, where its pid means something); whoever
 reads ``peers()`` or ``holders()`` first after a peer's process died drops it with its holdings.
 ``holders`` keys sort by digest then peer id, so one cursor range gives an object's holders in order.
+
+Damage is reported, never crashed on: an environment whose ``data.mdb`` is shorter than its last
+page (a truncated file would make LMDB die with SIGBUS) is refused at open, undecodable records and
+LMDB's own corruption errors become :class:`~paramstore.errors.CorruptStoreError`, and a
+``data.mdb`` deleted or replaced while this process has it open (a /dev/shm cleaner) is noticed by
+the next write, ``latest_step`` or ``versions`` call (:class:`~paramstore.errors.MetadataLostError`).
+Free pages are reserved ahead in ``data.mdb`` (:data:`RESERVE_BYTES`), so that readers can still
+take and release leases when the filesystem is full.
 
 This is the only module that touches LMDB. The environment is opened per process and reopened
 after ``fork`` (an LMDB environment must never be used across fork). Every publish and tag change
@@ -36,22 +45,28 @@ rewritten, which wakes the processes watching it.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import os
 import struct
 import threading
 import time
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import lmdb
 
 from paramstore import liveness
-from paramstore.errors import InvalidArgumentError, StepOrderError, TagNotFoundError, VersionNotFoundError
+from paramstore.errors import (
+    CorruptStoreError, InvalidArgumentError, MetadataLostError, ParamStoreError, StepOrderError, StorageFullError,
+    TagNotFoundError, VersionNotFoundError,
+)
 from paramstore.manifest import Manifest, Version
 
 from ._inotify import FileWatch
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_peer, check_peer_id,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_peer,
+    check_peer_id,
 )
 
 __all__ = ["LmdbRegistry"]
@@ -60,8 +75,30 @@ _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
 # Named databases missing from an older store are created when it is opened.
 _DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
-        "peer-objects")
+        "peer-objects", "meta")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
+#: Bytes allocated ahead of LMDB's last page in ``data.mdb`` (topped up when half is used), so
+#: that lease writes never need new space from a full filesystem.
+RESERVE_BYTES = 8 << 20
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _guarded(fn: _F) -> _F:
+    """LMDB failures and undecodable records become the package's errors (never a bare one)."""
+    @functools.wraps(fn)
+    def call(self: "LmdbRegistry", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except ParamStoreError:
+            raise
+        except (lmdb.DiskError, lmdb.MapFullError) as e:
+            raise StorageFullError(errno.ENOSPC, f"the registry at {self._path} cannot grow: {e}; free space on "
+                                                 "its filesystem (prune and gc)", self._path) from e
+        except (lmdb.Error, ValueError, KeyError, TypeError, struct.error) as e:  # JSON/UTF-8 errors are ValueErrors
+            raise CorruptStoreError(f"the registry at {self._path} is damaged ({type(e).__name__}: {e}); "
+                                    "restore the store from its remote (paramstore pull) or remove it") from e
+    return call  # type: ignore[return-value]
 
 
 def _step_key(step: int) -> bytes:
@@ -106,9 +143,13 @@ def _drop_inherited() -> None:
 
 class _EventsWatch(Watch):
     def __init__(self, path: str) -> None:
+        self._path = path
         self._w = FileWatch(path)
 
     def wait(self, timeout: float | None) -> bool:
+        if not os.path.exists(self._path):  # deleted with the registry: no event will ever come, so
+            time.sleep(0.1 if timeout is None else min(0.1, max(0.0, timeout)))  # let the caller look
+            return True  # (and fail with MetadataLostError) every 0.1 s
         return self._w.wait(timeout)
 
     def close(self) -> None:
@@ -122,10 +163,17 @@ class LmdbRegistry(Registry):
         path: directory of the environment (created when ``create``).
         create: create the environment if missing.
         map_size: LMDB map size in bytes (address space reserved, not disk used).
+        mode: permissions of the files LMDB creates (owner only by default).
+
+    Raises:
+        MetadataLostError: ``create`` is false and the environment does not exist.
+        CorruptStoreError: the environment is damaged (e.g. ``data.mdb`` truncated).
     """
 
-    def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE) -> None:
+    def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE,
+                 mode: int = 0o600) -> None:
         self._path = path
+        self._mode = mode
         # Two event files: versions and tags change rarely and wake subscribers; lease changes are
         # frequent (every checkout's close) and only wake wait_for_readers().
         self._events = {"versions": os.path.join(path, "events"), "leases": os.path.join(path, "lease-events")}
@@ -141,27 +189,91 @@ class LmdbRegistry(Registry):
     # -- environment -------------------------------------------------------------------------
     def _open(self) -> None:
         if self._create:
-            os.makedirs(self._path, exist_ok=True)
+            os.makedirs(self._path, mode=0o770 if self._mode & 0o060 else 0o700, exist_ok=True)
+        elif not os.path.exists(self._data):
+            raise MetadataLostError(f"the registry of this store is missing ({self._data} does not exist): its "
+                                    "metadata was deleted; nothing was re-created. Restore the store from its remote "
+                                    "(paramstore pull) or remove the directory and start again")
         key = (os.path.realpath(self._path), os.getpid())
         with _SHARED_LOCK:
             _drop_inherited()
             entry = _SHARED.get(key)
             if entry is None:
-                env = lmdb.open(
-                    self._path, map_size=self._map_size, max_dbs=len(_DBS), max_readers=1024,
-                    subdir=True, create=self._create, readahead=False,
-                )
-                env.reader_check()  # clear reader slots left by killed processes
-                entry = _SHARED[key] = [env, 0, {name: env.open_db(name.encode()) for name in _DBS}]
+                env = self._open_env()
+                try:
+                    entry = _SHARED[key] = [env, 0, {name: env.open_db(name.encode()) for name in _DBS},
+                                            os.stat(self._data).st_ino]
+                except lmdb.Error as e:
+                    env.close()
+                    raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); "
+                                            "restore the store from its remote (paramstore pull) or remove it") from e
             entry[1] += 1
         self._key = key
-        env, self._dbs = entry[0], entry[2]
+        env, self._dbs, self._ino = entry[0], entry[2], entry[3]
+        self._reserve(env)
         for path in self._events.values():
             if not os.path.exists(path):
                 with open(path, "ab"):
                     pass
         self._env = env
         self._pid = os.getpid()
+
+    def _open_env(self) -> lmdb.Environment:
+        """Open the environment, refusing a ``data.mdb`` shorter than its last page (SIGBUS otherwise)."""
+        try:
+            env = lmdb.open(self._path, map_size=self._map_size, max_dbs=len(_DBS), max_readers=1024,
+                            subdir=True, create=self._create, readahead=False, mode=self._mode)
+        except lmdb.DiskError as e:
+            raise StorageFullError(errno.ENOSPC, f"cannot open the registry at {self._path}: {e}", self._path) from e
+        except lmdb.Error as e:
+            raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); restore "
+                                    "the store from its remote (paramstore pull) or remove it") from e
+        try:
+            needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            size = os.stat(self._data).st_size
+            if size < needed:
+                raise CorruptStoreError(f"the registry file {self._data} is truncated ({size} bytes, its pages need "
+                                        f"{needed}): restore the store from its remote (paramstore pull) or remove it")
+            env.reader_check()  # clear reader slots left by killed processes
+        except lmdb.Error as e:
+            env.close()
+            raise CorruptStoreError(f"the registry at {self._path} is damaged: {e}") from e
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    @property
+    def _data(self) -> str:
+        return os.path.join(self._path, "data.mdb")
+
+    def _check_present(self) -> None:
+        """Raise MetadataLostError if ``data.mdb`` was deleted or replaced since this process opened it."""
+        try:
+            ino = os.stat(self._data).st_ino
+        except FileNotFoundError:
+            ino = None
+        if ino != self._ino:
+            raise MetadataLostError(
+                f"the registry of this store ({self._data}) was {'deleted' if ino is None else 'replaced'} while "
+                "this process had it open (a /dev/shm cleaner?): versions written from now on would be lost. "
+                "Stop, then restore the store from its remote (paramstore pull) or start a new one")
+
+    def _reserve(self, env: lmdb.Environment) -> None:
+        """Allocate :data:`RESERVE_BYTES` past LMDB's last page (best effort: skipped on a full disk)."""
+        try:
+            used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            if os.stat(self._data).st_size - used >= RESERVE_BYTES // 2:
+                return
+            fd = os.open(self._data, os.O_RDWR | os.O_CLOEXEC)
+        except (OSError, lmdb.Error):
+            return  # read-only, or gone (reported by the next call)
+        try:
+            os.posix_fallocate(fd, 0, used + RESERVE_BYTES)
+        except OSError:
+            pass  # a full or non-allocating filesystem: writes extend the file as LMDB does by itself
+        finally:
+            os.close(fd)
 
     @property
     def env(self) -> lmdb.Environment:
@@ -179,6 +291,7 @@ class LmdbRegistry(Registry):
     def _write(self, db: object = None) -> Iterator[lmdb.Transaction]:
         """A write transaction, never open while the process forks (see ``_FORK_LOCK``)."""
         env = self.env
+        self._check_present()
         with _FORK_LOCK:
             with env.begin(write=True, db=db) as txn:
                 yield txn
@@ -203,8 +316,11 @@ class LmdbRegistry(Registry):
             os.close(fd)
 
     # -- reads -------------------------------------------------------------------------------
+    @_guarded
     def latest_step(self) -> int | None:
-        with self.env.begin(db=self._dbs["versions"]) as txn:
+        env = self.env
+        self._check_present()
+        with env.begin(db=self._dbs["versions"]) as txn:
             cur = txn.cursor()
             return _STEP.unpack(cur.key())[0] if cur.last() else None
 
@@ -214,6 +330,7 @@ class LmdbRegistry(Registry):
             out.setdefault(_STEP.unpack(v)[0], []).append(k.decode())
         return out
 
+    @_guarded
     def get_version(self, step: int) -> Version:
         with self.env.begin() as txn:
             raw = txn.get(_step_key(step), db=self._dbs["versions"])
@@ -222,6 +339,7 @@ class LmdbRegistry(Registry):
             tags = self._tags_by_step(txn).get(step, [])
             return Version.from_json(json.loads(raw), tuple(sorted(tags)))
 
+    @_guarded
     def get_manifest(self, step: int) -> Manifest:
         with self.env.begin(db=self._dbs["manifests"]) as txn:
             raw = txn.get(_step_key(step))
@@ -229,8 +347,11 @@ class LmdbRegistry(Registry):
             raise VersionNotFoundError(f"no version at step {step}")
         return Manifest.from_json(json.loads(raw))
 
+    @_guarded
     def versions(self, after: int | None = None) -> Iterator[Version]:
-        with self.env.begin() as txn:
+        env = self.env
+        self._check_present()
+        with env.begin() as txn:
             tags = self._tags_by_step(txn)
             cur = txn.cursor(db=self._dbs["versions"])
             start = 0 if after is None else max(after + 1, 0)
@@ -242,10 +363,12 @@ class LmdbRegistry(Registry):
                 found = cur.next()
         return iter(out)
 
+    @_guarded
     def tags(self) -> dict[str, int]:
         with self.env.begin(db=self._dbs["tags"]) as txn:
             return {k.decode(): _STEP.unpack(v)[0] for k, v in txn.cursor()}
 
+    @_guarded
     def locate_tensors(self, digests: list[str]) -> dict[str, TensorLocation]:
         out: dict[str, TensorLocation] = {}
         with self.env.begin(db=self._dbs["tensors"]) as txn:
@@ -256,10 +379,12 @@ class LmdbRegistry(Registry):
                     out[d] = TensorLocation(obj.hex(), off, n)
         return out
 
+    @_guarded
     def objects(self) -> dict[str, int]:
         with self.env.begin(db=self._dbs["objects"]) as txn:
             return {k.hex(): _STEP.unpack_from(v)[0] for k, v in txn.cursor()}
 
+    @_guarded
     def object_sizes(self, digests: Iterable[str]) -> dict[str, int]:
         out = {}
         with self.env.begin(db=self._dbs["objects"]) as txn:
@@ -269,6 +394,7 @@ class LmdbRegistry(Registry):
                     out[d] = _STEP.unpack_from(raw)[0]
         return out
 
+    @_guarded
     def referenced_objects(self) -> set[str]:
         out: set[str] = set()
         with self.env.begin(db=self._dbs["refs"]) as txn:
@@ -277,6 +403,7 @@ class LmdbRegistry(Registry):
         return out
 
     # -- writes ------------------------------------------------------------------------------
+    @_guarded
     def publish(
         self,
         version: Version,
@@ -310,7 +437,9 @@ class LmdbRegistry(Registry):
                 val = _LOC.pack(bytes.fromhex(loc.object), loc.offset, loc.nbytes)
                 txn.put(bytes.fromhex(d), val, db=self._dbs["tensors"])  # newest location wins
         self._notify()
+        self._reserve(self.env)
 
+    @_guarded
     def set_tag(self, name: str, step: int) -> None:
         with self._write() as txn:
             if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
@@ -318,6 +447,7 @@ class LmdbRegistry(Registry):
             txn.put(name.encode(), _step_key(step), db=self._dbs["tags"])
         self._notify()
 
+    @_guarded
     def delete_tag(self, name: str) -> int:
         with self._write(db=self._dbs["tags"]) as txn:
             raw = txn.pop(name.encode())
@@ -326,6 +456,7 @@ class LmdbRegistry(Registry):
         self._notify()
         return _STEP.unpack(raw)[0]
 
+    @_guarded
     def set_persisted(self, step: int, remote: str) -> None:
         with self._write() as txn:
             if txn.get(_step_key(step), db=self._dbs["versions"]) is None:
@@ -333,11 +464,31 @@ class LmdbRegistry(Registry):
             txn.put(_step_key(step), remote.encode(), db=self._dbs["persisted"])
         self._notify()
 
+    @_guarded
     def persisted(self) -> dict[int, str]:
         with self.env.begin(db=self._dbs["persisted"]) as txn:
             return {_STEP.unpack(k)[0]: v.decode() for k, v in txn.cursor()}
 
+    # -- store-level values ------------------------------------------------------------------
+    @_guarded
+    def get_meta(self, key: str) -> str | None:
+        with self.env.begin(db=self._dbs["meta"]) as txn:
+            raw = txn.get(check_meta_key(key).encode())
+        return None if raw is None else raw.decode()
+
+    @_guarded
+    def swap_meta(self, key: str, expected: str | None, value: str) -> str | None:
+        k = check_meta_key(key).encode()
+        with self._write(db=self._dbs["meta"]) as txn:
+            raw = txn.get(k)
+            current = None if raw is None else raw.decode()
+            if current != expected:
+                return current
+            txn.put(k, value.encode())
+        return value
+
     # -- leases ------------------------------------------------------------------------------
+    @_guarded
     def acquire_lease(self, step: int, holder: str) -> Lease:
         pid, start = liveness.this_process()
         lease = Lease(os.urandom(8).hex(), step, holder, pid, liveness.HOST, time.time())
@@ -349,6 +500,7 @@ class LmdbRegistry(Registry):
             txn.put(lease.id.encode(), json.dumps(record).encode(), db=self._dbs["leases"])
         return lease
 
+    @_guarded
     def release_lease(self, lease_id: str) -> None:
         if self._env is None:  # a snapshot outliving its store: still release, through a fresh handle
             again = LmdbRegistry(self._path)
@@ -357,8 +509,11 @@ class LmdbRegistry(Registry):
             finally:
                 again.close()
             return
-        with self._write(db=self._dbs["leases"]) as txn:
-            found = txn.delete(lease_id.encode())
+        try:
+            with self._write(db=self._dbs["leases"]) as txn:
+                found = txn.delete(lease_id.encode())
+        except MetadataLostError:
+            return  # the lease went with the registry (reported by the store's next call)
         if found:
             self._notify("leases")
 
@@ -372,6 +527,7 @@ class LmdbRegistry(Registry):
                 dead.append(bytes(k))
         return live, dead
 
+    @_guarded
     def leases(self) -> list[Lease]:
         with self.env.begin() as txn:
             live, dead = self._live_leases(txn)
@@ -383,6 +539,7 @@ class LmdbRegistry(Registry):
         return live
 
     # -- removal -----------------------------------------------------------------------------
+    @_guarded
     def remove_versions(self, steps: list[int]) -> list[int]:
         removed = []
         with self._write() as txn:
@@ -406,6 +563,7 @@ class LmdbRegistry(Registry):
             self._notify()
         return removed
 
+    @_guarded
     def forget_objects(self, digests: set[str]) -> None:
         with self._write() as txn:
             for d in digests:
@@ -467,6 +625,7 @@ class LmdbRegistry(Registry):
         with self._write() as txn:
             self._drop_peer(txn, peer_id)
 
+    @_guarded
     def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
         check_peer_id(peer_id)
         objects = check_holdings(objects)
@@ -480,6 +639,7 @@ class LmdbRegistry(Registry):
                 txn.put(key + pid, _STEP.pack(address), db=self._dbs["holders"])
                 txn.put(pid + b"\0" + key, b"", db=self._dbs["peer-objects"])
 
+    @_guarded
     def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
         check_peer_id(peer_id)
         digests = check_digests(digests)
@@ -490,6 +650,7 @@ class LmdbRegistry(Registry):
                 txn.delete(key + pid, db=self._dbs["holders"])
                 txn.delete(pid + b"\0" + key, db=self._dbs["peer-objects"])
 
+    @_guarded
     def peers(self) -> list[Peer]:
         live, dead = [], []
         with self.env.begin(db=self._dbs["peers"]) as txn:
@@ -500,6 +661,7 @@ class LmdbRegistry(Registry):
             self._drop_dead(dead)
         return live
 
+    @_guarded
     def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
         digests = check_digests(digests)
         out: dict[str, list[tuple[Peer, int]]] = {}

@@ -84,13 +84,16 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from paramstore import liveness
+from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import (
-    InvalidArgumentError, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
+    CorruptObjectError, InvalidArgumentError, ParamStoreError, RegistryError, StepOrderError, TagNotFoundError,
+    VersionNotFoundError,
 )
-from paramstore.manifest import Manifest, Version
+from paramstore.manifest import Manifest, Version, check_manifest
 
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_peer, check_peer_id,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_peer,
+    check_peer_id,
 )
 
 __all__ = ["RedisRegistry", "mask_url"]
@@ -180,6 +183,18 @@ return step
 """)
 
 # KEYS: steps, leases, lease:<id>. ARGV: step, id, record, ttl in ms. Returns 1, or 0 if the version is gone.
+# Compare-and-set of one field of the store-level hash; returns what the field holds afterwards.
+_SWAP_META = _script("""
+local cur = redis.call('hget', KEYS[1], ARGV[1])
+if ARGV[3] == '1' then
+  if cur then return cur end
+elseif cur ~= ARGV[2] then
+  return cur
+end
+redis.call('hset', KEYS[1], ARGV[1], ARGV[4])
+return ARGV[4]
+""")
+
 _ACQUIRE = _script("""
 if not redis.call('zscore', KEYS[1], ARGV[1]) then return 0 end
 redis.call('set', KEYS[3], ARGV[3], 'PX', ARGV[4])
@@ -329,8 +344,60 @@ return {rows, peers}
 
 
 def _peer(peer_id: str, raw: str) -> Peer:
+    def parse() -> Peer:
+        r = json.loads(raw)
+        return check_peer(Peer(peer_id, r["session"], r["host"], r["pid"], r["started_at"]))
+    return _read(f"the announcement of peer {peer_id!r}", parse)
+
+
+_T = TypeVar("_T")
+
+
+def _read(what: str, parse: Callable[[], _T]) -> _T:
+    """``parse()`` of something read back from Redis (other hosts wrote it): anything malformed
+    in it raises CorruptObjectError naming ``what`` (never a bare ValueError or KeyError)."""
+    try:
+        return parse()
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError, ParamStoreError) as e:
+        raise CorruptObjectError(f"Redis registry: {what} is malformed: {e}") from None
+
+
+def _count(n: Any) -> int:
+    """``n`` if it is an int >= 0 (not a bool), else ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"expected an int >= 0, got {n!r}")
+    return n
+
+
+def _size(raw: str) -> int:
+    """The size in an ``objects`` entry."""
+    return _count(json.loads(raw)["size"])
+
+
+def _address(digest: str, raw: Any) -> int:
+    """An announced address of ``digest``: an int in [0, 2**64)."""
+    def parse() -> int:
+        a = int(raw)
+        if not 0 <= a < 1 << 64:
+            raise ValueError(f"address {a} out of range")
+        return a
+    return _read(f"an announced address of {digest}", parse)
+
+
+def _refs(raw: str) -> list[str]:
+    """A version's entry in ``refs``: the digests of its objects."""
+    return check_digests(json.loads(raw))
+
+
+def _lease(lease_id: str, raw: str) -> Lease:
     r = json.loads(raw)
-    return Peer(peer_id, r["session"], r["host"], r["pid"], r["started_at"])
+    return Lease(lease_id, int(r["step"]), r["holder"], r["pid"], r["host"], r["acquired_at"])
+
+
+def _location(raw: str) -> TensorLocation:
+    """A tensor-index entry: ``[object digest, offset, nbytes]``."""
+    obj, offset, nbytes = json.loads(raw)
+    return TensorLocation(check_digest(obj), _count(offset), _count(nbytes))
 
 
 def _pairs(flat: list[Any]) -> Iterator[tuple[Any, Any]]:
@@ -373,7 +440,7 @@ def _tags_by_step(flat: list[str]) -> dict[str, list[str]]:
 
 
 def _version(raw: str, tags: list[str]) -> Version:
-    return Version.from_json(json.loads(raw), tuple(sorted(tags)))
+    return _read("a version record", lambda: Version.from_json(json.loads(raw), tuple(sorted(tags))))
 
 
 class _PubSubWatch(Watch):
@@ -448,7 +515,7 @@ class RedisRegistry(Registry):
         self._timeout = connect_timeout_s
         p = f"ps:{{{namespace}}}:"
         self._k = {n: p + n for n in ("steps", "versions", "manifests", "refs", "persisted", "tags",
-                                      "tensors", "objects", "leases", "events", "lease-events")}
+                                      "tensors", "objects", "leases", "events", "lease-events", "meta")}
         self._lease_prefix = p + "lease:"
         self._prefix = p
         self._closed = False
@@ -534,10 +601,19 @@ class RedisRegistry(Registry):
 
     @_translated
     def get_manifest(self, step: int) -> Manifest:
-        raw = self._client().hget(self._k["manifests"], _key(step))
-        if raw is None:
+        """The manifest of ``step``, checked against its version's digest (other hosts wrote it):
+        CorruptObjectError if it does not match. Raises VersionNotFoundError."""
+        key = _key(step)
+        pipe = self._client().pipeline(transaction=True)  # MULTI/EXEC: one consistent read
+        pipe.hget(self._k["versions"], key)
+        pipe.hget(self._k["manifests"], key)
+        raw_version, raw = pipe.execute()
+        if raw is None or raw_version is None:
             raise VersionNotFoundError(f"no version at step {step}")
-        return Manifest.from_json(json.loads(raw))
+        where = f"{self._k['manifests']} field {key} at {self.url}"
+        manifest = _read(where, lambda: Manifest.from_json(json.loads(raw)))
+        check_manifest(manifest, _version(raw_version, []), where=where)
+        return manifest
 
     @_translated
     def versions(self, after: int | None = None) -> Iterator[Version]:
@@ -557,11 +633,17 @@ class RedisRegistry(Registry):
         if not digests:
             return {}
         raws = self._client().hmget(self._k["tensors"], digests)
-        return {d: TensorLocation(*json.loads(raw)) for d, raw in zip(digests, raws) if raw is not None}
+        return {d: _read(f"{self._k['tensors']} field {d!r}", functools.partial(_location, raw))
+                for d, raw in zip(digests, raws) if raw is not None}
 
     @_translated
     def objects(self) -> dict[str, int]:
-        return {d: json.loads(raw)["size"] for d, raw in self._client().hgetall(self._k["objects"]).items()}
+        """Every registered object and its size; CorruptObjectError for an entry whose digest is not
+        64 lowercase hex digits (it could name a path: GC would unlink it) or whose size is bad."""
+        what = self._k["objects"]
+        return {_read(f"{what} field {d!r}", functools.partial(check_digest, d)):
+                _read(f"{what} field {d!r}", functools.partial(_size, raw))
+                for d, raw in self._client().hgetall(what).items()}
 
     @_translated
     def object_sizes(self, digests: Iterable[str]) -> dict[str, int]:
@@ -569,13 +651,14 @@ class RedisRegistry(Registry):
         if not wanted:
             return {}
         raws = self._client().hmget(self._k["objects"], wanted)
-        return {d: json.loads(raw)["size"] for d, raw in zip(wanted, raws) if raw is not None}
+        return {d: _read(f"{self._k['objects']} field {d!r}", functools.partial(_size, raw))
+                for d, raw in zip(wanted, raws) if raw is not None}
 
     @_translated
     def referenced_objects(self) -> set[str]:
         out: set[str] = set()
         for raw in self._client().hvals(self._k["refs"]):
-            out.update(json.loads(raw))
+            out.update(_read(self._k["refs"], functools.partial(_refs, raw)))
         return out
 
     @_translated
@@ -630,6 +713,17 @@ class RedisRegistry(Registry):
     def set_persisted(self, step: int, remote: str) -> None:
         self._set_if_version(step, "persisted", _key(step), remote)
 
+    # -- store-level values ------------------------------------------------------------------
+    @_translated
+    def get_meta(self, key: str) -> str | None:
+        return self._client().hget(self._k["meta"], check_meta_key(key))
+
+    @_translated
+    def swap_meta(self, key: str, expected: str | None, value: str) -> str | None:
+        out = self._run(_SWAP_META, self._keys("meta"),
+                        [check_meta_key(key), expected or "", "1" if expected is None else "0", value])
+        return out if isinstance(out, str) else None
+
     # -- leases ------------------------------------------------------------------------------
     def _take(self, lease_id: str, step: int, record: str) -> bool:
         keys = [*self._keys("steps", "leases"), self._lease_prefix + lease_id]
@@ -670,8 +764,7 @@ class RedisRegistry(Registry):
         flat = self._run(_LEASES, self._keys("leases"), [self._lease_prefix, self._k["lease-events"]])
         out = []
         for lease_id, raw in zip(flat[::2], flat[1::2]):
-            r = json.loads(raw)
-            out.append(Lease(lease_id, int(r["step"]), r["holder"], r["pid"], r["host"], r["acquired_at"]))
+            out.append(_read(f"lease {lease_id!r}", functools.partial(_lease, lease_id, raw)))
         return out
 
     def _heartbeat(self) -> None:
@@ -786,7 +879,8 @@ class RedisRegistry(Registry):
         out = {}
         for d, row in zip(digests, rows):
             if row:
-                out[d] = sorted(((peers[peer_id], int(a)) for peer_id, a in _pairs(row)), key=lambda x: x[0].id)
+                out[d] = sorted(((peers[peer_id], _address(d, a)) for peer_id, a in _pairs(row)),
+                                key=lambda x: x[0].id)
         return out
 
     # -- removal -----------------------------------------------------------------------------

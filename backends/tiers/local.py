@@ -5,6 +5,7 @@ Layout under the tier directory::
     objects/<d[:2]>/<digest>.safetensors   immutable, published objects (see base.object_key)
     tmp/slab-<pid>-<start>-<n>             buffers being written (or prepared for the next commit),
                                            named by the owning process (pid and start time)
+    quarantine/<digest>.<ns>.safetensors   damaged objects moved aside (see LocalTier.quarantine)
 
 How a byte gets here on commit: the committer copies the tensors into a *slab* of ``tmp/``
 (:mod:`paramstore.staging`), hashes them there, then :meth:`LocalTier.put` with ``move=True``
@@ -21,12 +22,16 @@ import contextlib
 import mmap
 import os
 import shutil
+import time
 import uuid
 from typing import Iterator
 
-from .base import OBJECTS_DIR, Tier, check_range, digest_of_key, object_key
+from .base import OBJECT_SUFFIX, OBJECTS_DIR, Tier, check_range, digest_of_key, object_key
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "QUARANTINE_DIR"]
+
+#: Where damaged objects are moved (renamed, never deleted) for forensics; GC leaves it alone.
+QUARANTINE_DIR = "quarantine"
 
 
 class LocalTier(Tier):
@@ -50,6 +55,7 @@ class LocalTier(Tier):
         self.path = self.url = path
         self.objects_dir = os.path.join(path, OBJECTS_DIR)
         self.tmp_dir = os.path.join(path, "tmp")
+        self.quarantine_dir = os.path.join(path, QUARANTINE_DIR)
         if create:
             os.makedirs(self.objects_dir, exist_ok=True)
             os.makedirs(self.tmp_dir, exist_ok=True)
@@ -150,6 +156,44 @@ class LocalTier(Tier):
     def leftovers(self) -> list[str]:
         """Temporary files in ``tmp/`` (slabs in flight, prepared, or left by a crash)."""
         return sorted(os.listdir(self.tmp_dir)) if os.path.isdir(self.tmp_dir) else []
+
+    def quarantine(self, digest: str) -> str | None:
+        """Move the object ``digest`` out of ``objects/`` into ``quarantine/``, for forensics.
+
+        The file is renamed, never deleted or changed: ``quarantine/<digest>.<ns>.safetensors``
+        (``<ns>``: the time, so that an object quarantined twice keeps both files). Readers that
+        still map it keep their pages. GC never touches ``quarantine/``: remove its files by hand
+        once examined. Returns the new path, or None if the object is not here.
+
+        Example:
+            >>> import shutil
+            >>> tier = LocalTier(root, create=True)
+            >>> d = "ab" * 32
+            >>> with open(f"{root}/tmp/x", "wb") as f:
+            ...     _ = f.write(b"damaged bytes")
+            >>> tier.put(d, f"{root}/tmp/x", move=True)
+            True
+            >>> path = tier.quarantine(d)
+            >>> tier.exists(d), os.path.relpath(path, root).startswith(f"quarantine/{d}.")
+            (False, True)
+            >>> tier.quarantine(d) is None
+            True
+        """
+        source = self.object_path(digest)
+        os.makedirs(self.quarantine_dir, exist_ok=True)
+        target = os.path.join(self.quarantine_dir, f"{digest}.{time.time_ns()}{OBJECT_SUFFIX}")
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            return None
+        _fsync_dir(os.path.dirname(source))
+        _fsync_dir(self.quarantine_dir)
+        return target
+
+    def quarantined(self) -> list[str]:
+        """Files in ``quarantine/`` (damaged objects moved aside by ``verify --repair`` or
+        ``checkout(verify=True)``), oldest name first within each digest."""
+        return sorted(os.listdir(self.quarantine_dir)) if os.path.isdir(self.quarantine_dir) else []
 
     def __repr__(self) -> str:
         return f"LocalTier({self.path!r})"

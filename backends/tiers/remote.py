@@ -28,7 +28,7 @@ import uuid
 import warnings
 from typing import Any, Iterator, Mapping
 
-from paramstore.errors import InvalidArgumentError, RemoteError
+from paramstore.errors import CorruptObjectError, InvalidArgumentError, RemoteError
 
 from .base import OBJECTS_DIR, Tier, check_range, digest_of_key, object_key
 
@@ -37,6 +37,7 @@ __all__ = ["RemoteTier", "REMOTE_FORMAT", "is_transient"]
 REMOTE_FORMAT = 1
 MARKER = "paramstore-remote.json"
 _PART_BYTES = 64 << 20  # multipart chunk; several parts of one object go up at once
+_MAX_MARKER_BYTES = 64 << 10  # the marker is a few bytes of JSON; a larger one is refused unread
 
 
 def is_transient(e: BaseException) -> bool:
@@ -111,13 +112,13 @@ class RemoteTier(Tier):
 
     def _check_marker(self) -> None:
         try:
-            raw = self.get_record(MARKER)
+            raw = self.get_record(MARKER, max_bytes=_MAX_MARKER_BYTES)
         except FileNotFoundError:
             try:
                 self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
                 return
             except FileExistsError:  # another process created it at the same moment
-                raw = self.get_record(MARKER)
+                raw = self.get_record(MARKER, max_bytes=_MAX_MARKER_BYTES)
         try:
             fmt = json.loads(raw).get("format")
         except (ValueError, AttributeError):
@@ -222,9 +223,24 @@ class RemoteTier(Tier):
         self._pid = -1
 
     # -- records (small JSON files) ------------------------------------------------------------
-    def get_record(self, key: str) -> bytes:
-        """The bytes of record ``key``. Raises FileNotFoundError."""
-        return self._call("read", self.fs.cat_file, self._path(key), missing_ok=True)
+    def get_record(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The bytes of record ``key``. Raises FileNotFoundError.
+
+        With ``max_bytes``, the record's size is looked up first and one larger than that raises
+        CorruptObjectError before any byte is read; the read itself stops after ``max_bytes + 1``
+        bytes (the key may be replaced in between).
+        """
+        if max_bytes is None:
+            return self._call("read", self.fs.cat_file, self._path(key), missing_ok=True)
+        self.fs.invalidate_cache()
+        size = int(self._call("stat", self.fs.info, self._path(key), missing_ok=True).get("size") or 0)
+        data = b""
+        if 0 < size <= max_bytes:
+            data = self._call("read", self.fs.cat_file, self._path(key), start=0, end=max_bytes + 1, missing_ok=True)
+        if max(size, len(data)) > max_bytes:
+            raise CorruptObjectError(f"{self.url}/{key} is {max(size, len(data))} bytes, over the limit of "
+                                     f"{max_bytes} for this record: not written by paramstore (or a newer one)")
+        return data
 
     def put_record(self, key: str, data: bytes, *, create: bool = False) -> None:
         """Write record ``key`` whole. With ``create``, only if it does not exist yet (S3

@@ -1,0 +1,123 @@
+"""Who writes a store: one trainer (a run) at a time.
+
+The registry keeps the current writer (``get_meta("writer")``): its run id, host, pid and process
+start time. A store's first commit claims it. Another process that commits later is refused with
+:class:`~paramstore.errors.WriterConflictError` while that writer's process is alive (or, when it
+ran on another host, unless it has the same run id), so two trainers started on one root by
+mistake never interleave their steps. The writer's run id is recorded with every version it
+commits (``Version.writer``; ``paramstore ls`` shows it).
+
+Taking over is explicit (``ParamStore(takeover=True)``) except in one case: a writer on this host
+whose process is gone (a crashed trainer, restarted) is replaced with a ParamStoreWarning, since
+nobody can write through it anymore. A restarted trainer that passes the same ``run_id`` as before
+takes its store back silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+import warnings
+from dataclasses import asdict, dataclass
+
+from . import liveness
+from .errors import InvalidArgumentError, ParamStoreWarning, WriterConflictError
+
+__all__ = ["Writer", "claim", "release", "check_run_id", "new_run_id"]
+
+_RUN_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}\Z")
+
+
+def check_run_id(run_id: object) -> str:
+    """``run_id`` if it is 1-128 letters, digits or ``._:@+-``, else InvalidArgumentError."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise InvalidArgumentError(f"run_id must be 1-128 letters, digits or '._:@+-', got {run_id!r}")
+    return run_id
+
+
+def new_run_id() -> str:
+    """This process's default run id: ``<host>-<8 hex digits>``, the same for every store it opens."""
+    global _PROCESS_RUN_ID
+    if _PROCESS_RUN_ID is None or _PROCESS_RUN_ID[0] != os.getpid():  # a forked child is another run
+        host = re.sub(r"[^A-Za-z0-9.-]", "-", liveness.HOST)[:64] or "host"
+        _PROCESS_RUN_ID = (os.getpid(), f"{host}-{uuid.uuid4().hex[:8]}")
+    return _PROCESS_RUN_ID[1]
+
+
+_PROCESS_RUN_ID: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The process that writes a store now."""
+
+    run_id: str
+    host: str
+    pid: int
+    start: float | None  # the process's start time (see paramstore.liveness)
+    since: float  # when it claimed the store (seconds since the epoch)
+
+    @classmethod
+    def this_process(cls, run_id: str) -> "Writer":
+        pid, start = liveness.this_process()
+        return cls(run_id, liveness.HOST, pid, start, time.time())
+
+    def to_text(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_text(cls, text: str) -> "Writer | None":
+        """The writer recorded as ``text``; None if the record is unreadable (then anyone may claim)."""
+        try:
+            d = json.loads(text)
+            return cls(check_run_id(d["run_id"]), str(d["host"]), int(d["pid"]),
+                       None if d["start"] is None else float(d["start"]), float(d["since"]))
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):
+            return None
+
+    def alive(self) -> bool:
+        """Whether its process may still write: on this host, checked; on another, assumed."""
+        return self.host != liveness.HOST or liveness.alive(self.pid, self.start)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"run {self.run_id} (pid {self.pid} on {self.host}, writing since {when})"
+
+
+def claim(registry: object, run_id: str, *, takeover: bool = False, root: str = "") -> Writer:
+    """Make this process the store's writer (see the module's doc); returns the writer recorded.
+
+    Raises:
+        WriterConflictError: another live writer holds the store and ``takeover`` is false.
+    """
+    me = Writer.this_process(run_id)
+    for _ in range(8):  # a compare-and-set loop: retried only when another process changed it meanwhile
+        raw = registry.get_meta("writer")  # type: ignore[attr-defined]
+        current = None if raw is None else Writer.from_text(raw)
+        if current is not None and (current.run_id, current.host, current.pid) == (run_id, me.host, me.pid):
+            return current
+        if current is not None and (current.host, current.pid, current.start) == (me.host, me.pid, me.start):
+            takeover = True  # this very process, under another run id: not a second trainer
+        if current is not None and current.run_id != run_id and not takeover:
+            if current.alive():
+                raise WriterConflictError(
+                    f"store {root} is written by {current.describe()}; this process (run {run_id}) may not commit "
+                    "to it. Use another root for a second trainer, or take it over on purpose: "
+                    "ParamStore(..., takeover=True)")
+            warnings.warn(f"store {root}: taking over from {current.describe()}, whose process is gone",
+                          ParamStoreWarning, stacklevel=4)
+        if registry.swap_meta("writer", raw, me.to_text()) == me.to_text():  # type: ignore[attr-defined]
+            return me
+    raise WriterConflictError(f"store {root}: could not claim it as writer (another process keeps changing it)")
+
+
+def release(registry: object, run_id: str) -> None:
+    """Give the store up if this process is its writer (on close: the next trainer starts silently)."""
+    raw = registry.get_meta("writer")  # type: ignore[attr-defined]
+    current = None if raw is None else Writer.from_text(raw)
+    me = Writer.this_process(run_id)
+    if current is not None and (current.run_id, current.host, current.pid) == (run_id, me.host, me.pid):
+        registry.swap_meta("writer", raw, "")  # type: ignore[attr-defined]
