@@ -138,6 +138,14 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     if whole:
         report["orphans"] = sorted(set(root.tier.list()) - set(refs))
         report["leftovers"] = root.tier.leftovers()
+        # More objects that no version explains than objects in use: not what crashes leave (at most a
+        # commit's worth), but what a lost or replaced database looks like. GC would delete them all.
+        report["metadata_suspect"] = len(report["orphans"]) > max(len(refs), 1)
+        if report["metadata_suspect"]:
+            report["advice"] = " ".join(filter(None, [report["advice"], (
+                f"{len(report['orphans'])} objects are referenced by no version (against {len(refs)} in use): if "
+                "versions you expect are missing, the store's metadata may have been lost or replaced; do not run "
+                "gc (it would delete them) before restoring the versions from the remote (paramstore pull)")]))
     return report
 
 

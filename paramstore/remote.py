@@ -63,6 +63,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 #: metrics, metadata and objects (~100 bytes per object): a few KiB, unless the commit's
 #: metadata is large (commit does not limit it; push does not check this yet).
 MAX_RECORD_BYTES = 4 << 20
+_MAX_LOCK_BYTES = 64 << 10  # a lock body is a few hundred bytes of JSON
 
 DEFAULT_LOCK_TTL = 600.0  # seconds without refresh after which a lock is stale
 _EXCLUSIVE = "locks/exclusive.json"
@@ -395,7 +396,7 @@ class Remote:
         while True:
             self.tier.put_record(key, body)
             try:
-                gc_body = self.tier.get_record(_EXCLUSIVE)  # one GET; a missing key costs more through stat
+                gc_body = self.tier.get_record(_EXCLUSIVE, max_bytes=_MAX_LOCK_BYTES)  # one GET (a stat costs more)
                 stale = _holder_dead(gc_body) or time.time() - self.tier.record_mtime(_EXCLUSIVE) > self.lock_ttl
             except FileNotFoundError:
                 break
@@ -426,7 +427,7 @@ class Remote:
                 break
             except FileExistsError:
                 try:
-                    stale = (_holder_dead(self.tier.get_record(_EXCLUSIVE))
+                    stale = (_holder_dead(self.tier.get_record(_EXCLUSIVE, max_bytes=_MAX_LOCK_BYTES))
                              or time.time() - self.tier.record_mtime(_EXCLUSIVE) > self.lock_ttl)
                 except FileNotFoundError:
                     continue
@@ -480,7 +481,7 @@ class Remote:
                 holder = self._lock_holders.get(k)
             if holder is None:
                 try:
-                    holder = _parse_holder(self.tier.get_record(f"locks/{k}"))
+                    holder = _parse_holder(self.tier.get_record(f"locks/{k}", max_bytes=_MAX_LOCK_BYTES))
                 except FileNotFoundError:
                     continue  # released meanwhile
                 with self._lock:

@@ -78,16 +78,26 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
+#: Largest commit metadata, as JSON: a version record must stay well under the remote's record
+#: limit (``paramstore.remote.MAX_RECORD_BYTES``) so that every version pushed can be pulled.
+MAX_METADATA_BYTES = 1 << 20
+
+
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Metadata is any JSON-serializable mapping (returned as a JSON round-tripped copy)."""
+    """Metadata is any JSON-serializable mapping of at most :data:`MAX_METADATA_BYTES` as JSON
+    (returned as a JSON round-tripped copy)."""
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
         raise InvalidArgumentError(f"metadata must be a mapping, got {type(metadata).__name__}")
     try:
-        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+        text = json.dumps(dict(metadata), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+    if len(text) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(f"metadata is {len(text)} bytes as JSON, over the {MAX_METADATA_BYTES} allowed: "
+                                   "keep large data in files and record their paths")
+    return json.loads(text)
 
 
 def check_timeout(timeout: Any, what: str = "timeout") -> float | None:

@@ -153,8 +153,8 @@ def test_bad_metric_name(pstore, name):
 @pytest.mark.parametrize(
     "metadata",
     [{"x": object()}, {"x": float("nan")}, {"x": {1, 2}}, {(1, 2): "k"}, {"x": torch.ones(1)}, {"x": b"raw"},
-     "not-a-mapping", [("a", 1)]],
-    ids=["object", "nan", "set", "tuple-key", "tensor", "bytes", "str", "pairs"],
+     "not-a-mapping", [("a", 1)], {"x": "y" * (1 << 20)}],
+    ids=["object", "nan", "set", "tuple-key", "tensor", "bytes", "str", "pairs", "too-large"],
 )
 def test_metadata_that_is_not_json(pstore, metadata):
     expect_error(pstore, InvalidArgumentError, ValueError, pstore.commit, 2, GOOD, metadata=metadata)

@@ -300,3 +300,15 @@ def test_checkouts_work_on_a_full_filesystem(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["read", str(float(sum(range(1024))))], proc.stdout
+
+
+def test_verify_says_when_unexplained_objects_look_like_lost_metadata(shm_path):
+    root = str(shm_path / "s")
+    with ParamStore(root) as s:
+        for step in range(1, 5):
+            s.commit(step, {"w": torch.full((64, 64), float(step))}).result()  # one object per version
+        ok = s.verify()
+        assert ok["ok"] and not ok["metadata_suspect"]
+        s._root.registry.remove_versions([1, 2, 3])  # what a registry that lost its records looks like
+        r = s.verify()
+        assert r["metadata_suspect"] and "do not run gc" in r["advice"] and len(r["orphans"]) > 1
