@@ -36,6 +36,7 @@ from .retention import Policy
 from .root import MARKER, StoreRoot, VersionSpec, check_creatable, open_root
 from .staging import SlabPool
 from .validate import check_bound, check_metadata, check_metrics, check_step, check_tag, check_timeout
+from .scrub import Scrubber, check_rate
 from .writer import check_run_id, claim, new_run_id, release
 
 from paramstore.backends.registries.base import Lease
@@ -94,6 +95,10 @@ class ParamStore:
         takeover: commit even though another live writer holds the store (it is refused from
             then on).
         shared_group: create the root group-accessible (``2770``) instead of private (``0700``).
+        scrub_rate: re-hash this host's objects in the background at this many bytes per second
+            (on average), quarantining any found damaged (see :mod:`paramstore.scrub`); None (the
+            default): no scrub. A local checkout does not re-hash what it maps, so this (or
+            ``checkout(verify=True)``, or ``paramstore verify``) is what finds damage in place.
         shard_size_bytes: target size of one object (a tensor larger than this gets its own).
         prepare_buffers: after each commit, and after each checkout that fetched objects from
             peers, create and fault in the background the shared-memory buffers of the next
@@ -122,7 +127,8 @@ class ParamStore:
         storage_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
             ``secret``, ``profile``...; by default the usual AWS environment and config files).
         remote_options: deprecated name of ``storage_options``.
-        persist_retry_for: seconds a push is retried through transient remote failures.
+        persist_retry_for: seconds, counted from its commit, that a version is retried through
+            transient remote failures (then its ``handle.persisted`` fails with the last error).
         persist_backlog: with a remote, how many committed versions may wait for upload besides
             the one being pushed (an int >= 1, default 2). Each waiting version holds a local
             lease, so retention cannot prune it. When a commit would make the backlog longer
@@ -174,6 +180,7 @@ class ParamStore:
         run_id: str | None = None,
         takeover: bool = False,
         shared_group: bool = False,
+        scrub_rate: float | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -193,6 +200,8 @@ class ParamStore:
         if create is not None and not isinstance(create, bool):
             raise InvalidArgumentError(f"create must be True, False or None, got {create!r}")
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
+        self._scrub_rate = check_rate(scrub_rate)
+        self._scrubber: Scrubber | None = None
         self._takeover = bool(takeover)
         self.root = os.path.abspath(os.fspath(root))
         _warn_if_not_shared_memory(self.root)  # before anything is opened
@@ -255,6 +264,8 @@ class ParamStore:
                     root, self._remote, retry_for=self._persist_retry_for, backlog=self._persist_backlog, resume=False,
                     on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None,
                     on_released=self._maintainer.poke if self._maintainer is not None else None)
+                if self._scrub_rate is not None:
+                    self._scrubber = Scrubber(root, self._scrub_rate)
                 self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
                                         server=lambda: self._peer, prepare_buffers=self._prepare)
             except BaseException:
@@ -1140,6 +1151,8 @@ class ParamStore:
             # belong to the parent. Only this process's registry handle is released.
             self._opened.close()
             return
+        if self._scrubber is not None:
+            self._scrubber.close()
         if self._committer is not None:
             self._committer.close()
             try:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -313,3 +314,32 @@ def test_unparsable_manifest_is_a_corrupt_store_error(store_root):
         assert list(r["unrepaired"]) == [1] and "paramstore rm 1" in r["advice"]
         store.remove(1)
         assert store.verify()["ok"]
+
+
+def test_background_scrub_quarantines_a_damaged_object(shm_dir):
+    """scrub_rate: damage in place is found without anyone reading the version."""
+    import warnings as _warnings
+
+    from paramstore import ParamStore, ParamStoreWarning
+
+    root = os.path.join(shm_dir, "scrubbed")
+    with ParamStore(root) as s:
+        s.commit(1, {"w": torch.arange(4096, dtype=torch.float32)}).result()
+        s.commit(2, {"w": torch.ones(4096)}).result()
+        digest = sorted(s.manifest(1).objects())[0]
+        path = s._root.tier.object_path(digest)
+    with open(path, "r+b") as f:  # one flipped byte in the data of version 1's object
+        f.seek(os.path.getsize(path) - 3)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        with ParamStore(root, scrub_rate=64 << 20) as s:
+            deadline = time.monotonic() + 30
+            while not s._scrubber.quarantined and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s._scrubber.quarantined == [digest]
+            assert s.verify()["missing"] == [digest]  # gone from objects/, kept in quarantine/
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ParamStoreWarning)]
+    assert any(digest in m and "[1]" in m and "verify --repair" in m for m in msgs), msgs
