@@ -40,7 +40,6 @@ import torch
 from .errors import StorageFullError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
-from .maintenance import reclaim_space
 from .staging import Slab, SlabPool, address, storage_error
 from .tensors import ST_TO_TORCH, Collected
 
@@ -152,8 +151,10 @@ class Committer:
 
     def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
                  *, gc_lock: Callable[[], ContextManager[None]], prepare_buffers: bool = True,
-                 on_commit: Callable[[Version, CommitHandle], None] | None = None, writer: str = "") -> None:
+                 on_commit: Callable[[Version, CommitHandle], None] | None = None, writer: str = "",
+                 reclaim: Callable[[float], bool] | None = None) -> None:
         self._writer = writer  # run id recorded with each version
+        self._reclaim_space = reclaim  # retention + GC now, waited for (False: none ran)
         self._tier = tier
         self._gc_lock = gc_lock
         self._on_commit = on_commit
@@ -270,7 +271,7 @@ class Committer:
         if previous is not None:
             futures.wait([previous.committed])
         self._pool.shed([p.size for p in job.plans[len(job.slabs):]])
-        return reclaim_space(self._tier.tmp_dir, RECLAIM_TIMEOUT_S)
+        return self._reclaim_space is not None and self._reclaim_space(RECLAIM_TIMEOUT_S)
 
     def _hash_early(self, job: _Job, i: int, plan: ShardPlan, slab: Slab) -> None:
         # Shard i is copied: its tensors go to the hash threads now (whole tensors; the small ones

@@ -19,7 +19,7 @@
   :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
 * :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``),
   and remote prune + gc after each version persisted to the remote. A commit that finds the
-  filesystem full asks it for a run and waits (:func:`reclaim_space`) before it gives up.
+  filesystem full asks it for a run and waits (:meth:`Maintainer.reclaim`) before it gives up.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
     from .remote import Remote
 
 __all__ = ["PruneReport", "GcReport", "prune", "gc", "prune_remote", "gc_remote", "Maintainer",
-           "reclaim_space", "tier_policies", "TIERS"]
+           "tier_policies", "TIERS"]
 
 #: Tiers a retention policy can name: ``"local"`` (shared memory) and ``"remote"`` (S3...).
 TIERS = ("local", "remote")
@@ -220,7 +219,7 @@ class Maintainer:
 
     :meth:`poke` (after each commit) asks for prune + gc of the local tier; :meth:`poke_remote`
     (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
-    :meth:`reclaim` (a commit that found the filesystem full: see :func:`reclaim_space`) asks for a
+    :meth:`reclaim` (a commit that found the filesystem full; the store hands it to its committer) asks for a
     local run and waits for it.
     Errors are reported once as warnings and kept in ``last_error``; the next poke retries.
     """
@@ -243,11 +242,6 @@ class Maintainer:
         self._local_done = 0
         self._thread = threading.Thread(target=self._loop, name="paramstore-retention", daemon=True)
         self._thread.start()
-        tmp_dir = getattr(getattr(root, "tier", None), "tmp_dir", None)
-        self._tmp_dir = os.path.realpath(tmp_dir) if isinstance(tmp_dir, str) else None
-        if self._tmp_dir is not None:
-            with _maintainers_lock:
-                _maintainers.setdefault(self._tmp_dir, weakref.WeakSet()).add(self)
 
     def poke(self, *_: object) -> None:
         """Ask for a run on the local tier (called after each commit)."""
@@ -344,32 +338,3 @@ class Maintainer:
         with self._cond:  # a reclaim() still waiting: nothing more will run
             self._local_done = self._local_asked
             self._cond.notify_all()
-        if self._tmp_dir is not None:
-            with _maintainers_lock:
-                _maintainers.get(self._tmp_dir, weakref.WeakSet()).discard(self)
-
-
-_maintainers: dict[str, "weakref.WeakSet[Maintainer]"] = {}  # realpath of a tier's tmp/ -> open Maintainers
-_maintainers_lock = threading.Lock()
-
-
-def reclaim_space(tmp_dir: str, timeout: float | None = None) -> bool:
-    """Ask every open :class:`Maintainer` of this process whose local tier stages into
-    ``tmp_dir`` to run prune + gc now, and wait for them (see :meth:`Maintainer.reclaim`).
-    False if there is none (no retention configured) or a run did not finish in time."""
-    with _maintainers_lock:
-        found = list(_maintainers.get(os.path.realpath(tmp_dir), ()))
-    ran = False
-    for m in found:
-        ran = m.reclaim(timeout) or ran
-    return ran
-
-
-def _forget_maintainers_in_child() -> None:
-    # A forked child has no retention thread of its parent's (and the lock may have been held).
-    global _maintainers_lock
-    _maintainers_lock = threading.Lock()
-    _maintainers.clear()
-
-
-os.register_at_fork(after_in_child=_forget_maintainers_in_child)

@@ -393,6 +393,8 @@ class ParamStore:
 
         Raises:
             WaitTimeoutError: ``wait`` and not ready within ``timeout`` seconds.
+            StorageFullError: ``wait`` and the filesystem had no room for the buffers (commits
+                still work, faulting their buffers as they copy).
             InvalidArgumentError: ``timeout`` is not None nor a non-negative number.
 
         Example:
@@ -472,7 +474,7 @@ class ParamStore:
             self._committer = Committer(
                 self._root.tier, self._root.registry, self._pool, self._shard_size,
                 gc_lock=self._root.gc_lock, prepare_buffers=self._prepare, on_commit=self._after_commit,
-                writer=self._run_id,
+                writer=self._run_id, reclaim=self._maintainer.reclaim if self._maintainer is not None else None,
             )
         return self._committer
 

@@ -60,16 +60,16 @@ def test_full_tmpfs_fails_the_commit_not_the_process(tmp_path):
 # that ``keep`` versions plus one being written fit, with half a model to spare, but no more: the
 # pool cannot also hold its prepared buffers, and every commit after the first few finds the
 # filesystem full. Retention after each commit is switched off (Maintainer.poke does nothing), so
-# only the committer's own call (reclaim_space) can make room: every commit must still succeed.
+# only the committer's own call (Maintainer.reclaim) can make room: every commit must still succeed.
 RECOVER = textwrap.dedent("""
-    import os, sys, torch, paramstore, paramstore.commit as commit
+    import os, sys, torch, paramstore
     from paramstore.maintenance import Maintainer
     from paramstore.retention import KeepLast
     root, keep, prepare = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     Maintainer.poke = lambda self, *a: None  # retention runs only when a commit finds the disk full
     reclaims = []
-    real = commit.reclaim_space
-    commit.reclaim_space = lambda *a, **k: reclaims.append(1) or real(*a, **k)
+    real = Maintainer.reclaim  # what the store hands its committer
+    Maintainer.reclaim = lambda self, *a, **k: reclaims.append(1) or real(self, *a, **k)
     with paramstore.ParamStore(root, retention=KeepLast(keep), prepare_buffers=prepare) as store:
         st = os.statvfs(os.path.dirname(root))  # the tmpfs
         model_bytes = int(st.f_bavail * st.f_frsize / (keep + 1.5)) // 65536 * 65536 - 65536
