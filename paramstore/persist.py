@@ -175,7 +175,7 @@ class Persister:
             if below is not None:
                 self._resume(below)
         except Exception as e:  # noqa: BLE001 - resuming is best effort; the next open tries again
-            warnings.warn(f"paramstore: resuming unfinished uploads to {self._remote.url} failed: {e}",
+            _warn(f"paramstore: resuming unfinished uploads to {self._remote.url} failed: {e}",
                           RuntimeWarning, stacklevel=1)
         finally:
             with self._cond:
@@ -227,7 +227,7 @@ class Persister:
             skipped = self._trim()
             waiting = len(self._waiting)
         if first and waiting:
-            warnings.warn(f"paramstore: pushing step {upload.step} to {self._remote.url} failed ({error}); retrying "
+            _warn(f"paramstore: pushing step {upload.step} to {self._remote.url} failed ({error}); retrying "
                           f"the {waiting} waiting versions (the newest {self._backlog} are kept) for up to "
                           f"{self._retry_for:.0f} s after each was committed", RuntimeWarning, stacklevel=1)
         for u in expired:
@@ -264,7 +264,7 @@ class Persister:
             if error is not None:
                 self.last_error = error
                 if upload.resumed or upload.skipped:
-                    warnings.warn(f"paramstore: {error}" if upload.skipped else
+                    _warn(f"paramstore: {error}" if upload.skipped else
                                   f"paramstore: resuming the upload of step {upload.step} failed: {error}",
                                   RuntimeWarning, stacklevel=1)
                 try:
@@ -281,7 +281,7 @@ class Persister:
                     try:
                         self._on_persisted(version)
                     except Exception as e:  # noqa: BLE001
-                        warnings.warn(f"paramstore: after persisting step {upload.step}: {e}", RuntimeWarning,
+                        _warn(f"paramstore: after persisting step {upload.step}: {e}", RuntimeWarning,
                                       stacklevel=1)
         finally:
             try:
@@ -345,3 +345,12 @@ class Persister:
         except VersionNotFoundError:
             return False
         return all(self._root.tier.exists(o) for o in objects)
+
+
+def _warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
+    """warnings.warn on the push thread: a warning filter set to "error" must not end the thread
+    (a version would stay queued with its lease held)."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Warning:
+        pass

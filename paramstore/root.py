@@ -113,7 +113,11 @@ class StoreRoot:
         deletes an object that an in-flight commit is about to reference. ``flock`` is released by
         the kernel if the holder dies.
         """
-        fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError as e:
+            raise MetadataLostError(f"the metadata of the store at {self.path} was deleted (meta/ is gone): restore "
+                                    "the store from its remote (paramstore pull) or start a new one") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             _HELD.add(fd)
@@ -183,9 +187,14 @@ def check_creatable(path: str) -> None:
 
 
 def check_safe(path: str) -> None:
-    """Refuse a root owned by another user or writable by others (UnsafeStoreError)."""
+    """Refuse a root owned by another user or writable by others (UnsafeStoreError).
+
+    A root another user owns is accepted only as a group store (``shared_group=True``: setgid,
+    group ``rwx``) of a group this process belongs to."""
     st = os.stat(path)
-    if st.st_uid != os.geteuid():
+    group_store = (st.st_mode & (stat.S_ISGID | stat.S_IRWXG) == stat.S_ISGID | stat.S_IRWXG
+                   and (st.st_gid == os.getegid() or st.st_gid in os.getgroups()))
+    if st.st_uid != os.geteuid() and not group_store:
         raise UnsafeStoreError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): whoever "
                                "owns it could replace the store's objects. Use a directory of your own")
     if st.st_mode & stat.S_IWOTH:

@@ -63,7 +63,7 @@ class Scrubber:
                     if self._stop.is_set():
                         return
                     self._check(digest)
-            except ParamStoreError as e:  # the store itself is gone or damaged: say so once, stop
+            except Exception as e:  # noqa: BLE001 -- the store is gone or damaged: say so once, stop
                 warnings.warn(f"paramstore scrub of {self._root.path} stopped: {e}", ParamStoreWarning, stacklevel=1)
                 return
             self._stop.wait(self._pause)

@@ -202,6 +202,7 @@ class ParamStore:
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
         self._scrub_rate = check_rate(scrub_rate)
         self._scrubber: Scrubber | None = None
+        self._claimed = False  # this store claimed its root as writer (given up at close)
         self._takeover = bool(takeover)
         self.root = os.path.abspath(os.fspath(root))
         _warn_if_not_shared_memory(self.root)  # before anything is opened
@@ -356,6 +357,7 @@ class ParamStore:
         with self._lock:
             self._check_open()  # under the lock: close() cannot slip in between
             claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
+            self._claimed = True
             if self._persister is not None:
                 self._persister.resume()  # the writer finishes what its previous run left unpushed
             latest = root.registry.latest_step()
@@ -785,15 +787,16 @@ class ParamStore:
         if min_step is not None:
             check_bound(min_step, "min_step")
         check_timeout(timeout)
-        self._await_root(timeout)
+        existed = self._opened is not None or os.path.exists(os.path.join(self.root, MARKER))
+        left = self._await_root(timeout)  # WaitTimeoutError naming the path if no store appears
         reg = self._root.registry
         watch = reg.watch()  # armed now: nothing committed after this call is missed
         if min_step is None:
-            latest = reg.latest_step()
+            latest = reg.latest_step() if existed else None  # a store made since the call: all of it is new
             last = -1 if latest is None else latest
         else:
             last = max(min_step - 1, -1)
-        gen = self._follow(watch, last, timeout)
+        gen = self._follow(watch, last, left)
         weakref.finalize(gen, watch.close)  # a subscription dropped before its first next() frees its watch
         return gen
 
@@ -1142,9 +1145,10 @@ class ParamStore:
             ...
             paramstore.errors.StoreClosedError: store ... is closed
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._attach_lock:  # a reader thread inside _attach() finishes first (or sees it closed)
+            if self._closed:
+                return
+            self._closed = True
         atexit.unregister(self._atexit)
         if self._opened is None:
             return
@@ -1157,6 +1161,7 @@ class ParamStore:
             self._scrubber.close()
         if self._committer is not None:
             self._committer.close()
+        if self._claimed:
             try:
                 release(self._opened.registry, self._run_id)  # the next trainer starts without a warning
             except ParamStoreError:

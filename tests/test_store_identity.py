@@ -312,3 +312,32 @@ def test_verify_says_when_unexplained_objects_look_like_lost_metadata(shm_path):
         s._root.registry.remove_versions([1, 2, 3])  # what a registry that lost its records looks like
         r = s.verify()
         assert r["metadata_suspect"] and "do not run gc" in r["advice"] and len(r["orphans"]) > 1
+
+
+def test_a_subscriber_that_starts_before_the_store_sees_its_first_commit(shm_path):
+    root = str(shm_path / "s")
+    reader = ParamStore(root)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.extend(v.step for v in reader.subscribe(timeout=3)))
+    t.start()
+    time.sleep(0.3)
+    with ParamStore(root) as trainer:
+        trainer.commit(1, weights()).result()
+        trainer.commit(2, weights(2)).result()
+    t.join(30)
+    assert got == [1, 2]
+    reader.close()
+
+
+def test_a_group_store_of_another_member_is_accepted(shm_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the root to another user")
+    root = str(shm_path / "g")
+    with ParamStore(root, shared_group=True) as s:
+        s.commit(1, weights()).result()
+    os.chown(root, 65534, os.getegid())  # made by another member of our group
+    with ParamStore(root) as s:
+        assert [v.step for v in s.versions()] == [1]
+    os.chmod(root, 0o700)  # not a group store: someone else's private directory
+    with pytest.raises(UnsafeStoreError):
+        ParamStore(root)

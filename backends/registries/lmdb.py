@@ -58,8 +58,8 @@ import lmdb
 
 from paramstore import liveness
 from paramstore.errors import (
-    CorruptStoreError, InvalidArgumentError, MetadataLostError, ParamStoreError, StepOrderError, StorageFullError,
-    TagNotFoundError, VersionNotFoundError,
+    CorruptStoreError, InvalidArgumentError, MetadataLostError, ParamStoreError, StepOrderError, StorageError,
+    StorageFullError, TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, Version
 
@@ -95,10 +95,18 @@ def _guarded(fn: _F) -> _F:
         except (lmdb.DiskError, lmdb.MapFullError) as e:
             raise StorageFullError(errno.ENOSPC, f"the registry at {self._path} cannot grow: {e}; free space on "
                                                  "its filesystem (prune and gc)", self._path) from e
-        except (lmdb.Error, ValueError, KeyError, TypeError, struct.error) as e:  # JSON/UTF-8 errors are ValueErrors
+        except (*_DAMAGE, ValueError, KeyError, TypeError, struct.error) as e:  # JSON/UTF-8 errors are ValueErrors
             raise CorruptStoreError(f"the registry at {self._path} is damaged ({type(e).__name__}: {e}); "
                                     "restore the store from its remote (paramstore pull) or remove it") from e
+        except lmdb.Error as e:  # not damage: too many readers, permissions, ...
+            raise StorageError(errno.EIO, f"the registry at {self._path} failed: {type(e).__name__}: {e}",
+                               self._path) from e
     return call  # type: ignore[return-value]
+
+
+# LMDB's errors that mean the file is damaged (the others are limits or the environment's state).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+           lmdb.BadValsizeError, lmdb.PanicError)
 
 
 def _step_key(step: int) -> bytes:
@@ -203,6 +211,10 @@ class LmdbRegistry(Registry):
                 try:
                     entry = _SHARED[key] = [env, 0, {name: env.open_db(name.encode()) for name in _DBS},
                                             os.stat(self._data).st_ino]
+                except (lmdb.DiskError, lmdb.MapFullError) as e:  # creating `meta` in an old store, disk full
+                    env.close()
+                    raise StorageFullError(errno.ENOSPC, f"cannot open the registry at {self._path}: {e}",
+                                           self._path) from e
                 except lmdb.Error as e:
                     env.close()
                     raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); "
