@@ -10,7 +10,11 @@ commits (``Version.writer``; ``paramstore ls`` shows it).
 Taking over is explicit (``ParamStore(takeover=True)``) except in one case: a writer on this host
 whose process is gone (a crashed trainer, restarted) is replaced with a ParamStoreWarning, since
 nobody can write through it anymore. A restarted trainer that passes the same ``run_id`` as before
-takes its store back silently.
+takes its store back silently, and processes sharing one ``run_id`` count as one writer (the ranks
+of one trainer): the run id, not the process, is what two trainers must not share.
+
+Liveness is judged by host name, pid and process start time, as for leases: processes in separate
+PID namespaces that share a host name and a tmpfs would see each other's writer as gone.
 """
 
 from __future__ import annotations
