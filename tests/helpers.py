@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Iterable, Mapping
 
+import pytest
 import torch
 
 import paramstore
@@ -118,3 +122,23 @@ def gather_and_join(procs: list, gather, join_timeout: float = 60):
                 p.kill()
                 p.join()
     return out
+
+
+def run_in_small_tmpfs(tmp_path, size: str, child: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the script ``child`` with the store root ``<tmpfs>/store`` and ``args`` in a private
+    mount namespace where a fresh tmpfs of ``size`` is mounted (skips the test where that is
+    impossible)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(child)
+    cmd = (f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
+           f"{sys.executable} {script} {mnt}/store {' '.join(args)}")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and ("mount" in proc.stderr or "unshare" in proc.stderr) \
+            and "permi" in proc.stderr.lower():
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return proc

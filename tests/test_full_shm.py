@@ -7,12 +7,12 @@ otherwise).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from helpers import run_in_small_tmpfs
 
 CHILD = textwrap.dedent("""
     import sys, torch, paramstore
@@ -29,28 +29,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _run_in_small_tmpfs(tmp_path, size: str, child: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the script ``child`` with the store root ``<tmpfs>/store`` and ``args`` in a private
-    mount namespace where a fresh tmpfs of ``size`` is mounted (skips the test where that is
-    impossible)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    script = tmp_path / "child.py"
-    script.write_text(child)
-    cmd = (f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
-           f"{sys.executable} {script} {mnt}/store {' '.join(args)}")
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and ("mount" in proc.stderr or "unshare" in proc.stderr) \
-            and "permi" in proc.stderr.lower():
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    return proc
-
-
 def test_full_tmpfs_fails_the_commit_not_the_process(tmp_path):
-    proc = _run_in_small_tmpfs(tmp_path, "2m", CHILD)
+    proc = run_in_small_tmpfs(tmp_path, "2m", CHILD)
     assert proc.returncode == 0, f"exit {proc.returncode} (135 = SIGBUS): {proc.stderr}"
     assert proc.stdout.split() == ["ENOSPC", "latest", "1", "16.0"], proc.stdout
 
@@ -87,7 +67,7 @@ RECOVER = textwrap.dedent("""
 
 @pytest.mark.parametrize("keep, prepare", [(1, True), (2, False)])
 def test_full_tmpfs_commits_go_on_with_retention(tmp_path, keep, prepare):
-    proc = _run_in_small_tmpfs(tmp_path, "6m", RECOVER, str(keep), "1" if prepare else "0")
+    proc = run_in_small_tmpfs(tmp_path, "6m", RECOVER, str(keep), "1" if prepare else "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["committed", "20", "kept", "True", "reclaims", "True", "alive", "True"], \
         proc.stdout + proc.stderr
@@ -140,7 +120,7 @@ FILLED = textwrap.dedent("""
 
 
 def test_full_tmpfs_filled_by_another_file(tmp_path):
-    proc = _run_in_small_tmpfs(tmp_path, "6m", FILLED)
+    proc = run_in_small_tmpfs(tmp_path, "6m", FILLED)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "prefault StorageFullError alive True",

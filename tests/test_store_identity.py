@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import paramstore
+from helpers import run_in_small_tmpfs
 from paramstore import (
     CorruptStoreError, MetadataLostError, NotAStoreError, ParamStore, ParamStoreWarning, UnsafeStoreError,
     WaitTimeoutError, WriterConflictError,
 )
-from paramstore.cli import main as cli
 
 
 
@@ -287,17 +287,7 @@ READ_WHEN_FULL = textwrap.dedent("""
 
 
 def test_checkouts_work_on_a_full_filesystem(tmp_path):
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    script = tmp_path / "child.py"
-    script.write_text(READ_WHEN_FULL)
-    cmd = f"mount -t tmpfs -o size=32m tmpfs {mnt} && {sys.executable} {script} {mnt}/store"
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0 and "mount" in proc.stderr and "permi" in proc.stderr.lower():
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    proc = run_in_small_tmpfs(tmp_path, "32m", READ_WHEN_FULL)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["read", str(float(sum(range(1024))))], proc.stdout
 

@@ -54,6 +54,7 @@ out/crash_campaign.json --doc DOC`` (the JSON adds the provenance line).
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib.util
 import json
@@ -402,7 +403,7 @@ def judge_resume(res: Result, book: Book, child: Child, ready: dict, record: dic
 
 
 # -- scenarios -------------------------------------------------------------------------------
-class Scenario:
+class Scenario(abc.ABC):
     """One scenario: ``rounds`` kills, each followed by a check; stops at ``deadline``."""
 
     name = ""
@@ -460,8 +461,9 @@ class Scenario:
     def finish(self) -> None:
         pass
 
+    @abc.abstractmethod
     def round(self, r: int, record: dict) -> None:
-        raise NotImplementedError
+        """Kill once (round ``r``) and check, adding what was seen to ``record``."""
 
 
 class TrainerScenario(Scenario):

@@ -28,6 +28,7 @@ import paramstore
 from paramstore.remote import Remote
 from paramstore.retention import KeepLast
 from paramstore.store import ParamStore
+from crash_campaign import read_journal  # one journal reader for both sides (its module imports only the stdlib)
 
 try:  # imported here, once, in the fork server (a second each otherwise)
     import boto3
@@ -81,20 +82,6 @@ class Journal:
         line = json.dumps({"ev": ev, "tag": self.tag, "pid": os.getpid(), "t": time.time(), **kw}) + "\n"
         os.write(self._fd, line.encode())
         os.fsync(self._fd)
-
-
-def read_journal(path: str) -> list[dict[str, Any]]:
-    """Every complete line of a journal (a line cut by a kill is skipped)."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def store_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
