@@ -41,8 +41,9 @@ from .errors import (
     VersionNotFoundError,
     WaitTimeoutError,
     WriterConflictError,
+    CommitGroupError,
 )
-from .manifest import Manifest, TensorEntry, Version
+from .manifest import Chunk, Manifest, TensorEntry, Version
 
 if TYPE_CHECKING:
     from .checkout import FetchReport
@@ -61,12 +62,12 @@ _LAZY = {
 }
 
 __all__ = [
-    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry",
+    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry", "Chunk",
     "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
     "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
     "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning",
-    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "FetchReport",
+    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "CommitGroupError", "FetchReport",
 ]
 
 

@@ -37,11 +37,12 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from .errors import StorageFullError, WaitTimeoutError
+from .errors import CommitGroupError, StorageFullError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import Manifest, TensorEntry, Version
+from .sharded import CommitGroup, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
-from .tensors import ST_TO_TORCH, Collected
+from .tensors import ST_TO_TORCH, Collected, Taker, check_pair
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
 from paramstore.backends.tiers.local import LocalTier
@@ -141,6 +142,9 @@ class _Job:
     created_at: float = 0.0
     ready_events: dict = field(default_factory=dict)  # device -> CUDA event recorded at commit()
     early: dict = field(default_factory=dict)  # (shard, placement) -> Future of the digest, hashed while staging
+    group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
+    error: BaseException | None = None  # a group job's staging error: it still takes part in the group
+    staged: bool = False  # staged on the caller's thread already (a streaming commit)
 
 
 class Committer:
@@ -179,11 +183,31 @@ class Committer:
         self._publisher.start()
 
     def submit(self, step: int, collected: Collected, tags: tuple[str, ...], metrics: dict[str, float],
-               metadata: dict[str, Any], *, persist: bool = False) -> CommitHandle:
+               metadata: dict[str, Any], *, persist: bool = False, group: CommitGroup | None = None) -> CommitHandle:
+        """Queue a commit of ``collected``: staged on the stager thread, then published."""
         handle = CommitHandle(step, persist=persist)
         job = _Job(handle, collected, tags, metrics, metadata, created_at=time.time(),
-                   ready_events=_ready_events(collected))
+                   ready_events=_ready_events(collected.sources), group=group)
         self._stage_q.put(job)
+        return handle
+
+    def submit_stream(self, step: int, pairs: Any, taker: Taker, tags: tuple[str, ...], metrics: dict[str, float],
+                      metadata: dict[str, Any], *, persist: bool = False, group: CommitGroup | None = None,
+                      ranks: tuple[int, ...] = ()) -> CommitHandle:
+        """Stage an iterable of ``(name, tensor)`` here, on the caller's thread, as it yields (see
+        :meth:`_stage_stream`), then queue it for publishing. Returns once every tensor is copied:
+        ``handle.staged`` is then done (or failed)."""
+        handle = CommitHandle(step, persist=persist)
+        job = _Job(handle, Collected([], [], {}), tags, metrics, metadata, created_at=time.time(), group=group,
+                   staged=True)
+        try:
+            self._stage_stream(job, pairs, taker, ranks)
+            handle.staged.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - delivered through the futures (and to the group)
+            self._staging_failed(job, e)
+            if group is None:
+                return handle
+        self._stage_q.put(job)  # in order with the commits before it; the stager hands it on
         return handle
 
     def prepare(self, collected: Collected, *, ahead: int = 0) -> None:
@@ -225,22 +249,107 @@ class Committer:
 
     # -- 1. stage ----------------------------------------------------------------------------
     def _stage(self, job: _Job) -> None:
-        try:
-            job.plans = self._plan(job.collected.specs)
-            sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
-            # Device copies are still in flight when a shard's loop ends: those are hashed later.
-            early = self._hash_early if self._early is not None and not job.ready_events else None
-            _copy_into_slabs(job, sources, lambda size: self._take(job, size), on_shard=early)
-            job.collected = Collected(job.collected.specs, [], job.collected.aliases)  # drop refs
-            job.handle.staged.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller through the futures
-            futures.wait({getattr(f, "future", f) for f in job.early.values()})  # no hash thread may still read a slab
-            for slab in job.slabs:
-                slab.discard()
-            _fail(job.handle, e)
-            return
+        if not job.staged:
+            try:
+                job.plans = self._plan(job.collected.specs)
+                sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
+                # Device copies are still in flight when a shard's loop ends: those are hashed later.
+                early = self._hash_early if self._early is not None and not job.ready_events else None
+                _copy_into_slabs(job, sources, lambda size: self._take(job, size), on_shard=early)
+                job.collected = job.collected.without_sources()  # drop refs
+                job.handle.staged.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller through the futures
+                self._staging_failed(job, e)
+                if job.group is None:
+                    return
         self._handed = job.handle
         self._publish_q.put(job)
+
+    def _staging_failed(self, job: _Job, e: BaseException) -> None:
+        """Drop what ``job`` staged and fail its futures; a group job still goes on to the
+        publisher (with ``job.error``) so that the other ranks learn of it."""
+        futures.wait({getattr(f, "future", f) for f in job.early.values()})  # no hash thread may still read a slab
+        for slab in job.slabs:
+            slab.discard()
+        job.slabs, job.plans, job.early = [], [], {}
+        job.collected = job.collected.without_sources()
+        if job.group is None:
+            _fail(job.handle, e)
+        else:
+            job.error = e
+            if not job.handle.staged.done():
+                job.handle.staged.set_exception(e)
+
+    def _stage_stream(self, job: _Job, pairs: Any, taker: Taker, ranks: tuple[int, ...]) -> None:
+        """Copy each tensor of ``pairs`` into staging as it arrives, and drop it.
+
+        A tensor found in the layout of the previous commit (same name, dtype and shape) goes to
+        its place in that layout's shards (their slabs taken when their first tensor arrives, so
+        prepared and recycled buffers serve streaming commits too); any other tensor gets an object
+        of its own. At the end the shards are compacted to the tensors that arrived, and the layout
+        of what arrived becomes the next commit's. Extra memory: the tensor being copied (device
+        copies run on a side stream, ``record_stream`` keeping the source's memory until copied).
+        """
+        _, plans = self._layout
+        where = {p.spec.name: (i, p) for i, plan in enumerate(plans) for p in plan.placements}
+        arrived: dict[int, set[str]] = {}
+        taken: dict[int, Slab] = {}
+        extras: list[tuple[ShardPlan, Slab]] = []
+        specs: list[TensorSpec] = []
+        copier = _Copier({})
+        try:
+            for item in pairs:
+                name, value = check_pair(item)
+                del item
+                got = taker.take(name, value)
+                del value
+                if got is None:  # another rank stores it
+                    continue
+                spec, src = got
+                del got
+                specs.append(spec)
+                i, p = where.pop(spec.name, (None, None))
+                if p is not None and p.spec == spec:
+                    if i not in taken:
+                        taken[i] = self._take_shard(job, plans[i])
+                    slab = taken[i]
+                    arrived.setdefault(i, set()).add(spec.name)
+                else:
+                    plan = layout([spec])
+                    slab = self._take_shard(job, plan)
+                    extras.append((plan, slab))
+                    p = plan.placements[0]
+                copier.copy(_slab_view(slab, p), src, follow=True)
+                del src
+            if not taker.names:
+                from .errors import InvalidArgumentError
+
+                raise InvalidArgumentError("the commit's iterable yielded no tensors")
+        finally:
+            copier.synchronize()
+        job.plans, job.slabs = [], []
+        for i in sorted(taken):
+            plan, slab = plans[i], taken[i]
+            keep = [p for p in plan.placements if p.spec.name in arrived[i]]
+            header, offsets = _compact(slab, plan, keep)
+            job.plans.append(ShardPlan(header, tuple(Placement(p.spec, o, p.nbytes) for p, o in zip(keep, offsets))))
+            job.slabs.append(slab)
+        for plan, slab in extras:
+            job.plans.append(plan)
+            job.slabs.append(slab)
+        job.collected = Collected(specs, [], {}, dict(taker.names) if taker.sharded else {}, dict(taker.blocks),
+                                  ranks if taker.sharded else ())
+        self._plan(specs)  # the next commit's layout, and what prepare() faults for it
+        self._stock = max(self._stock, PREPARE_COPIES)
+
+    def _take_shard(self, job: _Job, plan: ShardPlan) -> Slab:
+        """A slab for ``plan``, with its header written, counted in ``job.slabs`` until the end
+        (so a failure discards it)."""
+        job.plans.append(plan)  # for _take's message on a full filesystem
+        slab = self._take(job, plan.size)
+        job.slabs.append(slab)
+        slab.map[: len(plan.header)] = plan.header
+        return slab
 
     def _take(self, job: _Job, size: int) -> Slab:
         """A slab for ``job``'s next shard. On a full filesystem, free space (:meth:`_reclaim`) and
@@ -311,10 +420,85 @@ class Committer:
             warnings.warn(f"paramstore: after committing step {version.step}: {e}", RuntimeWarning, stacklevel=1)
 
     def _hash_dedup_publish(self, job: _Job) -> Version:
+        if job.group is not None:
+            return self._group_publish(job, job.group)
         digests = self._hash_all(job)
         # From the dedup lookup to the publish, GC must not delete what this commit will reference.
         with self._gc_lock():
-            return self._dedup_publish(job, digests)
+            entries, new_objects, new_tensors = self._store(job, digests)
+            manifest = Manifest(entries, dict(job.collected.aliases))
+            version = self._version(job, manifest)
+            self._registry.publish(version, manifest, new_objects, new_tensors)
+            return version
+
+    def _group_publish(self, job: _Job, group: CommitGroup) -> Version:
+        """One version from the parts of every rank (see :mod:`paramstore.sharded`): each stores its
+        objects and sends its part; the lead merges and publishes; all learn the outcome. The GC
+        lock is held until then: the objects stored here are referenced by no version before."""
+        part: dict[str, Any]
+        try:
+            if job.error is not None:
+                raise job.error
+            digests = self._hash_all(job)
+        except BaseException as e:  # noqa: BLE001 - sent to the other ranks, then raised
+            job.error = e
+        with self._gc_lock():
+            if job.error is None:
+                try:
+                    entries, new_objects, new_tensors = self._store(job, digests)
+                    part = job.collected.part(entries) | {
+                        "objects": {o: [i.size, list(i.tensors)] for o, i in new_objects.items()},
+                        "tensors": {d: list(loc) for d, loc in new_tensors.items()},
+                    }
+                except BaseException as e:  # noqa: BLE001
+                    job.error = e
+            if job.error is not None:
+                part = {"error": f"{type(job.error).__name__}: {job.error}"}
+            part |= {"step": job.handle.step, "store": self._registry.get_meta("store_id") or ""}
+            parts = [decode(p) for p in group.all_gather(encode(part))]
+            outcome = self._merge_and_publish(job, group, parts) if group.is_lead else b""
+            outcome = decode(group.broadcast(outcome))
+        if "error" in outcome:
+            raise CommitGroupError(outcome["error"]) from job.error
+        return Version.from_json(outcome["version"], tuple(outcome["tags"]))
+
+    def _merge_and_publish(self, job: _Job, group: CommitGroup, parts: list[dict[str, Any]]) -> bytes:
+        """The lead: check the parts agree, merge them into one manifest and publish it; returns the
+        outcome to broadcast (the version, or the error, as JSON)."""
+        try:
+            for rank, part in zip(group.ranks, parts):
+                if "error" in part:
+                    raise CommitGroupError(f"rank {rank} failed to stage step {job.handle.step}: {part['error']}")
+            for rank, part in zip(group.ranks, parts):
+                if part["step"] != job.handle.step:
+                    raise CommitGroupError(f"rank {rank} committed step {part['step']} while rank {group.lead} "
+                                           f"committed step {job.handle.step}: every rank must commit the same steps")
+                if part["store"] != parts[0]["store"]:
+                    raise CommitGroupError(f"rank {rank} commits to another store than rank {group.lead}: ranks "
+                                           "on several hosts need one shared registry (registry='redis://...')")
+            entries = merge_parts(parts, group.ranks)
+            new_objects = {o: ObjectInfo(size, tuple(ts)) for p in parts for o, (size, ts) in p["objects"].items()}
+            new_tensors = {d: TensorLocation(*loc) for p in parts for d, loc in p["tensors"].items()}
+            manifest = Manifest(entries, dict(job.collected.aliases))
+            version = self._version(job, manifest)
+            self._registry.publish(version, manifest, new_objects, new_tensors)
+        except BaseException as e:  # noqa: BLE001 - every rank fails with it
+            job.error = job.error or e
+            return encode({"error": f"step {job.handle.step}: {e}"})
+        return encode({"version": version.to_json(), "tags": list(version.tags)})
+
+    def _version(self, job: _Job, manifest: Manifest) -> Version:
+        return Version(
+            step=job.handle.step,
+            created_at=job.created_at,
+            nbytes=manifest.nbytes,
+            digest=manifest.digest(),
+            num_tensors=len(manifest.tensors) + len(manifest.aliases),
+            tags=tuple(sorted(set(job.tags))),
+            metrics=job.metrics,
+            metadata=job.metadata,
+            writer=self._writer,
+        )
 
     def _hash_all(self, job: _Job) -> list[list[str]]:
         """Every tensor's digest, per shard: large tensors in parallel on the hash threads.
@@ -340,7 +524,12 @@ class Committer:
             digests[i][j] = d
         return digests
 
-    def _dedup_publish(self, job: _Job, digests: list[list[str]]) -> Version:
+    def _store(self, job: _Job, digests: list[list[str]]
+               ) -> tuple[dict[str, TensorEntry], dict[str, ObjectInfo], dict[str, TensorLocation]]:
+        """Deduplicate and place ``job``'s shards as objects (the caller holds the GC lock).
+
+        Returns each spec's manifest entry, the objects stored and the index entries of their
+        tensors (for :meth:`Registry.publish`)."""
         flat = [d for ds in digests for d in ds]
         # Only bytes this host holds: with a registry shared by hosts the index also names objects
         # that live elsewhere.
@@ -383,23 +572,10 @@ class Committer:
             for p, d in keep + repeats:
                 entries[p.spec.name] = _entry(p, d, located[d])
 
-        manifest = Manifest(entries, dict(job.collected.aliases))
-        version = Version(
-            step=job.handle.step,
-            created_at=job.created_at,
-            nbytes=manifest.nbytes,
-            digest=manifest.digest(),
-            num_tensors=len(entries) + len(manifest.aliases),
-            tags=tuple(sorted(set(job.tags))),
-            metrics=job.metrics,
-            metadata=job.metadata,
-            writer=self._writer,
-        )
         # Index what this commit stored (also bytes known only at an offset misaligned for their dtype).
         new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
                        if e.object in new_objects}
-        self._registry.publish(version, manifest, new_objects, new_tensors)
-        return version
+        return entries, new_objects, new_tensors
 
 
 class _Item:
@@ -434,39 +610,67 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
     streams are synchronized before returning, also on error (the slabs must not be unmapped under
     a running DMA). Not exercised on a GPU yet.
     """
-    streams = {dev: torch.cuda.Stream(device=dev) for dev in job.ready_events}
-    for dev, event in job.ready_events.items():
-        streams[dev].wait_event(event)
+    copier = _Copier(job.ready_events)
     try:
         for i, plan in enumerate(job.plans):
             slab = take(plan.size)
             job.slabs.append(slab)
             slab.map[: len(plan.header)] = plan.header
-            buf = torch.frombuffer(slab.map, dtype=torch.uint8)
-            dst = None
             for p in plan.placements:
-                if p.nbytes == 0:
-                    continue
-                dst = buf[p.offset : p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
-                src = sources[p.spec.name]
-                if src.is_cuda:
-                    with torch.cuda.stream(streams[src.device]):
-                        dst.copy_(src, non_blocking=True)
-                else:
-                    dst.copy_(src)
-            del buf, dst  # release the buffer export on the mapping
+                if p.nbytes:
+                    copier.copy(_slab_view(slab, p), sources[p.spec.name])
             if on_shard is not None:
                 on_shard(job, i, plan, slab)
     finally:
-        for stream in streams.values():
+        copier.synchronize()
+
+
+def _slab_view(slab: Slab, p: Placement) -> torch.Tensor:
+    """The tensor of placement ``p`` in ``slab``: a view of the mapping (dtype and shape of the spec)."""
+    buf = torch.frombuffer(slab.map, dtype=torch.uint8, count=p.nbytes, offset=p.offset) if p.nbytes else \
+        torch.empty(0, dtype=torch.uint8)
+    return buf.view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
+
+
+class _Copier:
+    """Copies tensors into staging: CPU tensors at once; CUDA tensors with ``non_blocking=True`` on
+    one side stream per device, ordered after ``ready`` (device -> event recorded when ``commit``
+    was called) or, with ``follow=True``, after the work queued on the caller's current stream so
+    far (a streaming commit: each tensor is made just before it is copied; ``record_stream`` keeps
+    its memory from being reused before the copy has run). :meth:`synchronize` before the slabs
+    are read or unmapped."""
+
+    def __init__(self, ready: Mapping[torch.device, Any]) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        for dev, event in ready.items():
+            self._stream(dev).wait_event(event)
+
+    def _stream(self, dev: torch.device) -> Any:
+        if dev not in self._streams:
+            self._streams[dev] = torch.cuda.Stream(device=dev)
+        return self._streams[dev]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, follow: bool = False) -> None:
+        if not src.is_cuda:
+            dst.copy_(src)
+            return
+        stream = self._stream(src.device)
+        if follow:
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            src.record_stream(stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
             stream.synchronize()
 
 
-def _ready_events(collected: Collected) -> dict[torch.device, torch.cuda.Event]:
+def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:
     """On the caller's thread: an event per device marking the work queued so far (e.g. the
     optimizer step that produced the weights), so the copy cannot read them early."""
     events = {}
-    for t in collected.sources:
+    for t in sources:
         if t.is_cuda and t.device not in events:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(t.device))

@@ -31,6 +31,7 @@ __all__ = [
     "MetadataLostError",
     "UnsafeStoreError",
     "WriterConflictError",
+    "CommitGroupError",
     "ParamStoreWarning",
 ]
 
@@ -100,6 +101,12 @@ class UnsafeStoreError(ParamStoreError, PermissionError):
 class WriterConflictError(ParamStoreError, RuntimeError):
     """Another live trainer (another run id) writes this store; pass ``takeover=True`` to take it
     over explicitly (see :mod:`paramstore.writer`)."""
+
+
+class CommitGroupError(ParamStoreError, RuntimeError):
+    """A sharded commit (several ranks committing one version) failed as a group: a rank died or
+    did not take part in time, the ranks committed different names or shapes, or one rank's part
+    failed (the message names it). Nothing of that version was published, on any rank."""
 
 
 class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):

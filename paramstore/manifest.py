@@ -4,6 +4,13 @@ A *manifest* says where every tensor of a version lies: for each name its dtype,
 digest, and the object (by digest) and byte range holding it. Names that were tied to another
 tensor at commit time (one storage, several names) are recorded as aliases of that name.
 
+A tensor committed sharded (a DTensor whose ranks each stored their own block) is *chunked*: its
+entry has the global dtype and shape and a list of :class:`Chunk` s (each block's offsets and sizes
+in the global tensor, its digest and where its bytes lie), which tile the tensor exactly. A tensor
+stored whole keeps the plain form, so a manifest without chunked tensors is written in format 1,
+as before chunks existed, and one with chunks in format 2 (which older readers refuse, naming the
+format).
+
 A *version* is the small record listed by ``ls``: step, creation time, tags, metrics, metadata,
 logical size, tensor count and the version digest. The version digest covers names, dtypes, shapes,
 tensor digests and aliases, not where the bytes happen to be stored, so the same weights committed
@@ -24,15 +31,65 @@ from .validate import check_name
 
 from paramstore.backends.tiers.base import check_digest
 
-__all__ = ["TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "check_manifest"]
+__all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "check_manifest", "check_tiling"]
 
-MANIFEST_FORMAT = 1
+#: The newest manifest format this paramstore reads and writes: 1 (every tensor whole) or 2 (some
+#: tensors chunked). A manifest is written in the lowest format that can hold it.
+MANIFEST_FORMAT = 2
+_FORMATS = (1, 2)
 _VERSION_DOMAIN = b"paramstore/version/v1\0"
+_CHUNKED_DOMAIN = b"paramstore/chunked/v1\0"
+_CHUNK_KEYS = {"offsets", "sizes", "digest", "object", "offset", "nbytes"}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A block of a tensor and where its bytes lie.
+
+    ``offsets`` and ``sizes`` place the block in the whole tensor (one int per dimension), as
+    ``torch.distributed.checkpoint`` describes a shard; its bytes are a dense C-order tensor of shape
+    ``sizes`` at ``[offset, offset + nbytes)`` of ``object``, with blake3 digest ``digest``. A tensor
+    stored whole is one chunk at offsets 0 (see :meth:`TensorEntry.pieces`).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    digest: str
+    object: str
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "digest": self.digest,
+                "object": self.object, "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Chunk":
+        _expect_keys("chunk", d, _CHUNK_KEYS)
+        offsets, sizes = d["offsets"], d["sizes"]
+        for what, v in (("offsets", offsets), ("sizes", sizes)):
+            if not isinstance(v, list) or not all(_count(n) for n in v):
+                raise CorruptObjectError(f"chunk has bad {what} {v!r}: expected a list of ints >= 0")
+        try:
+            check_digest(d["digest"])
+            check_digest(d["object"])
+        except ParamStoreError as e:
+            raise CorruptObjectError(f"chunk: {e}") from None
+        if not _count(d["offset"]) or not _count(d["nbytes"]):
+            raise CorruptObjectError(f"chunk has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
+        return cls(tuple(offsets), tuple(sizes), d["digest"], d["object"], d["offset"], d["nbytes"])
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a manifest: what it is and where its bytes lie."""
+    """One tensor of a manifest: what it is and where its bytes lie.
+
+    A tensor stored whole has its digest, object, offset and length here and no ``chunks``. A
+    chunked tensor (see :meth:`chunked`) has ``chunks``; its ``digest`` is then the digest of its
+    chunk list (offsets, sizes and chunk digests: the same weights in the same layout give the same
+    digest), ``object`` is empty and ``nbytes`` is the whole tensor's. Code that reads bytes should
+    go through :meth:`pieces`, which covers both forms.
+    """
 
     dtype: str
     shape: tuple[int, ...]
@@ -40,8 +97,29 @@ class TensorEntry:
     object: str
     offset: int
     nbytes: int
+    chunks: tuple[Chunk, ...] = ()
+
+    @classmethod
+    def chunked(cls, dtype: str, shape: tuple[int, ...], chunks: list[Chunk]) -> "TensorEntry":
+        """The entry of a tensor stored as ``chunks`` (sorted here by offsets; they must tile it:
+        :func:`check_tiling`). One chunk covering the whole tensor gives the plain form."""
+        ordered = tuple(sorted(chunks, key=lambda c: c.offsets))
+        if len(ordered) == 1 and ordered[0].offsets == (0,) * len(shape) and ordered[0].sizes == tuple(shape):
+            c = ordered[0]
+            return cls(dtype, tuple(shape), c.digest, c.object, c.offset, c.nbytes)
+        canon = json.dumps([[list(c.offsets), list(c.sizes), c.digest] for c in ordered], separators=(",", ":"))
+        digest = blake3.blake3(_CHUNKED_DOMAIN + canon.encode()).hexdigest()
+        return cls(dtype, tuple(shape), digest, "", 0, sum(c.nbytes for c in ordered), ordered)
+
+    def pieces(self) -> tuple[Chunk, ...]:
+        """Where the bytes lie: the chunks, or one chunk for a tensor stored whole."""
+        if self.chunks:
+            return self.chunks
+        return (Chunk((0,) * len(self.shape), self.shape, self.digest, self.object, self.offset, self.nbytes),)
 
     def to_json(self) -> dict[str, Any]:
+        if self.chunks:
+            return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
         return {
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -56,13 +134,21 @@ class TensorEntry:
         """Parse and check an entry's fields: a dtype string, a shape of ints >= 0, both digests 64
         lowercase hex digits (so ``object`` can never name a path), an offset and a length >= 0.
         Raises CorruptObjectError. (Whether the length fits the dtype and shape, and the entry its
-        object: :func:`check_manifest`.)"""
-        _expect_keys("tensor entry", d, {"dtype", "shape", "digest", "object", "offset", "nbytes"})
+        object: :func:`check_manifest`.) A chunked entry's chunks must tile its shape."""
+        chunked = isinstance(d, Mapping) and "chunks" in d
+        _expect_keys("tensor entry", d, {"dtype", "shape", "chunks"} if chunked
+                     else {"dtype", "shape", "digest", "object", "offset", "nbytes"})
         dtype, shape = d["dtype"], d["shape"]
         if not isinstance(dtype, str) or not dtype:
             raise CorruptObjectError(f"tensor entry has a bad dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_count(n) for n in shape):
             raise CorruptObjectError(f"tensor entry has a bad shape {shape!r}: expected a list of ints >= 0")
+        if chunked:
+            if not isinstance(d["chunks"], list) or len(d["chunks"]) < 2:
+                raise CorruptObjectError("tensor entry: 'chunks' must be a list of at least two chunks")
+            chunks = [Chunk.from_json(c) for c in d["chunks"]]
+            check_tiling(tuple(shape), chunks)
+            return cls.chunked(dtype, tuple(shape), chunks)
         try:
             check_digest(d["digest"])
             check_digest(d["object"])
@@ -95,7 +181,12 @@ class Manifest:
 
     def objects(self) -> set[str]:
         """Digests of the objects this manifest references."""
-        return {e.object for e in self.tensors.values()}
+        return {c.object for e in self.tensors.values() for c in e.pieces()}
+
+    @property
+    def chunked(self) -> bool:
+        """Whether some tensor is stored in chunks (a sharded commit)."""
+        return any(e.chunks for e in self.tensors.values())
 
     def digest(self) -> str:
         """Content digest of the version: independent of tensor order and of object placement."""
@@ -108,7 +199,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": MANIFEST_FORMAT,
+            "format": 2 if self.chunked else 1,
             "tensors": {n: e.to_json() for n, e in sorted(self.tensors.items())},
             "aliases": dict(sorted(self.aliases.items())),
         }
@@ -119,10 +210,10 @@ class Manifest:
         names a stored tensor and is not one). Raises CorruptObjectError, or ParamStoreError for a
         format this paramstore does not read."""
         _expect_keys("manifest", d, {"format", "tensors", "aliases"})
-        if d["format"] != MANIFEST_FORMAT:
+        if d["format"] not in _FORMATS:
             raise ParamStoreError(
                 f"manifest format {d['format']} is not supported by this paramstore "
-                f"(expects {MANIFEST_FORMAT}); upgrade paramstore"
+                f"(reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
             )
         if not isinstance(d["tensors"], dict) or not isinstance(d["aliases"], dict):
             raise CorruptObjectError("manifest: 'tensors' and 'aliases' must be JSON objects")
@@ -137,7 +228,10 @@ class Manifest:
             _check_name(a)
             if not isinstance(n, str) or n not in tensors or a in tensors:
                 raise CorruptObjectError(f"manifest alias {a!r} -> {n!r} does not name a stored tensor")
-        return cls(tensors, dict(d["aliases"]))
+        manifest = cls(tensors, dict(d["aliases"]))
+        if manifest.chunked and d["format"] < 2:
+            raise CorruptObjectError("manifest of format 1 holds chunked tensors (format 2)")
+        return manifest
 
 
 @dataclass(frozen=True)
@@ -242,16 +336,52 @@ def check_manifest(manifest: Manifest, version: Version, sizes: Mapping[str, int
     if set(sizes) != manifest.objects():
         raise CorruptObjectError(f"version {version.step}{at}: its record lists other objects than its manifest")
     for name, e in manifest.tensors.items():
-        want = ITEMSIZE.get(e.dtype, 0)
-        for n in e.shape:
-            want *= n
-        if e.dtype not in ITEMSIZE or e.nbytes != want:
-            raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} of dtype {e.dtype!r} and shape "
-                                     f"{list(e.shape)} says {e.nbytes} bytes (an unknown dtype, or not {want})")
-        if e.offset < 8 or e.offset + e.nbytes > sizes[e.object] or e.offset % ITEMSIZE[e.dtype]:
-            raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} at [{e.offset}, "
-                                     f"{e.offset + e.nbytes}) does not lie in object {e.object[:16]}… of "
-                                     f"{sizes[e.object]} bytes (aligned for {e.dtype})")
+        for c in e.pieces():
+            want = ITEMSIZE.get(e.dtype, 0)
+            for n in c.sizes:
+                want *= n
+            if e.dtype not in ITEMSIZE or c.nbytes != want:
+                raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} of dtype {e.dtype!r} and "
+                                         f"shape {list(c.sizes)} says {c.nbytes} bytes (an unknown dtype, or not "
+                                         f"{want})")
+            if c.offset < 8 or c.offset + c.nbytes > sizes[c.object] or c.offset % ITEMSIZE[e.dtype]:
+                raise CorruptObjectError(f"version {version.step}{at}: tensor {name!r} at [{c.offset}, "
+                                         f"{c.offset + c.nbytes}) does not lie in object {c.object[:16]}… of "
+                                         f"{sizes[c.object]} bytes (aligned for {e.dtype})")
+
+
+def check_tiling(shape: tuple[int, ...], chunks: "list[Chunk] | tuple[Chunk, ...]", what: str = "") -> None:
+    """Raise CorruptObjectError unless ``chunks`` tile ``shape`` exactly: every chunk non-empty and
+    inside it, and together a grid (per dimension, the chunks' ranges partition it; every cell of
+    that grid is exactly one chunk), so every element is in exactly one chunk. This is the layout
+    every DTensor placement paramstore stores (``Shard`` on any dims, over any mesh) produces."""
+    at = f" {what}" if what else ""
+    cuts: list[set[tuple[int, int]]] = [set() for _ in shape]
+    cells = set()
+    for c in chunks:
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            raise CorruptObjectError(f"chunk{at} at {list(c.offsets)} has {len(c.offsets)} offsets and "
+                                     f"{len(c.sizes)} sizes for a tensor of {len(shape)} dimensions")
+        if any(n == 0 for n in c.sizes) or any(o + n > s for o, n, s in zip(c.offsets, c.sizes, shape)):
+            raise CorruptObjectError(f"chunk{at} at {list(c.offsets)} of sizes {list(c.sizes)} is empty or "
+                                     f"exceeds the shape {list(shape)}")
+        for dim, (o, n) in enumerate(zip(c.offsets, c.sizes)):
+            cuts[dim].add((o, o + n))
+        cells.add(tuple(zip(c.offsets, c.sizes)))
+    count = 1
+    for dim, ranges in enumerate(cuts):
+        pos = 0
+        for lo, hi in sorted(ranges):
+            if lo != pos:
+                raise CorruptObjectError(f"chunks{at} do not tile dimension {dim} of {list(shape)}: "
+                                         f"{'overlap' if lo < pos else 'gap'} at {min(lo, pos)}")
+            pos = hi
+        if pos != shape[dim]:
+            raise CorruptObjectError(f"chunks{at} do not cover dimension {dim} of {list(shape)}")
+        count *= len(ranges)
+    if len(cells) != len(chunks) or count != len(chunks):
+        raise CorruptObjectError(f"chunks{at} of a tensor of shape {list(shape)} do not form a grid "
+                                 f"({len(chunks)} chunks, {count} cells)")
 
 
 def _count(n: Any) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ import warnings
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from . import maintenance, ops
 from .checkout import FetchReport, Fetcher, check_checkout_args, open_snapshot
@@ -95,6 +96,8 @@ class ParamStore:
         takeover: commit even though another live writer holds the store (it is refused from
             then on).
         shared_group: create the root group-accessible (``2770``) instead of private (``0700``).
+        group_timeout: seconds the ranks of a sharded commit wait for each other (a rank that
+            dies is noticed at once; one that stops without dying, after this long).
         scrub_rate: re-hash this host's objects in the background at this many bytes per second
             (on average), quarantining any found damaged (see :mod:`paramstore.scrub`); None (the
             default): no scrub. A local checkout does not re-hash what it maps, so this (or
@@ -181,6 +184,7 @@ class ParamStore:
         takeover: bool = False,
         shared_group: bool = False,
         scrub_rate: float | None = None,
+        group_timeout: float = 600.0,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -200,6 +204,8 @@ class ParamStore:
         if create is not None and not isinstance(create, bool):
             raise InvalidArgumentError(f"create must be True, False or None, got {create!r}")
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
+        self._group_timeout = check_timeout(group_timeout)
+        self._groups: dict[tuple[int, ...], Any] = {}  # ranks -> CommitGroup (sharded commits)
         self._scrub_rate = check_rate(scrub_rate)
         self._scrubber: Scrubber | None = None
         self._claimed = False  # this store claimed its root as writer (given up at close)
@@ -308,11 +314,13 @@ class ParamStore:
     def commit(
         self,
         step: int,
-        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         tags: tuple[str, ...] | list[str] = (),
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+        group: Any = None,
     ) -> CommitHandle:
         """Snapshot ``model``'s tensors as version ``step``; returns at once.
 
@@ -320,13 +328,34 @@ class ParamStore:
         it is taken (the trainer may then update its parameters; see :meth:`guard`), and
         ``handle.committed`` when the version is visible to every process.
 
+        **Streaming.** ``model`` may also be an iterable of ``(name, tensor)`` pairs (a generator
+        that gathers one tensor at a time, as verl's trainer hands weights over). Each tensor is
+        copied into shared memory as it arrives and then dropped, so the caller never holds more
+        than the tensor in hand; ``commit`` returns once the iterable is exhausted (``staged`` is
+        then done) and publishing goes on in the background. Names tied by one storage are not
+        detected in a stream (equal bytes are still stored once).
+
+        **Sharded.** When the state dict holds DTensors, every rank of their mesh calls ``commit``
+        with the same step and names, and each rank stores only its own blocks (``Shard(d)`` on
+        any dims, uneven, several mesh dims; a replicated block once; plain tensors once, by the
+        first rank): no rank gathers a tensor. The version is published once, when every rank's
+        part is stored, and every rank's ``committed`` resolves with it (or fails with
+        CommitGroupError, on every rank, if one rank failed or died). ``group=`` (a
+        ``torch.distributed`` process group) makes plain tensors a commit of that group's ranks:
+        written once, by its first rank, the others only iterate (see :mod:`paramstore.sharded`).
+
         Args:
             step: trainer step, a non-negative int above every committed step.
-            model: a ``torch.nn.Module`` (its ``state_dict()``) or a mapping of names to tensors.
+            model: a ``torch.nn.Module`` (its ``state_dict()``), a mapping of names to tensors, or
+                an iterable of ``(name, tensor)``.
             tags: names to point at this version (a tag that exists is moved).
             metrics: numbers to record (for retention by best metric, dashboards): ints, floats, NumPy
                 scalars or one-element tensors (``loss.detach()``), stored as floats.
             metadata: any JSON-serializable mapping to record.
+            dtype: store floating-point tensors in this dtype (cast while copying: a bf16 copy of
+                fp32 master weights); other tensors keep theirs.
+            group: the process group whose ranks commit this version together (inferred from the
+                DTensors' meshes when None).
 
         Returns:
             A :class:`CommitHandle`; ``handle.result()`` waits and returns the :class:`Version`.
@@ -341,35 +370,74 @@ class ParamStore:
             >>> version = handle.result()  # visible to every process on the host
             >>> version.step, version.tags, version.metrics
             (2, ('best',), {'reward': 0.7})
+            >>> weights = ((n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+            >>> store.commit(3, weights).result().nbytes  # streamed, one tensor at a time
+            112
         """
         self._check_open()
         check_step(step)
         tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
-        from .tensors import collect
+        from .tensors import Taker, check_cast, collect, commit_ranks, is_stream
 
-        collected = collect(model)
+        cast = check_cast(dtype)
         if os.getpid() != self._owner:
             raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
                                   "after fork to commit from the child")
+        if is_stream(model):
+            pairs, ranks = self._stream_ranks(model, group)
+            taker = Taker(cast=cast, sharded=len(ranks) > 1, ranks=ranks,
+                          writes_plain=len(ranks) <= 1 or self._commit_group(ranks).is_lead)
+        else:
+            collected = collect(model, dtype=cast, group=group, group_of=lambda r: self._commit_group(r).is_lead)
+            ranks = collected.ranks
+        commit_group = self._commit_group(ranks) if len(ranks) > 1 else None
         root = self._attach(create=self._create is not False)
         with self._lock:
             self._check_open()  # under the lock: close() cannot slip in between
-            claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
-            self._claimed = True
-            if self._persister is not None:
+            if commit_group is None or commit_group.is_lead:  # the lead publishes: it is the writer
+                claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
+                self._claimed = True
+            persist = self._persister is not None and (commit_group is None or commit_group.is_lead)
+            if persist:
                 self._persister.resume()  # the writer finishes what its previous run left unpushed
             latest = root.registry.latest_step()
             floor = max(x for x in (latest, self._last_step, -1) if x is not None)
             if step <= floor:
                 raise StepOrderError(f"step {step} must be above the latest step {floor}")
             previous, self._last_step = self._last_step, step
-            handle = self._get_committer().submit(step, collected, tags_t, metrics_d, metadata_d,
-                                                  persist=self._persister is not None)
-            self._last_handle = handle
+            committer = self._get_committer()
+            if not is_stream(model):
+                handle = committer.submit(step, collected, tags_t, metrics_d, metadata_d, persist=persist,
+                                          group=commit_group)
+        if is_stream(model):  # staged here, on the caller's thread, outside the lock
+            handle = committer.submit_stream(step, pairs, taker, tags_t, metrics_d, metadata_d, persist=persist,
+                                             group=commit_group, ranks=ranks)
+        self._last_handle = handle
         handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
         return handle
+
+    def _stream_ranks(self, model: Iterable[Any], group: Any) -> tuple[Iterator[Any], tuple[int, ...]]:
+        """The pairs of a streaming commit and the ranks committing it: ``group``'s, or those of
+        the first tensor's mesh when it is a DTensor (a later DTensor must lie in them)."""
+        from .tensors import check_pair, commit_ranks
+
+        it = iter(model)
+        first = next(it, None)
+        if first is None:
+            raise InvalidArgumentError("the commit's iterable yielded no tensors")
+        ranks = commit_ranks([check_pair(first)[1]], group)
+        return itertools.chain([first], it), ranks
+
+    def _commit_group(self, ranks: tuple[int, ...]) -> Any:
+        """The gloo group of ``ranks`` for sharded commits (made at their first one, collectively)."""
+        from .sharded import CommitGroup
+
+        group = self._groups.get(ranks)
+        if group is None:
+            group = self._groups[ranks] = CommitGroup(ranks, self._group_timeout)
+        return group
 
     def _forget_step(self, step: int, previous: int | None) -> None:
         # A failed commit does not use up its step: it may be retried.
@@ -1176,6 +1244,8 @@ class ParamStore:
             self._transport.close()
         if self._pool is not None:
             self._pool.close()
+        for group in self._groups.values():
+            group.destroy()
         self._opened.close()
 
     def _check_open(self) -> None:

@@ -6,18 +6,17 @@ raises at ``commit`` with nothing written.
 
 from __future__ import annotations
 
-import sys
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
 
 from .errors import InvalidArgumentError, InvalidNameError, InvalidTensorError
 from .format import TensorSpec
+from .sharded import chunk_name, group_ranks, is_dtensor, local_block
 from .validate import check_name
 
-__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect"]
+__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "Taker", "check_cast", "is_stream", "commit_ranks"]
 
 #: torch dtype -> safetensors dtype name, for every dtype both support.
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -31,32 +30,46 @@ TORCH_TO_ST: dict[torch.dtype, str] = {
 ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_ST.items()}
 
 _RESERVED = {"__metadata__"}
-_dtensor_warned = False
 
 
 @dataclass(frozen=True)
 class Collected:
-    """A validated state dict: specs and source tensors in order, plus tied names."""
+    """A validated state dict, as this rank stores it: specs and source tensors in order, plus
+    tied names.
+
+    For a commit by several ranks (``ranks``: their global ranks, first the lead), ``names`` lists
+    every tensor of the version with its stored dtype and global shape (also those another rank
+    stores), and ``blocks`` maps each spec that is a block of a larger tensor to that tensor's name
+    and the block's offsets (see :mod:`paramstore.sharded`). Both are empty for one process.
+    """
 
     specs: list[TensorSpec]
     sources: list[torch.Tensor]
     aliases: dict[str, str]  # tied name -> the name stored
+    names: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    blocks: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+
+    def without_sources(self) -> "Collected":
+        """The same commit with the references to the caller's tensors dropped (once copied)."""
+        return replace(self, sources=[])
+
+    def part(self, entries: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's contribution to a commit by several ranks (see
+        :func:`paramstore.sharded.merge_parts`), from the manifest entries of its specs."""
+        blocks: dict[str, list[dict]] = {}
+        for spec in self.specs:
+            e = entries[spec.name]
+            name, offsets = self.blocks.get(spec.name, (spec.name, (0,) * len(spec.shape)))
+            blocks.setdefault(name, []).append({"offsets": list(offsets), "sizes": list(spec.shape),
+                                                "digest": e.digest, "object": e.object, "offset": e.offset,
+                                                "nbytes": e.nbytes})
+        return {"names": {n: [d, list(s)] for n, (d, s) in self.names.items()}, "blocks": blocks}
 
 
 def _as_plain_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidTensorError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor")
-    if _is_dtensor(value):
-        global _dtensor_warned
-        if not _dtensor_warned:
-            _dtensor_warned = True
-            warnings.warn(
-                "committing a DTensor gathers it with full_tensor() on every rank; "
-                "sharded commits are not supported yet",
-                UserWarning,
-                stacklevel=4,
-            )
-        value = value.full_tensor()
     if value.is_meta:
         raise InvalidTensorError(f"{name!r} is a meta tensor: it has no data to store")
     if value.layout != torch.strided:
@@ -71,11 +84,19 @@ def _as_plain_tensor(name: str, value: Any) -> torch.Tensor:
     return value.detach()
 
 
-def _is_dtensor(value: torch.Tensor) -> bool:
-    # A value can only be a DTensor if its module was imported; importing it here would cost the
-    # caller ~0.6 s on the first commit.
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(value, mod.DTensor)
+def check_cast(dtype: Any) -> torch.dtype | None:
+    """``dtype`` for ``commit(dtype=)``: None or a floating-point torch dtype safetensors stores."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype not in TORCH_TO_ST:
+        raise InvalidArgumentError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    return dtype
+
+
+def is_stream(model: Any) -> bool:
+    """Whether ``model`` is an iterable of ``(name, tensor)`` (a streaming commit) rather than a
+    module or a mapping."""
+    return not isinstance(model, (torch.nn.Module, Mapping, str, bytes, torch.Tensor)) and hasattr(model, "__iter__")
 
 
 def _items(model: Any) -> list[tuple[Any, Any]]:
@@ -84,34 +105,131 @@ def _items(model: Any) -> list[tuple[Any, Any]]:
     if isinstance(model, Mapping):
         return list(model.items())
     raise InvalidArgumentError(
-        f"model must be a torch.nn.Module or a mapping of names to tensors, got {type(model).__name__}"
+        f"model must be a torch.nn.Module, a mapping of names to tensors or an iterable of (name, tensor), "
+        f"got {type(model).__name__}"
     )
 
 
-def collect(model: Any) -> Collected:
-    """Validate ``model`` and list its tensors; tensors sharing one storage become aliases.
+def check_pair(item: Any) -> tuple[Any, Any]:
+    """One item of a streaming commit: a ``(name, tensor)`` pair."""
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise InvalidArgumentError(f"a streaming commit yields (name, tensor) pairs, got {type(item).__name__}")
+    return item
 
-    Of a group of tied names, the smallest name is stored and the others alias it, so the version
-    digest does not depend on the order of the state dict.
 
-    Raises InvalidArgumentError, InvalidNameError or InvalidTensorError.
+@dataclass
+class Taker:
+    """Turns ``(name, value)`` pairs into what this rank stores, one at a time (a streaming commit
+    calls :meth:`take` as each tensor arrives; :func:`collect` for a whole state dict).
+
+    ``writes_plain``: this rank stores plain tensors (one process, or the lead of several ranks);
+    ``sharded``: a commit by several ranks (names and blocks are recorded).
     """
-    tensors: dict[str, torch.Tensor] = {}
-    groups: dict[tuple, list[str]] = {}
-    for name, value in _items(model):
+
+    cast: torch.dtype | None = None
+    writes_plain: bool = True
+    sharded: bool = False
+    ranks: tuple[int, ...] = ()  # the ranks committing (a streaming commit checks each DTensor's mesh)
+    names: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    blocks: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def take(self, name: Any, value: Any) -> tuple[TensorSpec, torch.Tensor] | None:
+        """Validate one tensor; returns the spec and data this rank stores, or None (another rank
+        stores it). Raises InvalidNameError, InvalidTensorError."""
         check_name(name)
         if name in _RESERVED:
             raise InvalidNameError(f"{name!r} is reserved by the safetensors format")
+        if name in self.names:
+            raise InvalidNameError(f"{name!r} is committed twice")
+        offsets = None
+        if is_dtensor(value):
+            if value.numel() == 0:  # nothing to split: stored whole, once, like a plain tensor
+                value = torch.empty(tuple(value.shape), dtype=value.dtype)
+                writes = self.writes_plain
+            else:
+                if self.ranks or not self.sharded:
+                    mesh_ranks = group_ranks([value.device_mesh])
+                    if len(mesh_ranks) > 1 and not set(mesh_ranks) <= set(self.ranks):
+                        raise InvalidArgumentError(
+                            f"{name!r} is sharded over ranks {list(mesh_ranks)}, outside the ranks committing "
+                            f"{list(self.ranks) or 'alone'}: pass group= (or yield a DTensor of that mesh first)")
+                block = local_block(name, value)
+                value, writes = block.local, block.writes
+                shape = block.shape
+                offsets = None if block.whole else block.offsets
+        else:
+            writes = self.writes_plain
         t = _as_plain_tensor(name, value)
-        tensors[name] = t
-        if t.numel() > 0:
-            # Tied weights: the very same view of the very same storage.
+        if offsets is None:
+            shape = tuple(t.shape)
+        dtype = self.cast if self.cast is not None and t.dtype.is_floating_point else t.dtype
+        st = TORCH_TO_ST[dtype]
+        self.names[name] = (st, shape)
+        if not writes:
+            return None
+        if offsets is None:
+            return TensorSpec(name, st, tuple(t.shape)), t
+        key = chunk_name(name, offsets)
+        self.blocks[key] = (name, offsets)
+        return TensorSpec(key, st, tuple(t.shape)), t
+
+
+def collect(model: Any, *, dtype: torch.dtype | None = None, group: Any = None,
+            group_of: Any = None) -> Collected:
+    """Validate ``model`` and list what this rank stores; tensors sharing one storage become aliases.
+
+    Of a group of tied names, the smallest name is stored and the others alias it, so the version
+    digest does not depend on the order of the state dict. ``dtype``: cast floating-point tensors
+    to it. DTensors, or ``group`` (a process group), make it a commit by several ranks:
+    ``group_of(ranks)`` is called with their global ranks (lead first) and returns whether this
+    rank is the lead; each rank keeps only the blocks it stores (see :mod:`paramstore.sharded`).
+
+    Raises InvalidArgumentError, InvalidNameError or InvalidTensorError.
+    """
+    items = _items(model)
+    ranks = commit_ranks([v for _, v in items], group)
+    taker = Taker(cast=dtype, sharded=len(ranks) > 1,
+                  writes_plain=len(ranks) <= 1 or (group_of is not None and group_of(ranks)))
+    aliases = _ties(items)
+    specs: list[TensorSpec] = []
+    sources: list[torch.Tensor] = []
+    for name, value in items:
+        if name in aliases:
+            _as_plain_tensor(name, value)  # still validated
+            continue
+        got = taker.take(name, value)
+        if got is not None:
+            specs.append(got[0])
+            sources.append(got[1])
+    if not taker.names:
+        raise InvalidArgumentError("model has no tensors to commit")
+    return Collected(specs, sources, aliases, taker.names if taker.sharded else {},
+                     taker.blocks, ranks if len(ranks) > 1 else ())
+
+
+def _ties(items: list[tuple[Any, Any]]) -> dict[str, str]:
+    """Tied names (the very same view of the very same storage) -> the smallest of them, which is
+    stored. DTensors are not tied this way (their blocks are deduplicated by digest instead)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in items:
+        if isinstance(t, torch.Tensor) and not is_dtensor(t) and not t.is_meta and t.layout == torch.strided \
+                and t.numel() > 0 and isinstance(name, str):
             key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
                    t.dtype, t.is_conj(), t.is_neg())
             groups.setdefault(key, []).append(name)
-    if not tensors:
-        raise InvalidArgumentError("model has no tensors to commit")
-    aliases = {n: min(names) for names in groups.values() if len(names) > 1 for n in names if n != min(names)}
-    kept = [(n, t) for n, t in tensors.items() if n not in aliases]
-    return Collected([TensorSpec(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in kept],
-                     [t for _, t in kept], aliases)
+    return {n: min(names) for names in groups.values() if len(names) > 1 for n in names if n != min(names)}
+
+
+def commit_ranks(values: list[Any], group: Any = None) -> tuple[int, ...]:
+    """The global ranks committing together: those of ``group`` and of every DTensor's mesh
+    (sorted; empty when neither). Raises InvalidArgumentError when a mesh reaches outside ``group``."""
+    meshes = {id(v.device_mesh): v.device_mesh for v in values if is_dtensor(v)}
+    ranks = group_ranks(meshes.values())
+    if group is None:
+        return ranks
+    import torch.distributed as dist
+
+    mine = tuple(sorted(dist.get_process_group_ranks(group)))
+    if not set(ranks) <= set(mine):
+        raise InvalidArgumentError(f"the DTensors' meshes hold ranks {list(ranks)}, outside group= ranks {list(mine)}")
+    return mine

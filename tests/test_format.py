@@ -246,7 +246,7 @@ def test_manifest_with_unknown_or_missing_fields_is_rejected():
     bad = [
         mutated(lambda d: d.__setitem__("extra", 1)),
         mutated(lambda d: d.pop("aliases")),
-        mutated(lambda d: d.__setitem__("format", 2)),
+        mutated(lambda d: d.__setitem__("format", 3)),
         mutated(lambda d: d["tensors"]["w"].__setitem__("compression", "zstd")),
         mutated(lambda d: d["tensors"]["w"].pop("digest")),
     ]

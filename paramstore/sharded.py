@@ -1,0 +1,223 @@
+"""Sharded commits: the ranks of a trainer commit one version together, each storing its own blocks.
+
+When a state dict holds DTensors, every rank of their mesh calls ``store.commit(step, state_dict)``
+(same step, same names). Each rank stages only the blocks it holds (:func:`local_block`): a
+``Shard(d)`` block is stored by the rank holding it, a block replicated over some mesh
+dimensions by the rank at coordinate 0 on those dimensions only, and a plain tensor (taken as
+replicated) by the group's first rank. No rank gathers a tensor.
+
+The ranks then agree on one version through a gloo process group of their own
+(:class:`CommitGroup`, made once, by all of them, at their first sharded commit; its collectives
+run on the publisher threads, never on the training thread's groups). After each rank has stored
+its objects (under its host's GC lock, held until the outcome is known, so GC cannot sweep them),
+every rank contributes a *part* (JSON: its chunk entries, its new objects and index entries, or
+the error it met) with one ``all_gather``; the first rank merges the parts into one manifest
+(:func:`merge_parts`: every tensor's chunks must tile it), publishes it in one registry
+transaction, and broadcasts the outcome, so every rank's ``committed`` future resolves the same
+way. A rank that dies mid-commit closes its gloo connections: the others' collectives fail at once,
+nothing is published, and what the dead rank staged is reclaimed by GC (its slabs belong to a dead
+process; its objects, and those of the surviving ranks, are referenced by no version). A rank that
+stops without dying is waited for up to the group's timeout (``ParamStore(group_timeout=)``).
+
+No pickle: parts and outcomes cross the group as JSON bytes in uint8 tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from .errors import CommitGroupError, InvalidTensorError
+from .manifest import Chunk, TensorEntry, check_tiling
+
+__all__ = ["Block", "local_block", "is_dtensor", "CommitGroup", "group_ranks", "merge_parts", "chunk_name"]
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor (without importing DTensor: that costs ~0.6 s)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
+
+
+@dataclass(frozen=True)
+class Block:
+    """This rank's part of a tensor: where it lies in the global tensor and whether this rank stores it."""
+
+    shape: tuple[int, ...]  # global shape
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: torch.Tensor  # the block's data on this rank (shape ``sizes``)
+    writes: bool  # this rank stores it (replicated blocks are stored once)
+
+    @property
+    def whole(self) -> bool:
+        return self.sizes == self.shape
+
+
+def chunk_name(name: str, offsets: tuple[int, ...]) -> str:
+    """The name a block of ``name`` has inside its object file (``name@o1,o2``; objects are
+    addressed through the manifest, this only keeps safetensors names unique)."""
+    return f"{name}@{','.join(map(str, offsets))}"
+
+
+def local_block(name: str, value: Any) -> Block:
+    """This rank's block of the DTensor ``value`` (see the module docstring for who stores it).
+
+    Raises InvalidTensorError for placements whose local block is not one box of the global
+    tensor (``Partial``: reduce it first, e.g. ``redistribute(placements=[Replicate()])``;
+    ``_StridedShard``, as FSDP2 + tensor parallel produce: ``full_tensor()`` it or commit the
+    unflattened TP layout).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = value.device_mesh, tuple(value.placements)
+    for p in placements:
+        if type(p) is not Shard and type(p) is not Replicate:
+            raise InvalidTensorError(
+                f"{name!r} has placement {p} on mesh {tuple(mesh.shape)}: only Shard(dim) and Replicate can be "
+                "committed block by block. Reduce a Partial first (dt.redistribute(placements=[Replicate()])) or "
+                "pass dt.full_tensor()")
+    coords = mesh.get_coordinate()
+    if coords is None:
+        raise InvalidTensorError(f"{name!r}: this rank is not in the DTensor's mesh")
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    writes = all(c == 0 for c, p in zip(coords, placements) if type(p) is Replicate)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(sizes):
+        raise InvalidTensorError(f"{name!r}: the local tensor has shape {tuple(local.shape)}, its placement says "
+                                 f"{tuple(sizes)} (a padded shard?)")
+    return Block(tuple(value.shape), tuple(offsets), tuple(sizes), local, writes and local.numel() > 0)
+
+
+def group_ranks(meshes: Iterable[Any]) -> tuple[int, ...]:
+    """The global ranks of every mesh, sorted: the ranks that commit together."""
+    ranks: set[int] = set()
+    for mesh in meshes:
+        ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+    return tuple(sorted(ranks))
+
+
+class CommitGroup:
+    """A gloo process group of the ranks committing together, used off the training thread.
+
+    Made collectively by every member (``dist.new_group(..., use_local_synchronization=True)``:
+    only the members take part), at their first sharded commit. ``ranks`` are global ranks; the
+    first is the *lead*, which publishes.
+    """
+
+    def __init__(self, ranks: tuple[int, ...], timeout: float) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise CommitGroupError("a sharded commit needs torch.distributed to be initialized on every rank")
+        self.ranks = ranks
+        self.rank = dist.get_rank()
+        if self.rank not in ranks:
+            raise CommitGroupError(f"rank {self.rank} commits a tensor whose mesh is ranks {list(ranks)}")
+        self.index = ranks.index(self.rank)
+        self.lead = ranks[0]
+        self.timeout = timeout
+        self._pg = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                                  use_local_synchronization=True)
+
+    @property
+    def is_lead(self) -> bool:
+        return self.rank == self.lead
+
+    def all_gather(self, data: bytes) -> list[bytes]:
+        """Every member's ``data``, in rank order. Raises CommitGroupError when a member died
+        (its connection closed) or did not take part within the timeout."""
+        import torch.distributed as dist
+
+        try:
+            n = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
+            dist.all_gather(sizes, n, group=self._pg)
+            width = max(int(s) for s in sizes)
+            mine = torch.zeros(width, dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+            bufs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
+            dist.all_gather(bufs, mine, group=self._pg)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        return [bytes(b[: int(s)].numpy()) for b, s in zip(bufs, sizes)]
+
+    def broadcast(self, data: bytes) -> bytes:
+        """The lead's ``data`` on every member (the others pass b"")."""
+        import torch.distributed as dist
+
+        try:
+            n = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(n, src=self.lead, group=self._pg)
+            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if self.is_lead and data
+                   else torch.empty(int(n), dtype=torch.uint8))
+            if int(n):
+                dist.broadcast(buf, src=self.lead, group=self._pg)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        return bytes(buf.numpy()) if int(n) else b""
+
+    def _failed(self, e: RuntimeError) -> CommitGroupError:
+        text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        return CommitGroupError(
+            f"the ranks {list(self.ranks)} committing together lost a member (a rank died, or did not commit "
+            f"within {self.timeout:g} s): {text}. Nothing was published; GC reclaims what was staged")
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(self._pg)
+        except (RuntimeError, ValueError):
+            pass
+
+
+def merge_parts(parts: list[Mapping[str, Any]], ranks: tuple[int, ...]) -> dict[str, TensorEntry]:
+    """The manifest entries of a sharded commit from every rank's part.
+
+    Each part has ``names`` (every tensor name with its dtype and global shape, as that rank saw
+    them) and ``blocks`` (name -> list of chunk JSON it stored). Raises CommitGroupError when the
+    ranks disagree on names, dtypes or shapes, or a tensor's blocks do not tile it.
+    """
+    first = parts[0]["names"]
+    for rank, part in zip(ranks[1:], parts[1:]):
+        if part["names"] != first:
+            diff = sorted(set(part["names"]) ^ set(first)) or sorted(
+                n for n in first if part["names"].get(n) != first[n])
+            raise CommitGroupError(f"rank {rank} committed other tensors than rank {ranks[0]} (first difference: "
+                                   f"{diff[0]!r}): every rank must commit the same names, dtypes and shapes")
+    chunks: dict[str, list[Chunk]] = {n: [] for n in first}
+    for part in parts:
+        for name, blocks in part["blocks"].items():
+            chunks[name].extend(Chunk.from_json(c) for c in blocks)
+    entries = {}
+    for name, (dtype, shape) in first.items():
+        shape = tuple(shape)
+        got = chunks[name]
+        if not got:
+            raise CommitGroupError(f"no rank stored tensor {name!r}")
+        whole = [c for c in got if c.sizes == shape]
+        if whole and len(got) == 1:
+            entries[name] = TensorEntry.chunked(dtype, shape, got)
+            continue
+        try:
+            check_tiling(shape, got, f"of {name!r}")
+        except Exception as e:  # noqa: BLE001 - a CorruptObjectError from the check, reported as a group error
+            raise CommitGroupError(f"the ranks' blocks of {name!r} do not make the whole tensor: {e}") from None
+        entries[name] = TensorEntry.chunked(dtype, shape, got)
+    return entries
+
+
+def encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode(data: bytes) -> Any:
+    return json.loads(data)

@@ -1,0 +1,284 @@
+"""Sharded trainers: every rank commits its own blocks into one version (real spawned ranks, gloo).
+
+The model (``ranks.LAYOUT``) mixes ``Shard(0)``, ``Shard(1)``, uneven shards, a rank holding
+nothing, ``Replicate`` and a 2-D mesh (``Shard`` on both dims, ``Shard`` + ``Replicate``, two mesh
+dims sharding one tensor dim), plus plain tensors. Every check compares bits with the whole
+tensors, which any process can rebuild from the seed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+import uuid
+import weakref
+
+import pytest
+import torch
+
+import paramstore
+from paramstore import CommitGroupError, InvalidTensorError, ParamStore
+
+from helpers import assert_bits_equal
+from ranks import LAYOUT, PLAIN, full_model, full_tensor, run_ranks, sharded_model
+
+
+# -- what the ranks run (module level: spawned processes import it) ----------------------------
+def _commit(rank: int, world: int, root: str, step: int, seed: int, registry: str | None = None,
+            name: str | None = None) -> dict:
+    store = ParamStore(root, registry=registry, name=name)
+    if registry is not None:
+        store.serve("127.0.0.1")  # this "host" serves its blocks to the others
+    try:
+        handle = store.commit(step, sharded_model(world, seed), metrics={"loss": 0.5 + rank}, tags=["last"])
+        v = handle.result(timeout=60)
+        if registry is not None:  # stay up until every host has checked out (the parent says when)
+            while not os.path.exists(os.path.join(root, "..", "done")):
+                time.sleep(0.1)
+        return {"digest": v.digest, "step": v.step, "metrics": dict(v.metrics), "tags": list(v.tags)}
+    finally:
+        store.close()
+
+
+def _checkout_whole(rank: int, world: int, root: str, step: int, seed: int, committers: int,
+                    registry: str | None = None, name: str | None = None) -> dict:
+    """In another process: every tensor whole (as ``committers`` ranks committed it), compared bit for bit."""
+    with ParamStore(root, registry=registry, name=name) as store, store.checkout(step) as snap:
+        want = full_model(seed, committers)
+        assert sorted(snap) == sorted(want)
+        for n, t in want.items():
+            assert_bits_equal(snap[n], t, n)
+        return {"moved": snap.fetch.bytes, "from_peers": len(snap.fetch.from_peers)}
+
+
+def _killed_mid_commit(rank: int, world: int, root: str) -> dict:
+    store = ParamStore(root)
+    model = sharded_model(world, 7)
+
+    def stream():
+        for i, item in enumerate(model.items()):
+            if rank == world - 1 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-commit: some blocks staged, some not
+            yield item
+
+    t0 = time.monotonic()
+    handle = store.commit(1, stream())
+    try:
+        handle.result(timeout=60)
+    except CommitGroupError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    finally:
+        store.close()
+    return {"error": None}
+
+
+def _disagree(rank: int, world: int, root: str) -> str:
+    store = ParamStore(root)
+    model = sharded_model(world, 3)
+    if rank == 1:
+        model["extra"] = torch.ones(3)
+    try:
+        store.commit(1, model).result(timeout=60)
+    except CommitGroupError as e:
+        return str(e)
+    finally:
+        store.close()
+    return "published"
+
+
+def _partial(rank: int, world: int, root: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+    with ParamStore(root) as store:
+        try:
+            store.commit(1, {"grad_like": dt})
+        except InvalidTensorError as e:
+            return str(e)
+    return "accepted"
+
+
+def _stream_with_group(rank: int, world: int, root: str) -> dict:
+    """verl's trainer side: every rank drains a generator of whole (gathered) tensors."""
+    import torch.distributed as dist
+
+    drained = []
+
+    def gathered():
+        for name, t in full_model(11).items():
+            drained.append(name)
+            yield name, t.clone()
+
+    with ParamStore(root) as store:
+        v = store.commit(5, gathered(), group=dist.group.WORLD, dtype=torch.bfloat16).result(timeout=60)
+    return {"digest": v.digest, "drained": len(drained)}
+
+
+# -- tests -------------------------------------------------------------------------------------
+def _data_bytes(root: str) -> int:
+    """Bytes of tensor data in every object file (headers left out)."""
+    total = 0
+    for d, _, files in os.walk(os.path.join(root, "objects")):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+            total += os.path.getsize(os.path.join(d, f)) - 8 - n
+    return total
+
+
+def test_four_ranks_commit_one_version_each_storing_its_blocks(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    got = run_ranks(4, _commit, root, 1, 1)
+    assert len({r["digest"] for r in got.values()}) == 1  # every rank's future: the same version
+    assert all(r["step"] == 1 and r["tags"] == ["last"] for r in got.values())
+    assert {r["metrics"]["loss"] for r in got.values()} == {0.5}  # the lead's metrics
+
+    with ParamStore(root) as store:
+        assert [v.step for v in store.versions()] == [1]
+        man = store.manifest(1)
+        chunks = {n: len(e.chunks) for n, e in man.tensors.items()}
+        assert chunks == {"embed.weight": 4, "layer.0.wq": 4, "layer.0.uneven": 4, "layer.0.tiny": 3,
+                          "layer.0.norm": 0, "layer.1.grid": 4, "layer.1.rows": 2, "layer.1.same_dim": 4,
+                          "step_count": 0, "rope.inv_freq": 0}
+        assert [c.sizes for c in man.tensors["layer.0.uneven"].chunks] == [(2, 5), (2, 5), (2, 5), (1, 5)]
+        model = full_model(1)
+        assert store.get(1).nbytes == sum(t.nbytes for t in model.values())
+    # Each block stored once: replicated blocks and plain tensors by one rank only, not 4 times.
+    assert _data_bytes(root) == sum(t.nbytes for t in model.values())
+    # Read back whole in another process, bit for bit.
+    run_ranks(1, _checkout_whole, root, 1, 1, 4)
+
+
+def test_the_same_weights_and_layout_give_the_same_digest_and_dedup(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    first = run_ranks(2, _commit, root, 1, 4)[0]["digest"]
+    stored = _data_bytes(root)
+    second = run_ranks(2, _commit, root, 2, 4)[0]["digest"]
+    assert first == second
+    assert _data_bytes(root) == stored  # nothing stored again
+    with ParamStore(root) as store:
+        assert store.get(1).digest == store.get(2).digest
+
+
+def test_a_rank_killed_mid_commit_leaves_no_version_and_gc_reclaims_its_space(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    got = run_ranks(3, _killed_mid_commit, root, allow_missing=(2,), timeout=90)
+    assert sorted(got) == [0, 1]
+    for r in got.values():  # the survivors fail, quickly, saying what happened
+        assert r["error"] is not None and "lost a member" in r["error"] and "Nothing was published" in r["error"]
+        assert r["seconds"] < 30
+    with ParamStore(root) as store:
+        assert store.versions() == []
+        report = store.gc()
+        assert report.temporary_files  # the killed rank's slabs
+        assert report.objects  # the survivors' objects, which no version references
+    files = [f for d, _, fs in os.walk(os.path.join(root, "objects")) for f in fs]
+    assert files == [] and os.listdir(os.path.join(root, "tmp")) == []
+    # The next group commits the step that failed, normally.
+    again = run_ranks(3, _commit, root, 1, 7)
+    assert len({r["digest"] for r in again.values()}) == 1
+
+
+def test_ranks_that_commit_different_names_fail_together(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    got = run_ranks(2, _disagree, root)
+    assert got[0] == got[1] != "published"
+    assert "'extra'" in got[0] and "same names" in got[0]
+    with ParamStore(root, create=False) as store:
+        assert store.versions() == []
+
+
+def test_a_partial_placement_is_refused_with_what_to_do(shm_dir):
+    got = run_ranks(2, _partial, os.path.join(shm_dir, "store"))
+    assert all("Partial" in m and "redistribute" in m for m in got.values())
+
+
+def test_plain_tensors_streamed_by_a_group_are_written_once(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    got = run_ranks(2, _stream_with_group, root)
+    assert got[0]["digest"] == got[1]["digest"]
+    assert got[0]["drained"] == got[1]["drained"] == len(LAYOUT) + len(PLAIN)  # every rank drains it
+    want = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in full_model(11).items()}
+    assert _data_bytes(root) == sum(t.nbytes for t in want.values())
+    with ParamStore(root) as store, store.checkout(5) as snap:
+        for n, t in want.items():
+            assert_bits_equal(snap[n], t, n)
+
+
+def test_ranks_on_two_hosts_commit_one_version_a_third_host_checks_out(shm_dir, redis_url):
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
+    import threading
+
+    name = f"sharded-{uuid.uuid4().hex[:8]}"
+    hosts = [os.path.join(shm_dir, f"host{i}", "store") for i in range(3)]
+    for h in hosts:
+        os.makedirs(os.path.dirname(h))
+    result: dict = {}
+
+    def trainer() -> None:
+        try:
+            result["ranks"] = run_ranks(2, _commit_on_own_host, hosts, redis_url, name, timeout=120)
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with ParamStore(hosts[2], registry=redis_url, name=name) as probe:
+                if probe.latest() is not None:
+                    break
+            time.sleep(0.2)
+        got = run_ranks(1, _checkout_whole, hosts[2], 1, 2, 2, redis_url, name)[0]
+    finally:
+        for h in hosts[:2]:
+            open(os.path.join(os.path.dirname(h), "done"), "w").close()
+        t.join(60)
+    assert "error" not in result, result.get("error")
+    assert len({r["digest"] for r in result["ranks"].values()}) == 1
+    assert got["from_peers"] >= 2  # blocks of both hosts came over the transfer engine
+    with ParamStore(hosts[0], registry=redis_url, name=name) as store:
+        # each host stored its own blocks only
+        objects = store.manifest(1).objects()
+    assert all(_has_some(h, objects) for h in hosts[:2])
+
+
+def _commit_on_own_host(rank: int, world: int, hosts: list[str], registry: str, name: str) -> dict:
+    return _commit(rank, world, hosts[rank], 1, 2, registry, name)
+
+
+def _has_some(root: str, objects: set[str]) -> bool:
+    files = {f.split(".")[0] for d, _, fs in os.walk(os.path.join(root, "objects")) for f in fs}
+    return bool(files & objects) and not objects <= files
+
+
+def test_a_streaming_commit_holds_at_most_a_couple_of_tensors(store):
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def weights(seed: int):
+        nonlocal most
+        for i in range(12):
+            t = torch.full((256, 64), float(i + seed))  # fresh each time, like a gathered tensor
+            alive.append(weakref.ref(t))
+            most = max(most, sum(r() is not None for r in alive))
+            yield f"layer.{i}.weight", t
+            del t
+
+    v1 = store.commit(1, weights(0), dtype=torch.bfloat16).result()
+    assert most <= 2, most
+    assert v1.nbytes == 12 * 256 * 64 * 2  # cast to bf16 while copying
+    v2 = store.commit(2, weights(100), dtype=torch.bfloat16).result()  # step 1's layout: one shard
+    with store.checkout(2) as snap:
+        for i in range(12):
+            assert torch.equal(snap[f"layer.{i}.weight"].float(), torch.full((256, 64), float(i + 100)))
+        assert len(snap.manifest.objects()) == 1
+    with store.checkout(1) as snap:
+        assert snap["layer.3.weight"].dtype == torch.bfloat16
+        assert torch.equal(snap["layer.3.weight"].float(), torch.full((256, 64), 3.0))
+    assert most <= 2, most
