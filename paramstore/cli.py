@@ -139,20 +139,25 @@ def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
+    """A version and one line per name: dtype, global shape, size, digest, and for a tensor committed
+    sharded its chunk count (the manifest's format says whether it holds any: 2, or 1)."""
     v = store.get(args.version)
     man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
+    chunked = sum(1 for e in man.tensors.values() if e.chunks)
     lines = [
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
         f"size       {_human(v.nbytes)} in {len(man.tensors)} tensors, {len(man.aliases)} aliases, "
         f"{len(man.objects())} objects",
+        f"format     {out['manifest']['format']} ({f'{chunked} tensors chunked' if chunked else 'every tensor whole'})",
         f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
         f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
     ]
     for n in man.names():
         e = man.entry(n)
+        chunks = f"  {len(e.chunks)} chunks" if e.chunks else ""
         alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
-        lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{alias}")
+        lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{chunks}{alias}")
     return out, "\n".join(lines), 0
 
 
@@ -164,7 +169,8 @@ def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     for c in r["changed"]:
         detail = f"max|Δ|={c['max_abs_diff']:.6g}" if "max_abs_diff" in c else \
             (f"{c['from']} -> {c['to']}" if "from" in c else "")
-        lines.append(f"~ {c['name']}  {_human(c['nbytes'])}  {detail}")
+        relayout = "  (chunk layout changed)" if c.get("relayout") else ""
+        lines.append(f"~ {c['name']}  {_human(c['nbytes'])}  {detail}{relayout}".rstrip())
     return r, "\n".join(lines), 0
 
 

@@ -1,8 +1,13 @@
 """Export a version in the Hugging Face layout: safetensors shards plus ``model.safetensors.index.json``.
 
 The result loads with ``safetensors.torch.load_file`` (each shard) and with ``transformers``'
-``from_pretrained(dir)``. Bytes are streamed from the store's objects into the shards: no torch, no
-full copy in memory. Each file is written under a temporary name and renamed into place.
+``from_pretrained(dir)``. Bytes are streamed from the store's objects into the shards: no full copy
+in memory. Each file is written under a temporary name and renamed into place.
+
+A chunked tensor (a sharded commit: each rank stored its own block) is exported whole: its range of
+the shard file is mapped and each chunk is copied into its box there (:func:`place_chunk`), so no
+tensor is ever assembled in memory. Only then is torch imported; a version without chunked tensors
+is exported without it.
 
 Tied weights (names that shared one storage at commit: the manifest's aliases) are written once,
 under the name the store keeps for the group (the smallest name), and only that name is in the
@@ -20,14 +25,18 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Iterable
+from typing import IO, TYPE_CHECKING, Any, Iterable, Mapping
 
 from .errors import InvalidArgumentError, ObjectUnavailableError
-from .format import TensorSpec, layout
+from .format import ITEMSIZE, TensorSpec, layout
+from .manifest import Chunk, TensorEntry
 from .progress import progress
 from .root import StoreRoot
 
-__all__ = ["export", "map_objects", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["export", "map_objects", "place_chunk", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_EXPORT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
@@ -88,13 +97,16 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
             for fname, group in zip(files, shards):
                 plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group])
                 tmp = os.path.join(directory, fname + ".partial")
-                with open(tmp, "wb") as f:
+                with open(tmp, "w+b") as f:  # readable too: a chunked tensor is assembled in a mapping of it
                     f.write(plan.header)
                     for p in plan.placements:
                         n = p.spec.name
                         e = man.entry(n)
-                        with memoryview(maps[e.object]) as mv:
-                            f.write(mv[e.offset : e.offset + e.nbytes])
+                        if e.chunks:
+                            _write_chunked(f, e, maps)
+                        else:
+                            with memoryview(maps[e.object]) as mv:
+                                f.write(mv[e.offset : e.offset + e.nbytes])
                         bar.update(e.nbytes)
                         weight_map[n] = fname
                     f.flush()
@@ -116,15 +128,65 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
             "total_size": index["metadata"]["total_size"]}
 
 
-def map_objects(root: StoreRoot, step: int, objects: Iterable[str]) -> dict[str, mmap.mmap]:
-    """Read-only maps of the objects of version ``step`` (the caller holds a lease and closes them).
+def _write_chunked(f: IO[bytes], entry: TensorEntry, maps: Mapping[str, mmap.mmap]) -> None:
+    """Write the chunked tensor ``entry`` whole at the position of ``f`` (left just past it).
 
-    Raises ObjectUnavailableError, naming what to do, if one is missing from this host.
+    The file is extended over the tensor's range, that range is mapped, and each chunk is copied
+    from its object's map into its box there: the tensor is never assembled in memory.
+    """
+    import torch
+
+    f.flush()
+    pos = f.tell()
+    end = pos + entry.nbytes
+    f.truncate(end)
+    start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page boundary
+    with mmap.mmap(f.fileno(), end - start, offset=start) as out:
+        whole = torch.frombuffer(out, dtype=torch.uint8)[pos - start :]
+        for c in entry.chunks:
+            src = torch.frombuffer(maps[c.object], dtype=torch.uint8, offset=c.offset, count=c.nbytes)
+            place_chunk(whole, entry, c, src)
+        out.flush()
+    f.seek(end)
+
+
+def place_chunk(whole: "torch.Tensor", entry: TensorEntry, chunk: Chunk, data: "torch.Tensor") -> None:
+    """Copy ``data``, the bytes of ``chunk`` (uint8, dense C order), into its box of ``whole``, the
+    bytes of the tensor ``entry`` (uint8, dense C order, ``entry.nbytes`` of them).
+
+    The copy works on bytes (the last dimension counted in bytes), so any dtype is copied as it is
+    stored, bit for bit: ``whole[box].copy_(data)`` through views of both, one strided copy.
+
+    Example:
+        >>> from paramstore.manifest import Chunk, TensorEntry
+        >>> e = TensorEntry("U8", (2, 4), "", "", 0, 8)
+        >>> whole = torch.zeros(8, dtype=torch.uint8)
+        >>> place_chunk(whole, e, Chunk((0, 2), (2, 2), "", "", 0, 4), torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        >>> whole.view(2, 4).tolist()
+        [[0, 0, 1, 2], [0, 0, 3, 4]]
+    """
+    item = ITEMSIZE[entry.dtype]
+    box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets[:-1], chunk.sizes[:-1]))
+    last = slice(chunk.offsets[-1] * item, (chunk.offsets[-1] + chunk.sizes[-1]) * item)
+    _rows(whole, entry.shape, item)[(*box, last)].copy_(_rows(data, chunk.sizes, item))
+
+
+def _rows(data: "torch.Tensor", shape: tuple[int, ...], item: int) -> "torch.Tensor":
+    """The bytes ``data`` of a tensor of ``shape`` viewed as that shape, its last dimension in bytes."""
+    return data.view(*shape[:-1], shape[-1] * item)
+
+
+def map_objects(root: StoreRoot, step: int, objects: Iterable[str]) -> dict[str, mmap.mmap]:
+    """Maps of the objects of version ``step`` (the caller holds a lease and closes them).
+
+    Copy-on-write, never written: writable, so torch can view them (a chunk's bytes), and the
+    store's pages are shared. Raises ObjectUnavailableError, naming what to do, if one is missing
+    from this host.
     """
     maps: dict[str, mmap.mmap] = {}
     try:
         for o in sorted(objects):
-            maps[o] = root.tier.map(o)
+            maps[o] = root.tier.map(o, private=True)
     except FileNotFoundError:
         for m in maps.values():
             m.close()

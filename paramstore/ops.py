@@ -33,15 +33,18 @@ from .errors import (
     VersionNotFoundError,
 )
 from .format import rehash
-from .manifest import Manifest, Version
+from .manifest import Chunk, Manifest, TensorEntry, Version
 from .progress import progress
 from .root import StoreRoot
 
 if TYPE_CHECKING:
+    import torch
+
     from .checkout import Fetcher
+    from .snapshot import Snapshot
 
 __all__ = ["verify", "repair", "quarantine", "remove_version", "read_manifest", "check_buffer", "du", "diff",
-           "hash_object"]
+           "hash_object", "piece_name"]
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
@@ -70,7 +73,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     """Rehash the objects of the given versions (all when None) and check every manifest entry.
 
     Reports ``corrupt`` objects (bytes do not match the name, or a tensor's digest differs from its
-    manifest), ``missing`` objects, and, for a whole-store check, ``orphans`` (objects no version
+    manifest; for a chunked tensor, each chunk's against its own digest), ``missing`` objects, and, for a whole-store check, ``orphans`` (objects no version
     references) and ``leftovers`` (files in ``tmp/``: an in-flight commit's, or a crash's).
     ``ok`` is False when anything is corrupt or missing. ``unreadable_manifests`` (step -> why)
     lists versions whose manifest cannot be parsed (damaged registry). ``advice`` says what to run
@@ -83,7 +86,8 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     whole = steps is None
     reg = root.registry
     wanted = [v.step for v in reg.versions()] if whole else list(steps)
-    # object -> [(step, name, span, digest)], and each object's hash result, computed once
+    # object -> [(step, name, span, digest)] (per chunk of a chunked tensor), and each object's hash
+    # result, computed once
     refs: dict[str, list[tuple[int, str, tuple[int, int], str]]] = {}
     results: dict[str, tuple[str, dict[tuple[int, int], str]] | str | None] = {}  # None: missing
     selected: list[int] = []
@@ -101,10 +105,12 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                     unreadable[s] = str(e)
                     continue
                 for name, e in manifest.tensors.items():
-                    refs.setdefault(e.object, []).append((s, name, (e.offset, e.offset + e.nbytes), e.digest))
-                    if e.object not in results:
-                        results[e.object] = _hash_or_why(root, e.object)
-                        bar.update(sizes.get(e.object, 0))
+                    for c in e.pieces():
+                        refs.setdefault(c.object, []).append(
+                            (s, piece_name(name, e, c), (c.offset, c.offset + c.nbytes), c.digest))
+                        if c.object not in results:
+                            results[c.object] = _hash_or_why(root, c.object)
+                            bar.update(sizes.get(c.object, 0))
     corrupt: dict[str, str] = {}
     missing = sorted(o for o, r in results.items() if r is None)
     for obj, r in sorted(results.items()):
@@ -147,6 +153,21 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                 "versions you expect are missing, the store's metadata may have been lost or replaced; do not run "
                 "gc (it would delete them) before restoring the versions from the remote (paramstore pull)")]))
     return report
+
+
+def piece_name(name: str, entry: TensorEntry, chunk: Chunk) -> str:
+    """How reports name a piece of tensor ``name``: the name itself for a tensor stored whole, the
+    name and the chunk's box for a chunk (``w[2:4, 0:3]``).
+
+    Example:
+        >>> from paramstore.manifest import Chunk, TensorEntry
+        >>> e = TensorEntry("F32", (4, 3), "", "", 0, 48, (Chunk((2, 0), (2, 3), "", "", 0, 24),))
+        >>> piece_name("w", e, e.chunks[0])
+        'w[2:4, 0:3]'
+    """
+    if not entry.chunks:
+        return name
+    return f"{name}[{', '.join(f'{o}:{o + n}' for o, n in zip(chunk.offsets, chunk.sizes))}]"
 
 
 def _objects_of(root: StoreRoot, step: int) -> set[str]:
@@ -384,7 +405,13 @@ def diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     ``max_abs_diff`` is given for changed tensors of the same dtype and shape (floating or integer).
     Every name is listed, tied names (aliases) included, but ``changed_bytes`` and ``added_bytes``
     count the bytes of each distinct tensor digest once: a tied embedding and output projection
-    are one tensor, stored and moved once.
+    are one tensor, stored and moved once. ``nbytes`` is a whole tensor's, chunked or not.
+
+    Tensors are compared by digest, and a chunked tensor's digest covers its layout (each chunk's
+    box and digest). So a tensor whose layout changed (stored whole in one version and chunked in
+    the other, or chunked another way) is listed as changed even when its values are equal; such an
+    item (of the same dtype and shape) has ``relayout: True``, and then a ``max_abs_diff`` of 0 says
+    the values are equal.
     """
     with root.leased(sorted({a, b})):
         return _diff(root, a, b)
@@ -399,9 +426,10 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     va, vb = reg.get_version(a), reg.get_version(b)
     ma, mb = reg.get_manifest(a), reg.get_manifest(b)
     na, nb = set(ma.names()), set(mb.names())
+    (pa, ka), (pb, kb) = _by_piece(ma), _by_piece(mb)
     changed = []
-    try:
-        sa, sb = Snapshot(va, ma, root.tier), Snapshot(vb, mb, root.tier)
+    try:  # maps (and checks the size of) every object, those holding chunks included
+        sa, sb = Snapshot(va, pa, root.tier), Snapshot(vb, pb, root.tier)
     except FileNotFoundError as e:
         raise ObjectUnavailableError(f"version {a} or {b} references an object missing from this host "
                                      f"({e.filename}): check it out first (it fetches from peers or the remote), "
@@ -415,8 +443,13 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
             if ea.dtype != eb.dtype or ea.shape != eb.shape:
                 item["from"] = {"dtype": ea.dtype, "shape": list(ea.shape)}
                 item["to"] = {"dtype": eb.dtype, "shape": list(eb.shape)}
-            elif eb.dtype != "BOOL" and eb.nbytes:
-                ta, tb = sa[name], sb[name]
+                changed.append(item)
+                continue
+            if _boxes(ea) != _boxes(eb):  # the digests differ by layout: the values may be equal (docstring)
+                item["relayout"] = True
+            if eb.dtype != "BOOL" and eb.nbytes:
+                ta = _whole(sa, ea, ka[ma.aliases.get(name, name)])
+                tb = _whole(sb, eb, kb[mb.aliases.get(name, name)])
                 work = torch.complex128 if ta.is_complex() else torch.float64
                 item["max_abs_diff"] = float((tb.to(work) - ta.to(work)).abs().max())
             changed.append(item)
@@ -433,3 +466,43 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
         "digest_from": va.digest,
         "digest_to": vb.digest,
     }
+
+
+def _boxes(entry: TensorEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The layout of a tensor: the box (offsets, sizes) of each of its pieces."""
+    return [(c.offsets, c.sizes) for c in entry.pieces()]
+
+
+def _by_piece(manifest: Manifest) -> tuple[Manifest, dict[str, list[str]]]:
+    """``manifest`` with every piece of every tensor (the tensor stored whole, or each chunk) as a
+    tensor of bytes of its own, so that a :class:`~paramstore.snapshot.Snapshot` of it maps and
+    checks each object, and views each piece in place; and, per tensor name, the names of its
+    pieces there (:func:`piece_name`, made unique with NUL characters, which no tensor name holds)."""
+    tensors: dict[str, TensorEntry] = {}
+    keys: dict[str, list[str]] = {}
+    for name, e in manifest.tensors.items():
+        for c in e.pieces():
+            key = piece_name(name, e, c)
+            while key in tensors or (key != name and key in manifest.tensors):
+                key += "\0"
+            tensors[key] = TensorEntry("U8", (c.nbytes,), c.digest, c.object, c.offset, c.nbytes)
+            keys.setdefault(name, []).append(key)
+    return Manifest(tensors), keys
+
+
+def _whole(snap: "Snapshot", entry: TensorEntry, keys: list[str]) -> "torch.Tensor":
+    """Tensor ``entry`` read through ``snap`` (a snapshot of :func:`_by_piece`'s manifest; ``keys``:
+    its pieces' names there): a view of the store's bytes, or for a chunked tensor a copy
+    assembled from its chunks (one tensor at a time)."""
+    import torch
+
+    from .export import place_chunk
+    from .tensors import ST_TO_TORCH
+
+    if entry.chunks:
+        data = torch.empty(entry.nbytes, dtype=torch.uint8)
+        for c, k in zip(entry.chunks, keys):
+            place_chunk(data, entry, c, snap[k])
+    else:
+        data = snap[keys[0]]
+    return data.view(ST_TO_TORCH[entry.dtype]).view(entry.shape)

@@ -83,6 +83,9 @@ class Persister:
         on_persisted: called (on the push thread) with each version once it is durable remotely.
         on_released: called (no arguments) when the uploader lets go of a version that is not the
             newest local one, so that local retention may prune it.
+        gather: called with a step before it is pushed, to make every object of the version
+            present in the local tier (a sharded version committed on several hosts has blocks
+            elsewhere: the store fetches them from its peers). An error fails that upload.
 
     Raises:
         InvalidArgumentError: ``backlog`` is not an int >= 1.
@@ -91,7 +94,9 @@ class Persister:
     def __init__(self, root: StoreRoot, remote: Remote, *, retry_for: float = 900.0,
                  backlog: int = DEFAULT_BACKLOG, resume: bool = True,
                  on_persisted: Callable[[Version], None] | None = None,
-                 on_released: Callable[[], None] | None = None) -> None:
+                 on_released: Callable[[], None] | None = None,
+                 gather: Callable[[int], object] | None = None) -> None:
+        self._gather = gather  # makes a version's objects present here first (blocks on other hosts)
         self._root = root
         self._remote = remote
         self._retry_for = retry_for
@@ -197,6 +202,8 @@ class Persister:
                     return
                 upload = self._waiting.popleft()
             try:
+                if self._gather is not None:
+                    self._gather(upload.step)
                 self._remote.push(self._root, upload.step, show_progress=False)
                 version = self._root.registry.get_version(upload.step)
             except RemoteError as e:

@@ -45,8 +45,9 @@ from .errors import (
     CorruptObjectError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
 from .format import rehash, tensor_digest
-from .manifest import Manifest, TensorEntry, Version, check_manifest
+from .manifest import Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
+from .ops import piece_name
 from .progress import progress
 from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
@@ -269,10 +270,11 @@ class Remote:
         Nothing the remote says is trusted: the record and the manifest are checked against each
         other and against the version digest before anything is downloaded (see
         :meth:`get_manifest`). Objects the local tier already holds are not downloaded. Each
-        downloaded object is re-hashed, and each tensor the manifest places in it checked, before it
-        is renamed into place; one whose bytes do not match raises CorruptObjectError and is never
-        placed. The manifest's tensors in objects already here are checked too before the version is
-        registered (a manifest that misplaces a tensor would poison the tensor index). Idempotent.
+        downloaded object is re-hashed, and each tensor the manifest places in it (each chunk of a
+        chunked tensor) checked, before it is renamed into place; one whose bytes do not match raises
+        CorruptObjectError and is never placed. The manifest's tensors in objects already here are
+        checked too before the version is registered (a manifest that misplaces a tensor would poison
+        the tensor index). Idempotent.
         """
         t0 = time.monotonic()
         record, manifest = self._record(step), self.get_manifest(step)
@@ -311,7 +313,7 @@ class Remote:
     def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None,
                manifest: Manifest | None = None) -> list[str]:
         """Download, verify and place the ``objects`` (digest -> size) the local tier lacks; with
-        ``manifest``, also check the tensors it places in each one before placing it."""
+        ``manifest``, also check the tensors (chunks) it places in each one before placing it."""
         check_digests(objects)  # (validated by _record already: never a path)
         todo = sorted((o for o in objects if not root.tier.exists(o)), key=lambda o: -objects[o])
         entries = _entries_by_object(manifest)
@@ -344,10 +346,10 @@ class Remote:
         return tmp
 
     def _verify_and_place(self, root: StoreRoot, digest: str, tmp: str, size: int,
-                          entries: list[tuple[str, TensorEntry]]) -> None:
+                          entries: list[tuple[str, Chunk]]) -> None:
         """Place the downloaded file ``tmp`` as object ``digest`` if its bytes hash to that name, it
-        has ``size`` bytes and each of ``entries`` (the manifest's tensors in it) lies where it
-        says; else CorruptObjectError, and ``tmp`` is removed."""
+        has ``size`` bytes and each of ``entries`` (the manifest's pieces in it: tensors stored
+        whole, chunks) lies where it says; else CorruptObjectError, and ``tmp`` is removed."""
         try:
             with _mapped(tmp) as buf:
                 try:
@@ -368,20 +370,21 @@ class Remote:
 
     def _check_local(self, root: StoreRoot, step: int, manifest: Manifest, sizes: Mapping[str, int], *,
                      skip: set[str]) -> None:
-        """CorruptObjectError unless each tensor the pulled ``manifest`` places in an object this host
-        already held (those not in ``skip``, the ones just downloaded and checked) lies there: the
-        object has its recorded size and the bytes hash to the tensor's digest. Tensors the local
-        index already locates at the very same place are not hashed again."""
+        """CorruptObjectError unless each tensor (each chunk of a chunked tensor) the pulled
+        ``manifest`` places in an object this host already held (those not in ``skip``, the ones just
+        downloaded and checked) lies there: the object has its recorded size and the bytes hash to
+        the piece's digest. Pieces the local index already locates at the very same place are not
+        hashed again."""
         entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
         if not entries:
             return
-        known = root.registry.locate_tensors(list(dict.fromkeys(e.digest for es in entries.values() for _, e in es)))
+        known = root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values() for _, c in es)))
         where = f"{self.url}/{_manifest_key(step)}"
         for o, es in entries.items():
             if root.tier.size(o) != sizes[o]:
                 raise CorruptObjectError(f"{where}: object {o} is {root.tier.size(o)} bytes here; the record "
                                          f"says {sizes[o]}")
-            todo = [(n, e) for n, e in es if known.get(e.digest) != (o, e.offset, e.nbytes)]
+            todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
             if todo:
                 with root.tier.map(o) as m, memoryview(m) as buf:
                     _check_entries(buf, todo, None, f"{where}, object {o}")
@@ -633,41 +636,45 @@ def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
     return _Record(version, dict(objects))
 
 
-def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, TensorEntry]]]:
-    """The manifest's tensors (name, entry) grouped by the object that holds them."""
-    out: dict[str, list[tuple[str, TensorEntry]]] = {}
+def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, Chunk]]]:
+    """The manifest's pieces (a tensor stored whole, or each chunk of a chunked one) grouped by the
+    object that holds them, each with its name for messages (:func:`~paramstore.ops.piece_name`)."""
+    out: dict[str, list[tuple[str, Chunk]]] = {}
     for name, e in manifest.tensors.items() if manifest is not None else ():
-        out.setdefault(e.object, []).append((name, e))
+        for c in e.pieces():
+            out.setdefault(c.object, []).append((piece_name(name, e, c), c))
     return out
 
 
-def _check_entries(buf: memoryview, entries: list[tuple[str, TensorEntry]],
+def _check_entries(buf: memoryview, entries: list[tuple[str, Chunk]],
                    spans: Mapping[tuple[int, int], str] | None, where: str) -> None:
-    """CorruptObjectError unless the bytes each entry names in the object ``buf`` hash to its tensor
-    digest. ``spans``: the object's tensor digests by (begin, end) when already computed (a
-    rehash); other ranges are hashed here."""
-    for name, e in entries:
-        begin, end = e.offset, e.offset + e.nbytes
+    """CorruptObjectError unless the bytes each piece (see :func:`_entries_by_object`) names in the
+    object ``buf`` hash to its digest. ``spans``: the object's tensor digests by (begin, end) when
+    already computed (a rehash); other ranges are hashed here."""
+    for name, c in entries:
+        begin, end = c.offset, c.offset + c.nbytes
         got = spans.get((begin, end)) if spans is not None else None
         if got is None:
             if end > len(buf):
                 raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
             got = tensor_digest(buf[begin:end])
-        if got != e.digest:
+        if got != c.digest:
             raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "
-                                     f"{got[:16]}…, its manifest says {e.digest[:16]}…: a tampered manifest")
+                                     f"{got[:16]}…, its manifest says {c.digest[:16]}…: a tampered manifest")
 
 
 def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:
     """Registry entries for a pulled version: each object's tensors in file order, and the index.
 
-    Spans are keyed by (start, end): an empty tensor starts where the next one does, and sorts
-    before it (as the commit laid them out); entries naming the same span are one tensor.
+    Each piece is one tensor of its object (a tensor stored whole, or a chunk: the index locates a
+    chunk by its own digest, never a chunked tensor's, which is no digest of bytes). Spans are keyed
+    by (start, end): an empty tensor starts where the next one does, and sorts before it (as the
+    commit laid them out); pieces naming the same span are one tensor.
     """
     spans: dict[str, dict[tuple[int, int], str]] = {o: {} for o in sizes}
     tensors: dict[str, TensorLocation] = {}
-    for e in manifest.tensors.values():
-        spans[e.object][(e.offset, e.offset + e.nbytes)] = e.digest
-        tensors[e.digest] = TensorLocation(e.object, e.offset, e.nbytes)
+    for c in (c for e in manifest.tensors.values() for c in e.pieces()):
+        spans[c.object][(c.offset, c.offset + c.nbytes)] = c.digest
+        tensors[c.digest] = TensorLocation(c.object, c.offset, c.nbytes)
     objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}
     return objects, tensors

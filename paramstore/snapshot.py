@@ -15,6 +15,13 @@ yields a short tensor view (a bare torch RuntimeError) or a SIGBUS on first touc
 *while* mapped still raises SIGBUS in its readers: published objects are never written, so only
 something outside paramstore can do that.) The bytes themselves are not re-hashed — that would cost a
 read of every byte — unless asked for: :meth:`Snapshot.verify`, or ``store.checkout(v, verify=True)``.
+
+A *chunked* tensor (committed by several ranks, each storing its own block: see
+:mod:`paramstore.manifest`) has no single view. ``snap[name]`` assembles it once into a fresh CPU
+tensor (cached like a view); :meth:`Snapshot.read` copies any box of a tensor, of either form,
+touching only the chunks that intersect it; and :meth:`Snapshot.load_into` loads a module whose
+parameters are DTensors block by block, each rank reading only its own block, whatever layout the
+version was committed in (a resharded checkout).
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
+import sys
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .errors import CorruptObjectError, LoadError, StoreClosedError
+from .errors import CorruptObjectError, InvalidArgumentError, LoadError, StoreClosedError
 from .liveness import libc
-from .manifest import Manifest, Version
+from .manifest import Chunk, Manifest, TensorEntry, Version
 from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
@@ -52,7 +60,8 @@ class LoadResult(NamedTuple):
 class Snapshot(Mapping[str, torch.Tensor]):
     """A checked-out version: a mapping of names to tensors (the mapping itself is immutable).
 
-    Tensors are views of the store's shared memory (CPU). Names tied at commit time return the very
+    Tensors are views of the store's shared memory (CPU); a chunked tensor is assembled once into a
+    fresh CPU tensor (:meth:`read` copies part of one). Names tied at commit time return the very
     same tensor. The snapshot holds a lease on its version: the version is not pruned until the
     snapshot is closed (or garbage collected, or its process dies). Close it, or use it as a context
     manager, when done; tensors already taken stay valid after close.
@@ -125,14 +134,79 @@ class Snapshot(Mapping[str, torch.Tensor]):
         target = self.manifest.aliases.get(name, name)
         view = self._views.get(target)
         if view is None:
-            try:
-                e = self.manifest.tensors[target]
-            except KeyError:
-                raise KeyError(f"no tensor {name!r} in version {self.version.step}") from None
-            buf = self._bufs[e.object]
-            view = buf[e.offset : e.offset + e.nbytes].view(ST_TO_TORCH[e.dtype]).view(e.shape)
+            e = self._entry(name)
+            if e.chunks:  # no single view: assemble the whole tensor, once
+                view = self.read(target, (0,) * len(e.shape), e.shape)
+            else:
+                view = self._piece(e, e.pieces()[0])
             self._views[target] = view
         return view
+
+    def read(self, name: str, offsets: Sequence[int], sizes: Sequence[int],
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the box ``[offsets, offsets + sizes)`` of tensor ``name`` into ``out``, and return it.
+
+        Only the box is copied, whether the tensor is stored whole or in chunks (a sharded
+        commit): each chunk that intersects the box gives its intersection, straight from the
+        store's pages; the whole tensor is never materialized. This is how a rank loads just its
+        own block of a version committed in another layout (:meth:`load_into` uses it).
+
+        Args:
+            name: a tensor name (or an alias).
+            offsets: where the box starts, one int per dimension.
+            sizes: the box's extent, one int per dimension (0 gives an empty box).
+            out: the destination, of shape ``sizes``; a new CPU tensor of the stored dtype if
+                None. Copied into with ``copy_`` semantics: another dtype is cast to, another
+                device is copied to.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            KeyError: no such tensor.
+            InvalidArgumentError: ``offsets`` or ``sizes`` do not have one int >= 0 per
+                dimension, the box does not lie in the tensor, or ``out`` is not of shape ``sizes``.
+
+        Example:
+            >>> with store.checkout("latest") as snap:
+            ...     rows = snap.read("0.weight", (2, 0), (3, 4))  # rows 2..4 of the (8, 4) weight
+            ...     out = torch.zeros(3, 2, dtype=torch.float64)
+            ...     cols = snap.read("0.weight", (0, 1), (3, 2), out=out)  # cast into out
+            >>> torch.equal(rows, model[0].weight[2:5]), cols is out
+            (True, True)
+            >>> torch.equal(cols, model[0].weight[:3, 1:3].double())
+            True
+        """
+        e = self._entry(name)
+        lo, n = _check_box(name, e.shape, offsets, sizes)
+        if out is None:
+            out = torch.empty(n, dtype=ST_TO_TORCH[e.dtype])
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != n:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InvalidArgumentError(f"read({name!r}): out is {got}, the box is of shape {n}")
+        for c in e.pieces():
+            start = [max(a, b) for a, b in zip(lo, c.offsets)]
+            stop = [min(a + s, b + t) for a, s, b, t in zip(lo, n, c.offsets, c.sizes)]
+            if any(a >= b for a, b in zip(start, stop)):
+                continue  # this piece lies outside the box
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, c.offsets))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, lo))
+            out[dst].copy_(self._piece(e, c)[src])
+        return out
+
+    def _entry(self, name: str) -> TensorEntry:
+        """The manifest entry of ``name`` (following an alias); StoreClosedError, KeyError."""
+        if self._bufs is None:
+            raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        try:
+            return self.manifest.entry(name)
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in version {self.version.step}") from None
+
+    def _piece(self, e: TensorEntry, c: Chunk) -> torch.Tensor:
+        """A zero-copy view of piece ``c`` of entry ``e`` (shape ``c.sizes``)."""
+        assert self._bufs is not None
+        return self._bufs[c.object][c.offset : c.offset + c.nbytes].view(ST_TO_TORCH[e.dtype]).view(c.sizes)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.manifest.names())
@@ -167,8 +241,19 @@ class Snapshot(Mapping[str, torch.Tensor]):
     def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> LoadResult:
         """Copy this version into ``module``'s parameters and buffers, in place.
 
-        Tied parameters are handled (the shared storage is written once per name, same bytes).
-        Tensors are copied to each parameter's own device and dtype.
+        The names are those of ``module.state_dict()``, with ``load_state_dict``'s rules: names
+        missing from the version, and names of the version the module lacks, are reported (and
+        raise with ``strict``); a shape that differs always raises. Everything is checked before
+        any byte is copied. Each tensor is copied straight from the store's pages into the
+        module's own tensor (:meth:`read`), cast to its dtype and moved to its device. Tied
+        parameters stay tied (their storage is written once).
+
+        A parameter or buffer that is a DTensor is loaded block by block: each rank copies only its
+        own block (from its mesh and placements, ``Shard`` and ``Replicate`` on any mesh), from
+        whichever chunks of the version hold it, into the DTensor's local tensor. No collective
+        runs and no rank reads a whole tensor, so a version committed by 8 ranks loads into 2, or
+        into a plain module, and the other way round. Each rank calls ``load_into`` on its own
+        snapshot of the same version, on its own time (no rank waits for another).
 
         Args:
             module: the module to load into.
@@ -178,7 +263,9 @@ class Snapshot(Mapping[str, torch.Tensor]):
             The missing and unexpected keys.
 
         Raises:
-            LoadError (a ``RuntimeError``): names differ (with ``strict``) or shapes differ.
+            LoadError (a ``RuntimeError``): names differ (with ``strict``), shapes differ (the
+            global shape, for a DTensor), or a DTensor's placement is ``Partial`` (or
+            ``_StridedShard``: its block is not one box of the tensor).
 
         Example:
             >>> with store.checkout("latest") as snap:
@@ -190,11 +277,37 @@ class Snapshot(Mapping[str, torch.Tensor]):
             ...     snap.load_into(torch.nn.Linear(4, 8), strict=False)
             LoadResult(missing_keys=['weight', 'bias'], unexpected_keys=['0.bias', '0.weight', '2.bias', '2.weight'])
         """
-        try:
-            res = module.load_state_dict(dict(self.items()), strict=strict)
-        except RuntimeError as e:  # torch reports name and shape mismatches this way
-            raise LoadError(f"cannot load version {self.version.step} into {type(module).__name__}: {e}") from e
-        return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+        if self._bufs is None:
+            raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        with torch.no_grad():  # to_local() then aliases the DTensor's local tensor
+            own = module.state_dict(keep_vars=True)
+            missing = [k for k in own if k not in self]
+            unexpected = [k for k in self if k not in own]
+            problems = []
+            if strict and missing:
+                problems.append(f"missing keys {missing}")
+            if strict and unexpected:
+                problems.append(f"unexpected keys {unexpected}")
+            plan: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+            written: dict[int, str] = {}  # id of a module tensor -> the stored tensor copied into it
+            for key, value in own.items():
+                target = self.manifest.aliases.get(key, key)
+                if key not in self or written.get(id(value)) == target:
+                    continue  # missing, or a tied parameter already planned from the same bytes
+                written[id(value)] = target
+                try:
+                    dest = _destination(key, value, self.manifest.entry(key).shape)
+                except LoadError as e:
+                    problems.append(str(e))
+                    continue
+                if dest is not None:
+                    plan.append((key, *dest))
+            if problems:
+                raise LoadError(f"cannot load version {self.version.step} into {type(module).__name__}: "
+                                + "; ".join(problems))
+            for key, local, offsets in plan:
+                self.read(key, offsets, tuple(local.shape), out=local)
+        return LoadResult(missing, unexpected)
 
     def close(self) -> None:
         """Release the snapshot. Tensors already taken from it stay valid (they keep their mapping).
@@ -243,7 +356,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
         spans: dict[str, dict[tuple[int, int], str]] = {}
         for e in self.manifest.tensors.values():
-            spans.setdefault(e.object, {})[(e.offset, e.offset + e.nbytes)] = e.digest
+            for c in e.pieces():
+                spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
         bad: dict[str, str] = {}
         for o, m in self._maps.items():
             with memoryview(m) as mv:
@@ -253,14 +367,96 @@ class Snapshot(Mapping[str, torch.Tensor]):
         return bad
 
 
+def _is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor (without importing DTensor where nothing has: that costs ~0.6 s)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
+
+
+def _check_box(name: str, shape: tuple[int, ...], offsets: Sequence[int],
+               sizes: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` as tuples, once checked: one int >= 0 per dimension of ``shape`` each,
+    and the box inside it. Raises InvalidArgumentError."""
+    box = []
+    for what, v in (("offsets", offsets), ("sizes", sizes)):
+        try:
+            t = tuple(v)
+        except TypeError:
+            t = None
+        if t is None or len(t) != len(shape) or not all(_is_count(n) for n in t):
+            raise InvalidArgumentError(f"read({name!r}): {what} {v!r} must be {len(shape)} ints >= 0, one per "
+                                       f"dimension of its shape {list(shape)}")
+        box.append(tuple(int(n) for n in t))
+    lo, n = box
+    if any(o + k > s for o, k, s in zip(lo, n, shape)):
+        raise InvalidArgumentError(f"read({name!r}): the box at {list(lo)} of sizes {list(n)} exceeds its shape "
+                                   f"{list(shape)}")
+    return lo, n
+
+
+def _is_count(n: object) -> bool:
+    """Whether ``n`` is an int >= 0 (a bool is not; a 0-dim integer tensor or numpy int is)."""
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        return False
+    try:
+        return n.__index__() >= 0  # type: ignore[attr-defined]
+    except TypeError:
+        return False
+
+
+def _destination(key: str, value: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """Where tensor ``key`` of a version (of shape ``shape``) goes in a module whose state dict holds
+    ``value`` under that name: the tensor to copy into and the offsets of its box in the whole
+    tensor (zeros, unless ``value`` is a DTensor: then its local tensor and block). None for a
+    DTensor whose mesh this rank is not part of (it holds nothing). Raises LoadError."""
+    if not isinstance(value, torch.Tensor):
+        raise LoadError(f"{key!r} is a {type(value).__name__} in the module, not a tensor")
+    dtensor = _is_dtensor(value)
+    if tuple(value.shape) != tuple(shape):
+        whose = " (the DTensor's global shape)" if dtensor else ""
+        raise LoadError(f"size mismatch for {key!r}: the version has shape {list(shape)}, the module "
+                        f"{list(value.shape)}{whose}")
+    if not dtensor:
+        return value, (0,) * len(shape)
+    return _local_block(key, value)
+
+
+def _local_block(key: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """This rank's local tensor of DTensor ``value`` and the offsets of its block in the global
+    tensor; None if this rank is not in its mesh. Raises LoadError for a placement whose local
+    tensor is not one box of the global tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = value.device_mesh, tuple(value.placements)
+    for p in placements:
+        if p.is_partial():
+            raise LoadError(f"{key!r} is a DTensor with placement {p} on mesh {tuple(mesh.shape)}: its local tensors "
+                            "are summands, not blocks of the weights. Redistribute it to Replicate or Shard first "
+                            "(param.redistribute(placements=[Replicate()])) and load into that")
+        if type(p) is not Shard and type(p) is not Replicate:
+            raise LoadError(f"{key!r} is a DTensor with placement {p} on mesh {tuple(mesh.shape)}: its local tensor "
+                            "is not one box of the global tensor; only Shard(dim) and Replicate load block by "
+                            "block (redistribute it, or load its unflattened layout)")
+    if mesh.get_coordinate() is None:
+        return None
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(sizes):
+        raise LoadError(f"{key!r}: the DTensor's local tensor has shape {list(local.shape)}, its placements say "
+                        f"{list(sizes)} (a padded shard?)")
+    return local, tuple(offsets)
+
+
 def _extents(manifest: Manifest) -> dict[str, tuple[int, int, str]]:
     """Per object: the lowest offset and the highest end of the byte ranges the manifest points
     into, and the name of the tensor that ends highest (one pass over the manifest)."""
     out: dict[str, tuple[int, int, str]] = {}
     for name, e in manifest.tensors.items():
-        lo, hi, last = out.get(e.object, (e.offset, -1, name))
-        end = e.offset + e.nbytes
-        out[e.object] = (min(lo, e.offset), end, name) if end > hi else (min(lo, e.offset), hi, last)
+        for c in e.pieces():
+            lo, hi, last = out.get(c.object, (c.offset, -1, name))
+            end = c.offset + c.nbytes
+            out[c.object] = (min(lo, c.offset), end, name) if end > hi else (min(lo, c.offset), hi, last)
     return out
 
 

@@ -260,6 +260,7 @@ class ParamStore:
             root = open_root(self.root, create=create, **self._open_args)
             try:
                 local_policy = self._policies.get("local")  # recycling needs GC in this process
+                registry_shared = self._open_args["registry"] is not None
                 # Versions retention keeps (up to 3): published buffers stay mapped one commit longer (GC
                 # sweeps a version once that many newer ones exist), and prepare() faults that many more.
                 kept = min(maintenance.versions_kept(local_policy), 3)
@@ -270,7 +271,8 @@ class ParamStore:
                 self._persister = None if self._remote is None else Persister(
                     root, self._remote, retry_for=self._persist_retry_for, backlog=self._persist_backlog, resume=False,
                     on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None,
-                    on_released=self._maintainer.poke if self._maintainer is not None else None)
+                    on_released=self._maintainer.poke if self._maintainer is not None else None,
+                    gather=self._gather if registry_shared else None)
                 if self._scrub_rate is not None:
                     self._scrubber = Scrubber(root, self._scrub_rate)
                 self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
@@ -372,7 +374,7 @@ class ParamStore:
             (2, ('best',), {'reward': 0.7})
             >>> weights = ((n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
             >>> store.commit(3, weights).result().nbytes  # streamed, one tensor at a time
-            112
+            116
         """
         self._check_open()
         check_step(step)
@@ -754,7 +756,18 @@ class ParamStore:
             0
             >>> store.close()
         """
-        return self._need_remote().push(self._root, self._root.resolve(version), show_progress=show_progress)
+        remote, step = self._need_remote(), self._root.resolve(version)
+        if self._open_args["registry"] is not None:
+            self._gather(step)
+        return remote.push(self._root, step, show_progress=show_progress)
+
+    def _gather(self, step: int) -> None:
+        """Make every object of version ``step`` present on this host (from peers, else the
+        remote), under a lease: before a push of a version whose blocks were committed on
+        several hosts."""
+        root = self._root
+        with root.leased([step], holder="paramstore gather"):
+            self._fetcher.fetch(step, root.registry.get_manifest(step))
 
     def pull(self, version: VersionSpec = "latest", *, show_progress: bool | None = None) -> TransferReport:
         """Download a remote version into this store (verified), without checking it out.

@@ -1,15 +1,13 @@
-"""A DTensor is gathered with full_tensor() and a one-time warning (single-process gloo group)."""
+"""A DTensor on a one-rank mesh is its own single block: stored whole, like a plain tensor, with no
+gather and the same digest (single-process gloo group). Several ranks: tests/test_sharded_commit.py."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import paramstore
-import paramstore.tensors
 
 
 @pytest.fixture
@@ -23,21 +21,17 @@ def gloo_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_dtensor_gathered_with_one_warning(gloo_group, store_root, monkeypatch):
+def test_a_dtensor_of_one_rank_is_stored_whole_like_a_plain_tensor(gloo_group, store_root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    monkeypatch.setattr(paramstore.tensors, "_dtensor_warned", False)
     mesh = init_device_mesh("cpu", (1,))
     full = torch.randn(8, 4)
-    sd = {"sharded": distribute_tensor(full, mesh, [Shard(0)]), "plain": torch.ones(3)}
     with paramstore.ParamStore(store_root) as store:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            store.commit(1, sd).result()
-            store.commit(2, sd).result()
-        dtensor_warnings = [w for w in caught if "DTensor" in str(w.message)]
-        assert len(dtensor_warnings) == 1
-        with store.checkout(2) as snap:
+        v1 = store.commit(1, {"sharded": distribute_tensor(full, mesh, [Shard(0)]), "plain": torch.ones(3)}).result()
+        v2 = store.commit(2, {"sharded": full.clone(), "plain": torch.ones(3)}).result()
+        assert v1.digest == v2.digest
+        assert not store.manifest(1).chunked
+        with store.checkout(1) as snap:
             assert type(snap["sharded"]) is torch.Tensor
             assert torch.equal(snap["sharded"], full)

@@ -282,3 +282,18 @@ def test_a_streaming_commit_holds_at_most_a_couple_of_tensors(store):
         assert snap["layer.3.weight"].dtype == torch.bfloat16
         assert torch.equal(snap["layer.3.weight"].float(), torch.full((256, 64), 3.0))
     assert most <= 2, most
+
+
+def test_the_sharded_example_runs_under_torchrun(shm_dir):
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "sharded.py")
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", example, os.path.join(shm_dir, "ex")],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 1:" in out.stdout and "'embed.weight': 2" in out.stdout
