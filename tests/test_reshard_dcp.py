@@ -92,8 +92,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(as_bytes(a), as_bytes(b))
 
 
-def describe(t: torch.Tensor) -> str:
-    return f"{t.dtype} {tuple(t.shape)} bytes {as_bytes(t)[:16].tolist()}"
+def difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where ``got`` first differs from ``want`` (dtype, shape, or the first byte that differs)."""
+    if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+        return f"got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    a, b = as_bytes(got), as_bytes(want)
+    size = got.element_size()
+    at = int((a != b).nonzero()[0]) // size
+    index = list(torch.unravel_index(torch.tensor(at), tuple(got.shape))) if got.dim() else []
+    elem = slice(at * size, (at + 1) * size)
+    return (f"{int((a != b).sum())} of {a.numel()} bytes differ, first in element {[int(x) for x in index]} of "
+            f"{got.dtype} {tuple(got.shape)}: got bytes {a[elem].tolist()}, want {b[elem].tolist()}")
 
 
 # -- what the ranks run (module level: spawned processes import it) ----------------------------
@@ -186,20 +195,19 @@ def _load(rank: int, world: int, root: str, dcp_dir: str) -> dict:
                         sizes, offsets = tuple(shape), (0,) * len(shape)
                     truth = block_of(full(case, spec), offsets, sizes)
                     if not same_bits(want, truth):
-                        bad.append(f"{where}: dcp.load differs from the saved tensor: {describe(want)} "
-                                   f"vs {describe(truth)}")
+                        bad.append(f"{where}: dcp.load differs from the saved tensor: {difference(want, truth)}")
                     if not same_bits(got, want):
-                        bad.append(f"{where}: load_into differs from dcp.load: {describe(got)} vs {describe(want)}")
+                        bad.append(f"{where}: load_into differs from dcp.load: {difference(got, want)}")
                     # read(): this rank's block, and a random box, into a fresh tensor
                     block = snap.read(name, offsets, sizes)
                     if not same_bits(block, want):
-                        bad.append(f"{where}: read{offsets, sizes} differs from dcp.load: "
-                                   f"{describe(block)} vs {describe(want)}")
+                        bad.append(f"{where}: read{offsets, sizes} differs from dcp.load: {difference(block, want)}")
                     lo = tuple(rng.randrange(n + 1) for n in shape)
                     n = tuple(rng.randrange(s - o + 1) for o, s in zip(lo, shape))
                     box = snap.read(name, lo, n)
                     if not same_bits(box, block_of(full(case, spec), lo, n)):
-                        bad.append(f"{where}: read{lo, n} differs from the saved tensor")
+                        bad.append(f"{where}: read{lo, n} differs from the saved tensor: "
+                                   f"{difference(box, block_of(full(case, spec), lo, n))}")
                     checked += 1
     return {"bad": bad, "checked": checked}
 
@@ -294,7 +302,8 @@ def _fsdp_load(rank: int, world: int, root: str) -> dict:
     got = model.state_dict()
     for name, w in want.items():
         if not same_bits(got[name].to_local(), w.to_local()):
-            bad.append(f"rank {rank} {name}: {describe(got[name].to_local())} vs {describe(w.to_local())}")
+            bad.append(f"rank {rank} {name}: load_into differs from the committed shard: "
+                       f"{difference(got[name].to_local(), w.to_local())}")
     # FSDP2 gathers the loaded shards in forward: the output is the unsharded model's, bit for bit.
     x = torch.linspace(-1, 1, 10).reshape(2, 5)
     with torch.no_grad():
@@ -304,8 +313,8 @@ def _fsdp_load(rank: int, world: int, root: str) -> dict:
     return {"bad": bad, "missing": result.missing_keys, "unexpected": result.unexpected_keys}
 
 
-def _check_whole(rank: int, world: int, root: str) -> list[str]:
-    """In another process (no group): version 1 is the unsharded model's state dict, bit for bit."""
+def _check_whole(root: str) -> list[str]:
+    """Version 1 is the unsharded model's state dict, bit for bit (the names that differ)."""
     want = _mlp(1).state_dict()
     with ParamStore(root) as store, store.checkout(1) as snap:
         assert sorted(snap) == sorted(want)
@@ -322,7 +331,7 @@ def test_an_fsdp2_model_commits_its_shards_and_loads_them_back(shm_dir):
     with ParamStore(root) as store:  # each rank stored its Shard(0) rows: 2 chunks per tensor
         assert {n: len(e.chunks) for n, e in store.manifest(1).tensors.items()} == \
             {n: 2 for n in _mlp(0).state_dict()}
-    assert run_ranks(1, _check_whole, root, timeout=60)[0] == []
+    assert _check_whole(root) == []  # in this process: not one of the ranks that committed
     loaded = run_ranks(2, _fsdp_load, root, timeout=120)
     for r in loaded.values():
         assert r["missing"] == r["unexpected"] == []
