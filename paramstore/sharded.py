@@ -163,6 +163,13 @@ class CommitGroup:
             raise self._failed(e) from e
         return bytes(buf.numpy()) if int(n) else b""
 
+    def fail(self, step: int, error: BaseException) -> None:
+        """Take part in the exchange of ``step`` with ``error`` instead of a part (this rank could
+        not even queue its commit): every rank's commit of ``step`` fails with it."""
+        why = f"{type(error).__name__}: {error} (before its commit was queued)"
+        self.all_gather(encode({"error": why, "step": step, "store": ""}))
+        self.broadcast(encode({"error": f"rank {self.rank} failed at step {step}: {why}"}) if self.is_lead else b"")
+
     def _failed(self, e: RuntimeError) -> CommitGroupError:
         text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         return CommitGroupError(

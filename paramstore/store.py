@@ -381,44 +381,66 @@ class ParamStore:
         tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
         metrics_d = check_metrics(metrics)
         metadata_d = check_metadata(metadata)
-        from .tensors import Taker, check_cast, collect, commit_ranks, is_stream
+        from .tensors import Taker, check_cast, collect, commit_ranks, is_stream, model_items
 
         cast = check_cast(dtype)
         if os.getpid() != self._owner:
             raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
                                   "after fork to commit from the child")
-        if is_stream(model):
+        stream = is_stream(model)
+        if stream:
             pairs, ranks = self._stream_ranks(model, group)
-            taker = Taker(cast=cast, sharded=len(ranks) > 1, ranks=ranks,
-                          writes_plain=len(ranks) <= 1 or self._commit_group(ranks).is_lead)
         else:
-            collected = collect(model, dtype=cast, group=group, group_of=lambda r: self._commit_group(r).is_lead)
-            ranks = collected.ranks
+            items = model_items(model)
+            ranks = commit_ranks([v for _, v in items], group)
         commit_group = self._commit_group(ranks) if len(ranks) > 1 else None
-        root = self._attach(create=self._create is not False)
-        with self._lock:
-            self._check_open()  # under the lock: close() cannot slip in between
-            if commit_group is None or commit_group.is_lead:  # the lead publishes: it is the writer
-                claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
-                self._claimed = True
-            persist = self._persister is not None and (commit_group is None or commit_group.is_lead)
-            if persist:
-                self._persister.resume()  # the writer finishes what its previous run left unpushed
-            latest = root.registry.latest_step()
-            floor = max(x for x in (latest, self._last_step, -1) if x is not None)
-            if step <= floor:
-                raise StepOrderError(f"step {step} must be above the latest step {floor}")
-            previous, self._last_step = self._last_step, step
-            committer = self._get_committer()
-            if not is_stream(model):
-                handle = committer.submit(step, collected, tags_t, metrics_d, metadata_d, persist=persist,
-                                          group=commit_group)
-        if is_stream(model):  # staged here, on the caller's thread, outside the lock
+        try:
+            if stream:
+                taker = Taker(cast=cast, sharded=commit_group is not None, ranks=ranks,
+                              writes_plain=commit_group is None or commit_group.is_lead)
+            else:
+                collected = collect(items, dtype=cast, group=group,
+                                    group_of=lambda r: commit_group is not None and commit_group.is_lead)
+            root = self._attach(create=self._create is not False)
+            with self._lock:
+                self._check_open()  # under the lock: close() cannot slip in between
+                if commit_group is None or commit_group.is_lead:  # the lead publishes: it is the writer
+                    claim(root.registry, self._run_id, takeover=self._takeover, root=self.root)
+                    self._claimed = True
+                persist = self._persister is not None and (commit_group is None or commit_group.is_lead)
+                if persist:
+                    self._persister.resume()  # the writer finishes what its previous run left unpushed
+                latest = root.registry.latest_step()
+                floor = max(x for x in (latest, self._last_step, -1) if x is not None)
+                if step <= floor:
+                    raise StepOrderError(f"step {step} must be above the latest step {floor}")
+                previous, self._last_step = self._last_step, step
+                committer = self._get_committer()
+                if not stream:
+                    handle = committer.submit(step, collected, tags_t, metrics_d, metadata_d, persist=persist,
+                                              group=commit_group)
+        except BaseException as e:
+            if commit_group is not None:  # the other ranks are committing this step: they must learn of it
+                self._fail_in_group(commit_group, step, e)
+            raise
+        if stream:  # staged here, on the caller's thread, outside the lock
             handle = committer.submit_stream(step, pairs, taker, tags_t, metrics_d, metadata_d, persist=persist,
                                              group=commit_group, ranks=ranks)
         self._last_handle = handle
         handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
         return handle
+
+    def _fail_in_group(self, group: Any, step: int, error: BaseException) -> None:
+        """This rank's commit of ``step`` failed before it was queued: take part in the group's
+        exchange with the error (after this process's earlier commits), so every rank fails this
+        step instead of waiting, and later steps stay in step."""
+        last = self._last_handle
+        if last is not None:
+            wait([last.committed])
+        try:
+            group.fail(step, error)
+        except ParamStoreError:
+            pass  # the group is broken anyway: the others learn it from their own collectives
 
     def _stream_ranks(self, model: Iterable[Any], group: Any) -> tuple[Iterator[Any], tuple[int, ...]]:
         """The pairs of a streaming commit and the ranks committing it: ``group``'s, or those of
@@ -480,7 +502,7 @@ class ParamStore:
 
         self._attach(create=self._create is not False)
         committer = self._get_committer()
-        committer.prepare(collect(model), ahead=self._recycle_ahead)
+        committer.prepare(collect(model, group_of=_is_lead), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
             raise WaitTimeoutError(f"buffers not prepared within {timeout} s")
 
@@ -1273,6 +1295,13 @@ class ParamStore:
 
     def __repr__(self) -> str:
         return f"ParamStore({self.root!r})"
+
+
+def _is_lead(ranks: tuple[int, ...]) -> bool:
+    """Whether this process is the first of ``ranks`` (it stores the plain tensors of a sharded commit)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == ranks[0]
 
 
 def _warn_if_not_shared_memory(path: str) -> None:

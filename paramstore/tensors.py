@@ -16,7 +16,7 @@ from .format import TensorSpec
 from .sharded import chunk_name, group_ranks, is_dtensor, local_block
 from .validate import check_name
 
-__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "Taker", "check_cast", "is_stream", "commit_ranks"]
+__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "Taker", "check_cast", "is_stream", "commit_ranks", "model_items"]
 
 #: torch dtype -> safetensors dtype name, for every dtype both support.
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -99,7 +99,8 @@ def is_stream(model: Any) -> bool:
     return not isinstance(model, (torch.nn.Module, Mapping, str, bytes, torch.Tensor)) and hasattr(model, "__iter__")
 
 
-def _items(model: Any) -> list[tuple[Any, Any]]:
+def model_items(model: Any) -> list[tuple[Any, Any]]:
+    """The ``(name, value)`` pairs of a module's state dict or a mapping."""
     if isinstance(model, torch.nn.Module):
         return list(model.state_dict(keep_vars=False).items())
     if isinstance(model, Mapping):
@@ -186,7 +187,7 @@ def collect(model: Any, *, dtype: torch.dtype | None = None, group: Any = None,
 
     Raises InvalidArgumentError, InvalidNameError or InvalidTensorError.
     """
-    items = _items(model)
+    items = model if isinstance(model, list) else model_items(model)  # a list: model_items() already taken
     ranks = commit_ranks([v for _, v in items], group)
     taker = Taker(cast=dtype, sharded=len(ranks) > 1,
                   writes_plain=len(ranks) <= 1 or (group_of is not None and group_of(ranks)))

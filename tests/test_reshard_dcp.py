@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SHM, as_bytes, random_tensor
+from ranks import run_ranks
 from torch import nn
 
-from helpers import SHM, as_bytes, random_tensor
 from paramstore import ParamStore
-from ranks import run_ranks
 
 SEED = 20240613  # the whole file is a pure function of it: a failure replays exactly
 CASES = 3  # random layouts committed by 4 ranks, each loaded by 2, 3 and 1 ranks

@@ -297,3 +297,30 @@ def test_the_sharded_example_runs_under_torchrun(shm_dir):
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 1:" in out.stdout and "'embed.weight': 2" in out.stdout
+
+
+def _one_rank_refused(rank: int, world: int, root: str) -> dict:
+    """Rank 1 gives a step below the latest (refused at once, on its thread); the others' commit of
+    that step must fail too, quickly, and the next step must work on every rank."""
+    out = {}
+    with ParamStore(root) as store:
+        store_model = sharded_model(world, 5)
+        store.commit(3, store_model).result(timeout=60)
+        t0 = time.monotonic()
+        try:
+            store.commit(2 if rank == 1 else 4, store_model).result(timeout=60)
+            out["bad"] = "published"
+        except paramstore.ParamStoreError as e:
+            out["bad"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - t0
+        out["next"] = store.commit(5, store_model).result(timeout=60).step
+    return out
+
+
+def test_a_commit_refused_on_one_rank_fails_on_all_and_the_next_step_works(shm_dir):
+    got = run_ranks(3, _one_rank_refused, os.path.join(shm_dir, "store"))
+    assert got[1]["bad"].startswith("StepOrderError")
+    for r in (0, 2):
+        assert got[r]["bad"].startswith("CommitGroupError") and "StepOrderError" in got[r]["bad"], got[r]
+        assert got[r]["seconds"] < 30
+    assert all(g["next"] == 5 for g in got.values())
