@@ -145,6 +145,7 @@ class _Job:
     group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
     error: BaseException | None = None  # a group job's staging error: it still takes part in the group
     staged: bool = False  # staged on the caller's thread already (a streaming commit)
+    layout_sizes: list[int] = field(default_factory=list)  # slab sizes the next commit of this layout takes
 
 
 class Committer:
@@ -252,6 +253,7 @@ class Committer:
         if not job.staged:
             try:
                 job.plans = self._plan(job.collected.specs)
+                job.layout_sizes = [p.size for p in job.plans]
                 sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
                 # Device copies are still in flight when a shard's loop ends: those are hashed later.
                 early = self._hash_early if self._early is not None and not job.ready_events else None
@@ -339,7 +341,7 @@ class Committer:
             job.slabs.append(slab)
         job.collected = Collected(specs, [], {}, dict(taker.names) if taker.sharded else {}, dict(taker.blocks),
                                   ranks if taker.sharded else ())
-        self._plan(specs)  # the next commit's layout, and what prepare() faults for it
+        job.layout_sizes = [p.size for p in self._plan(specs)]  # the next commit's layout, prepared after this one
         self._stock = max(self._stock, PREPARE_COPIES)
 
     def _take_shard(self, job: _Job, plan: ShardPlan) -> Slab:
@@ -415,7 +417,7 @@ class Committer:
             if self._prepare:
                 # The next commits' buffers, faulted (or recycled) in the background once this one
                 # is visible (so the page faults do not compete with hashing on the visibility path).
-                self._pool.prepare([p.size for p in job.plans], copies=PREPARE_COPIES, keep=self._stock)
+                self._pool.prepare(job.layout_sizes, copies=PREPARE_COPIES, keep=self._stock)
         except Exception as e:  # noqa: BLE001 - the version is committed; keep the thread alive
             warnings.warn(f"paramstore: after committing step {version.step}: {e}", RuntimeWarning, stacklevel=1)
 

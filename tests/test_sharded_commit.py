@@ -27,13 +27,16 @@ from ranks import LAYOUT, PLAIN, full_model, full_tensor, run_ranks, sharded_mod
 
 # -- what the ranks run (module level: spawned processes import it) ----------------------------
 def _commit(rank: int, world: int, root: str, step: int, seed: int, registry: str | None = None,
-            name: str | None = None) -> dict:
-    store = ParamStore(root, registry=registry, name=name)
+            name: str | None = None, remote: tuple[str, dict] | None = None) -> dict:
+    url, options = remote or (None, None)
+    store = ParamStore(root, registry=registry, name=name, remote=url, storage_options=options)
     if registry is not None:
         store.serve("127.0.0.1")  # this "host" serves its blocks to the others
     try:
         handle = store.commit(step, sharded_model(world, seed), metrics={"loss": 0.5 + rank}, tags=["last"])
         v = handle.result(timeout=60)
+        if handle.persisted is not None:  # the lead pushes, after fetching the other host's blocks
+            handle.persisted.result(timeout=60)
         if registry is not None:  # stay up until every host has checked out (the parent says when)
             while not os.path.exists(os.path.join(root, "..", "done")):
                 time.sleep(0.1)
@@ -209,7 +212,7 @@ def test_plain_tensors_streamed_by_a_group_are_written_once(shm_dir):
             assert_bits_equal(snap[n], t, n)
 
 
-def test_ranks_on_two_hosts_commit_one_version_a_third_host_checks_out(shm_dir, redis_url):
+def test_ranks_on_two_hosts_commit_one_version_a_third_host_checks_out(shm_dir, redis_url, s3_remote):
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
     import threading
 
@@ -221,7 +224,7 @@ def test_ranks_on_two_hosts_commit_one_version_a_third_host_checks_out(shm_dir, 
 
     def trainer() -> None:
         try:
-            result["ranks"] = run_ranks(2, _commit_on_own_host, hosts, redis_url, name, timeout=120)
+            result["ranks"] = run_ranks(2, _commit_on_own_host, hosts, redis_url, name, s3_remote, timeout=120)
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
 
@@ -243,17 +246,28 @@ def test_ranks_on_two_hosts_commit_one_version_a_third_host_checks_out(shm_dir, 
     assert len({r["digest"] for r in result["ranks"].values()}) == 1
     assert got["from_peers"] >= 2  # blocks of both hosts came over the transfer engine
     with ParamStore(hosts[0], registry=redis_url, name=name) as store:
-        # each host stored its own blocks only
         objects = store.manifest(1).objects()
-    assert all(_has_some(h, objects) for h in hosts[:2])
+    assert _has_some(hosts[1], objects)  # host 1 stored its own blocks only
+    assert objects <= _files(hosts[0])  # the lead fetched host 1's blocks to push the whole version
+    # The remote got the whole version: a store of its own restores it bit for bit.
+    with ParamStore(os.path.join(shm_dir, "restored"), remote=s3_remote[0], storage_options=s3_remote[1]) as store, \
+            store.checkout(1) as snap:
+        assert snap.fetch.from_remote
+        for n, t in full_model(2, 2).items():
+            assert_bits_equal(snap[n], t, n)
 
 
-def _commit_on_own_host(rank: int, world: int, hosts: list[str], registry: str, name: str) -> dict:
-    return _commit(rank, world, hosts[rank], 1, 2, registry, name)
+def _commit_on_own_host(rank: int, world: int, hosts: list[str], registry: str, name: str,
+                        remote: tuple[str, dict]) -> dict:
+    return _commit(rank, world, hosts[rank], 1, 2, registry, name, remote)
+
+
+def _files(root: str) -> set[str]:
+    return {f.split(".")[0] for d, _, fs in os.walk(os.path.join(root, "objects")) for f in fs}
 
 
 def _has_some(root: str, objects: set[str]) -> bool:
-    files = {f.split(".")[0] for d, _, fs in os.walk(os.path.join(root, "objects")) for f in fs}
+    files = _files(root)
     return bool(files & objects) and not objects <= files
 
 
@@ -273,7 +287,14 @@ def test_a_streaming_commit_holds_at_most_a_couple_of_tensors(store):
     v1 = store.commit(1, weights(0), dtype=torch.bfloat16).result()
     assert most <= 2, most
     assert v1.nbytes == 12 * 256 * 64 * 2  # cast to bf16 while copying
-    v2 = store.commit(2, weights(100), dtype=torch.bfloat16).result()  # step 1's layout: one shard
+    # Step 1 left a layout (one shard) whose buffers are prepared ahead: none is faulted on step 2's path.
+    deadline = time.monotonic() + 10
+    while not store._pool._want and time.monotonic() < deadline:  # asked for after `committed` resolves
+        time.sleep(0.02)
+    assert store._get_committer().wait_prepared(30)
+    faulted = store._pool.stats["on_the_spot"]
+    v2 = store.commit(2, weights(100), dtype=torch.bfloat16).result()
+    assert store._pool.stats["on_the_spot"] == faulted
     with store.checkout(2) as snap:
         for i in range(12):
             assert torch.equal(snap[f"layer.{i}.weight"].float(), torch.full((256, 64), float(i + 100)))
