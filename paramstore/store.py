@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import itertools
 import os
 import threading
 import time
@@ -452,7 +451,7 @@ class ParamStore:
         if first is None:
             raise InvalidArgumentError("the commit's iterable yielded no tensors")
         ranks = commit_ranks([check_pair(first)[1]], group)
-        return itertools.chain([first], it), ranks
+        return _prepend([first], it), ranks
 
     def _commit_group(self, ranks: tuple[int, ...]) -> Any:
         """The gloo group of ``ranks`` for sharded commits (made at their first one, collectively)."""
@@ -1295,6 +1294,13 @@ class ParamStore:
 
     def __repr__(self) -> str:
         return f"ParamStore({self.root!r})"
+
+
+def _prepend(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
+    """The item in ``box``, then ``rest``; the item is let go of once handed over (``itertools.chain``
+    would keep it until the end: the first tensor of a streaming commit alive for the whole commit)."""
+    yield box.pop()
+    yield from rest
 
 
 def _is_lead(ranks: tuple[int, ...]) -> bool:
