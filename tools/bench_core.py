@@ -44,7 +44,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -61,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from baselines import bare_copy, make_state_dict, preallocate_like  # noqa: E402
-from benchlib import CpuMeter, log, stats, wait_quiet  # noqa: E402
+from benchlib import CpuMeter, log, machine, module_over, stats, wait_quiet  # noqa: E402
 
 GIB = 1 << 30
 PARTS = ("commit", "staging", "checkout", "load", "dedup", "ls", "safetensors")
@@ -191,44 +190,6 @@ class CpuSteal:
         return {"busy_pct": 100.0 * (total - d[3] - d[4]) / total, "steal_pct": 100.0 * d[7] / total}
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-    for mod in ("blake3", "safetensors", "lmdb"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
-            pass
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            info["shmem_thp"] = f.read().strip()
-        info["shm_mount"] = next((line.split()[3] for line in open("/proc/mounts") if line.split()[1] == "/dev/shm"), None)
-    except OSError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        with open("/proc/meminfo") as f:
-            info["mem_gib"] = round(int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) / 2**20, 1)
-        st = os.statvfs("/dev/shm")
-        info["shm_gib"] = round(st.f_blocks * st.f_frsize / GIB, 1)
-        info["loadavg_start"] = open("/proc/loadavg").read().split()[:3]
-    except (OSError, StopIteration):
-        pass
-    try:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        git = lambda *a: subprocess.run(["git", "-C", repo, *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
-        info["git"] = git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "-uno") else "")
-    except OSError:
-        pass
-    return info
-
-
 # ------------------------------------------------------------------------------------------------
 # the reader process (spawned): has the store open, waits, checks out, loads
 # ------------------------------------------------------------------------------------------------
@@ -242,20 +203,6 @@ def _read_all(tensors: list[torch.Tensor]) -> int:
         else:
             acc += int(b.sum(dtype=torch.int64))
     return acc
-
-
-def _module_over(dst: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose parameters (by state-dict name) are the tensors of ``dst``."""
-    root = torch.nn.Module()
-    for name, t in dst.items():
-        *path, leaf = name.split(".")
-        m = root
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, torch.nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
 
 
 def reader_main(conn: Any) -> None:
@@ -337,7 +284,7 @@ def reader_main(conn: Any) -> None:
                 with store.checkout(step) as snap:
                     src = {k: snap[k].clone() for k in snap}  # private copy: the bare-copy source
                 dst = preallocate_like(src)
-                module = _module_over(dst)
+                module = module_over(dst)
                 conn.send(("ok", sum(t.nbytes for t in dst.values())))
             elif cmd == "load":
                 kind, step, check = args
@@ -519,7 +466,7 @@ def part_commit(ctx: Ctx) -> dict[str, Any]:
     reader = ctx.get_reader()
     out: dict[str, Any] = {}
     try:
-        store = ParamStore(root)
+        store = ParamStore(root, create=True)
         reader.call("open", root)
         t0 = time.perf_counter()
         store.prepare(sd)
@@ -572,7 +519,7 @@ def _commit_versions(root: str, sd: dict, n: int, *, prepare: bool = True,
     checks = {}
     names = list(sd)
     probe = [names[0], names[len(names) // 2], names[-1]]
-    with ParamStore(root, prepare_buffers=prepare) as store:
+    with ParamStore(root, create=True, prepare_buffers=prepare) as store:
         if prepare:
             store.prepare(sd)
             wait_pool(store)
@@ -618,7 +565,7 @@ def _staging_round(ctx: Ctx, sd: dict, dst: dict, *, recycle: bool) -> dict[str,
     n_b2b, n_paused = a.b2b, a.paused
     steps = list(range(1, 2 + n_b2b + n_paused))
     out: dict[str, Any] = {"recycle": recycle, "commits": []}
-    store = ParamStore(root, retention=KeepLast(2), recycle_buffers=recycle)
+    store = ParamStore(root, create=True, retention=KeepLast(2), recycle_buffers=recycle)
     try:
         reader.call("open", root)
         reader.conn.send(("watch", steps))
@@ -783,7 +730,7 @@ def part_dedup(ctx: Ctx) -> dict[str, Any]:
     subsets.sort()
     out: dict[str, Any] = {"total_bytes": total, "unchanged": [], "partial": []}
     try:
-        with ParamStore(root) as store:
+        with ParamStore(root, create=True) as store:
             reg = store._root.registry
 
             def measured_commit(step: int) -> dict[str, Any]:
@@ -839,7 +786,7 @@ def part_ls(ctx: Ctx) -> dict[str, Any]:
         sd = {f"model.layers.{i}.weight": torch.full((8,), float(i), dtype=torch.bfloat16)
               for i in range(a.ls_tensors)}  # 16 bytes each
         t0 = time.perf_counter()
-        with ParamStore(root) as store:
+        with ParamStore(root, create=True) as store:
             for step in range(1, a.ls_versions + 1):
                 store.commit(step, sd, metrics={"reward": step * 1e-3}).result()
                 if step % 2000 == 0:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
 
-__all__ = ["log", "stats", "CpuMeter", "wait_quiet"]
+__all__ = ["log", "stats", "CpuMeter", "wait_quiet", "machine", "module_over", "write_outputs"]
 
 
 def log(msg: str) -> None:
@@ -72,3 +74,73 @@ def wait_quiet(meter: CpuMeter, max_wait: float, threshold_pct: float = 10.0, *,
         if u["foreign_pct"] < threshold_pct or time.perf_counter() - t0 >= max_wait:
             return {"waited_s": round(time.perf_counter() - t0, 1), **u}
         time.sleep(pause_s)
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark ran on: CPUs, memory, kernel, Python, library versions, /dev/shm, and the
+    library's git commit (``(dirty)`` when tracked files differ from it)."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    for mod in ("torch", "blake3", "safetensors", "lmdb", "numpy"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            pass
+    if "torch" in sys.modules:
+        info["torch_threads"] = sys.modules["torch"].get_num_threads()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            info["shmem_thp"] = f.read().strip()
+        with open("/proc/mounts") as f:
+            info["shm_mount"] = next((line.split()[3] for line in f if line.split()[1] == "/dev/shm"), None)
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) / 2**20, 1)
+        st = os.statvfs("/dev/shm")
+        info["shm_gib"] = round(st.f_blocks * st.f_frsize / 2**30, 1)
+        with open("/proc/loadavg") as f:
+            info["loadavg_start"] = f.read().split()[:3]
+    except (OSError, StopIteration):
+        pass
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", repo, *a], check=False, capture_output=True, text=True).stdout.strip()
+
+    try:
+        info["git"] = git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "-uno") else "")
+    except OSError:
+        pass
+    return info
+
+
+def module_over(params: dict[str, Any]) -> Any:
+    """A ``torch.nn.Module`` tree whose parameters (by state-dict name) are the tensors of ``params``
+    (no copy; ``requires_grad=False``)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, t in params.items():
+        *path, leaf = name.split(".")
+        m = root
+        for p in path:
+            if not hasattr(m, p):
+                m.add_module(p, torch.nn.Module())
+            m = getattr(m, p)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def write_outputs(json_path: str | None, result: Any, markdown_path: str | None, markdown: str) -> None:
+    """Write a benchmark's JSON result and its Markdown table (each only if its path is given)."""
+    import json
+
+    for path, write in ((json_path, lambda f: json.dump(result, f, indent=1, default=str)),
+                        (markdown_path, lambda f: f.write(markdown.rstrip("\n") + "\n"))):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                write(f)

@@ -73,14 +73,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchlib import log, machine, write_outputs
+
 SCENARIOS = ("commit", "retention", "prune-gc", "reader", "upload", "fetch")
 KILL_WINDOW = (0.05, 1.5)  # seconds after a child reports ready
 EARLY, EARLY_WINDOW = 0.15, (0.0, 0.4)  # this share of trainers is killed this soon after it starts
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _child_main(role: str, cfg: dict) -> None:
@@ -787,20 +785,6 @@ def table(rows: list[dict], markdown: bool) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [heads, *cells])
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", REPO, *a], check=False, capture_output=True, text=True).stdout.strip()
-
-    info["git"] = git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "-uno") else "")
-    return info
-
-
 def repro(args: argparse.Namespace, scenario: str, kills: int) -> str:
     return (f".venv/bin/python tools/crash_campaign.py --scenarios {scenario} --kills {kills} "
             f"--seed {args.seed} --model-mib {args.model_mib} --keep")
@@ -826,14 +810,7 @@ def report(args: argparse.Namespace, results: list[Result], total: float, sigkil
            "scenarios": {r.scenario: {**r.row(), "kills_landed": r.phases(), "problems": r.problems,
                                       "warnings": warned.get(r.scenario, {}), "kills_detail": r.records}
                          for r in results}}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(table(rows, markdown=True) + "\n")
+    write_outputs(args.json, out, args.markdown, table(rows, markdown=True))
     return 1 if failures else 0
 
 
