@@ -44,6 +44,7 @@ bench: install
 	$(BIN)/python tools/bench_remote.py
 	$(BIN)/python tools/bench_transport.py
 	$(BIN)/python tools/bench_peers.py
+	$(BIN)/python tools/bench_sharded.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
