@@ -23,6 +23,7 @@ no version names), which ``paramstore verify`` reports and GC reclaims.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -201,14 +202,20 @@ class Committer:
         handle = CommitHandle(step, persist=persist)
         job = _Job(handle, Collected([], [], {}), tags, metrics, metadata, created_at=time.time(), group=group,
                    staged=True)
+        interrupt: BaseException | None = None
         try:
             self._stage_stream(job, pairs, taker, ranks)
             handle.staged.set_result(None)
         except BaseException as e:  # noqa: BLE001 - delivered through the futures (and to the group)
             self._staging_failed(job, e)
+            interrupt = None if isinstance(e, Exception) else e  # Ctrl-C, SystemExit: raised here too
             if group is None:
+                if interrupt is not None:
+                    raise
                 return handle
         self._stage_q.put(job)  # in order with the commits before it; the stager hands it on
+        if interrupt is not None:
+            raise interrupt
         return handle
 
     def prepare(self, collected: Collected, *, ahead: int = 0) -> None:
@@ -437,32 +444,61 @@ class Committer:
         """One version from the parts of every rank (see :mod:`paramstore.sharded`): each stores its
         objects and sends its part; the lead merges and publishes; all learn the outcome. The GC
         lock is held until then: the objects stored here are referenced by no version before."""
-        part: dict[str, Any]
+        part: dict[str, Any] = {}
         try:
             if job.error is not None:
                 raise job.error
             digests = self._hash_all(job)
         except BaseException as e:  # noqa: BLE001 - sent to the other ranks, then raised
             job.error = e
-        with self._gc_lock():
-            if job.error is None:
-                try:
+        with contextlib.ExitStack() as held:
+            store_id = ""
+            try:  # whatever fails here, this rank still takes part in the exchange, with its error
+                held.enter_context(self._gc_lock())
+                if job.error is None:
                     entries, new_objects, new_tensors = self._store(job, digests)
                     part = job.collected.part(entries) | {
                         "objects": {o: [i.size, list(i.tensors)] for o, i in new_objects.items()},
                         "tensors": {d: list(loc) for d, loc in new_tensors.items()},
                     }
-                except BaseException as e:  # noqa: BLE001
-                    job.error = e
+                store_id = self._registry.get_meta("store_id") or ""
+            except BaseException as e:  # noqa: BLE001
+                job.error = job.error or e
             if job.error is not None:
                 part = {"error": f"{type(job.error).__name__}: {job.error}"}
-            part |= {"step": job.handle.step, "store": self._registry.get_meta("store_id") or ""}
+            part |= {"step": job.handle.step, "store": store_id}
             parts = [decode(p) for p in group.all_gather(encode(part))]
-            outcome = self._merge_and_publish(job, group, parts) if group.is_lead else b""
-            outcome = decode(group.broadcast(outcome))
+            said = self._merge_and_publish(job, group, parts) if group.is_lead else b""
+            try:
+                outcome = decode(group.broadcast(said))
+            except CommitGroupError as e:  # the version may be published all the same
+                outcome = self._outcome_without_broadcast(job, group, said, part, e)
         if "error" in outcome:
             raise CommitGroupError(outcome["error"]) from job.error
         return Version.from_json(outcome["version"], tuple(outcome["tags"]))
+
+    def _outcome_without_broadcast(self, job: _Job, group: CommitGroup, said: bytes, part: dict[str, Any],
+                                   error: CommitGroupError) -> dict[str, Any]:
+        """The outcome when the broadcast of it failed (a member died after the exchange): the
+        lead knows it (a version it published stays published: only a warning); another rank
+        looks in the registry for a version at this step holding its own blocks."""
+        if group.is_lead:
+            outcome = decode(said)
+            if "version" in outcome:
+                warnings.warn(f"paramstore: step {job.handle.step} is published, but not every rank could be told: "
+                              f"{error}", RuntimeWarning, stacklevel=2)
+                return outcome
+            raise error
+        step = job.handle.step
+        try:
+            version, manifest = self._registry.get_version(step), self._registry.get_manifest(step)
+        except Exception:  # noqa: BLE001 - not published (or unreadable): the group's error stands
+            raise error from None
+        have = {(c.digest, c.object) for e in manifest.tensors.values() for c in e.pieces()}
+        mine = {(c["digest"], c["object"]) for blocks in part.get("blocks", {}).values() for c in blocks}
+        if "error" in part or not mine <= have:
+            raise error
+        return {"version": version.to_json(), "tags": list(version.tags)}
 
     def _merge_and_publish(self, job: _Job, group: CommitGroup, parts: list[dict[str, Any]]) -> bytes:
         """The lead: check the parts agree, merge them into one manifest and publish it; returns the

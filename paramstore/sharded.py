@@ -60,9 +60,10 @@ class Block:
 
 
 def chunk_name(name: str, offsets: tuple[int, ...]) -> str:
-    """The name a block of ``name`` has inside its object file (``name@o1,o2``; objects are
-    addressed through the manifest, this only keeps safetensors names unique)."""
-    return f"{name}@{','.join(map(str, offsets))}"
+    """The name a block of ``name`` has inside its object file (``name``, NUL, ``o1,o2``: no tensor
+    name holds a NUL, so it never meets one; objects are addressed through the manifest, this
+    only keeps safetensors names unique)."""
+    return f"{name}\0{','.join(map(str, offsets))}"
 
 
 def local_block(name: str, value: Any) -> Block:
@@ -130,7 +131,7 @@ class CommitGroup:
     first is the *lead*, which publishes.
     """
 
-    def __init__(self, ranks: tuple[int, ...], timeout: float) -> None:
+    def __init__(self, ranks: tuple[int, ...], timeout: float, identity: str = "") -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -142,8 +143,22 @@ class CommitGroup:
         self.index = ranks.index(self.rank)
         self.lead = ranks[0]
         self.timeout = timeout
-        self._pg = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout),
-                                  use_local_synchronization=True)
+        self.broken = False  # a collective failed: the store makes a new group for the next commit
+        try:
+            self._pg = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                                      use_local_synchronization=True)
+        except (RuntimeError, ValueError) as e:
+            raise CommitGroupError(
+                f"ranks {list(ranks)} could not form their commit group (does every one of them commit, with "
+                f"DTensors of the same meshes or the same group=?): {str(e).splitlines()[0][:300]}") from e
+        # Two stores of one process whose first sharded commits come in another order on another rank
+        # would pair up the wrong groups: check that every member means the same store.
+        others = set(self.all_gather(identity.encode()))
+        if len(others) > 1:
+            self.broken = True
+            raise CommitGroupError(f"ranks {list(ranks)} made their commit groups for different stores "
+                                   f"({sorted(o.decode() for o in others)}): stores sharing ranks must make their "
+                                   "first sharded commits in the same order on every rank")
 
     @property
     def is_lead(self) -> bool:
@@ -163,7 +178,7 @@ class CommitGroup:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
             bufs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
             dist.all_gather(bufs, mine, group=self._pg)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: the group was destroyed under us
             raise self._failed(e) from e
         return [bytes(b[: int(s)].numpy()) for b, s in zip(bufs, sizes)]
 
@@ -178,7 +193,7 @@ class CommitGroup:
                    else torch.empty(int(n), dtype=torch.uint8))
             if int(n):
                 dist.broadcast(buf, src=self.lead, group=self._pg)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise self._failed(e) from e
         return bytes(buf.numpy()) if int(n) else b""
 
@@ -189,7 +204,8 @@ class CommitGroup:
         self.all_gather(encode({"error": why, "step": step, "store": ""}))
         self.broadcast(encode({"error": f"rank {self.rank} failed at step {step}: {why}"}) if self.is_lead else b"")
 
-    def _failed(self, e: RuntimeError) -> CommitGroupError:
+    def _failed(self, e: Exception) -> CommitGroupError:
+        self.broken = True
         text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         return CommitGroupError(
             f"the ranks {list(self.ranks)} committing together lost a member (a rank died, or did not commit "

@@ -205,6 +205,8 @@ class ParamStore:
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
         self._group_timeout = check_timeout(group_timeout)
         self._groups: dict[tuple[int, ...], Any] = {}  # ranks -> CommitGroup (sharded commits)
+        self._broken_groups: list[Any] = []  # failed groups, destroyed at close
+        self._streaming = 0  # streaming commits being staged on callers' threads (close() waits)
         self._scrub_rate = check_rate(scrub_rate)
         self._scrubber: Scrubber | None = None
         self._claimed = False  # this store claimed its root as writer (given up at close)
@@ -214,6 +216,7 @@ class ParamStore:
         self._open_args = {"registry": registry, "name": name or "", "shared_group": bool(shared_group)}
         self._create = create
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a streaming commit is queued
         self._attach_lock = threading.Lock()
         self._last_step: int | None = None  # highest step submitted by this process
         self._last_handle: CommitHandle | None = None
@@ -376,16 +379,10 @@ class ParamStore:
             116
         """
         self._check_open()
-        check_step(step)
-        tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
-        metrics_d = check_metrics(metrics)
-        metadata_d = check_metadata(metadata)
         from .tensors import Taker, check_cast, collect, commit_ranks, is_stream, model_items
 
-        cast = check_cast(dtype)
-        if os.getpid() != self._owner:
-            raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
-                                  "after fork to commit from the child")
+        # First who commits together (no validation yet: a rank that fails any check below must
+        # still tell the others, in the group's exchange for this step).
         stream = is_stream(model)
         if stream:
             pairs, ranks = self._stream_ranks(model, group)
@@ -394,6 +391,14 @@ class ParamStore:
             ranks = commit_ranks([v for _, v in items], group)
         commit_group = self._commit_group(ranks) if len(ranks) > 1 else None
         try:
+            check_step(step)
+            tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
+            metrics_d = check_metrics(metrics)
+            metadata_d = check_metadata(metadata)
+            cast = check_cast(dtype)
+            if os.getpid() != self._owner:
+                raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
+                                      "after fork to commit from the child")
             if stream:
                 taker = Taker(cast=cast, sharded=commit_group is not None, ranks=ranks,
                               writes_plain=commit_group is None or commit_group.is_lead)
@@ -415,7 +420,9 @@ class ParamStore:
                     raise StepOrderError(f"step {step} must be above the latest step {floor}")
                 previous, self._last_step = self._last_step, step
                 committer = self._get_committer()
-                if not stream:
+                if stream:
+                    self._streaming += 1  # close() waits for it: it is staged outside the lock
+                else:
                     handle = committer.submit(step, collected, tags_t, metrics_d, metadata_d, persist=persist,
                                               group=commit_group)
         except BaseException as e:
@@ -423,8 +430,13 @@ class ParamStore:
                 self._fail_in_group(commit_group, step, e)
             raise
         if stream:  # staged here, on the caller's thread, outside the lock
-            handle = committer.submit_stream(step, pairs, taker, tags_t, metrics_d, metadata_d, persist=persist,
-                                             group=commit_group, ranks=ranks)
+            try:
+                handle = committer.submit_stream(step, pairs, taker, tags_t, metrics_d, metadata_d,
+                                                 persist=persist, group=commit_group, ranks=ranks)
+            finally:
+                with self._lock:
+                    self._streaming -= 1
+                    self._idle.notify_all()
         self._last_handle = handle
         handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
         return handle
@@ -454,12 +466,20 @@ class ParamStore:
         return _prepend([first], it), ranks
 
     def _commit_group(self, ranks: tuple[int, ...]) -> Any:
-        """The gloo group of ``ranks`` for sharded commits (made at their first one, collectively)."""
+        """The gloo group of ``ranks`` for sharded commits, made at their first one (collectively:
+        every rank of ``ranks`` calls this at the same commit). A group that failed (a member died
+        or timed out) is replaced at the next commit; the failed one is kept until close, so the
+        new one gets a fresh name on every rank."""
         from .sharded import CommitGroup
 
         group = self._groups.get(ranks)
+        if group is not None and group.broken:
+            self._broken_groups.append(self._groups.pop(ranks))
+            group = None
         if group is None:
-            group = self._groups[ranks] = CommitGroup(ranks, self._group_timeout)
+            # the store as every rank names it: its shared name, or its root on this host
+            identity = self._open_args["name"] if self._open_args["registry"] else os.path.realpath(self.root)
+            group = self._groups[ranks] = CommitGroup(ranks, self._group_timeout, identity)
         return group
 
     def _forget_step(self, step: int, previous: int | None) -> None:
@@ -1252,7 +1272,12 @@ class ParamStore:
                 return
             self._closed = True
         atexit.unregister(self._atexit)
+        with self._lock:  # a streaming commit being staged on another thread is queued first
+            while self._streaming:
+                self._idle.wait()
         if self._opened is None:
+            for group in self._groups.values():
+                group.destroy()
             return
         if os.getpid() != self._owner:
             # A forked child: the commit threads, the pool's files and the retention thread
@@ -1278,7 +1303,7 @@ class ParamStore:
             self._transport.close()
         if self._pool is not None:
             self._pool.close()
-        for group in self._groups.values():
+        for group in [*self._groups.values(), *self._broken_groups]:
             group.destroy()
         self._opened.close()
 
