@@ -14,7 +14,8 @@ format).
 A *version* is the small record listed by ``ls``: step, creation time, tags, metrics, metadata,
 logical size, tensor count and the version digest. The version digest covers names, dtypes, shapes,
 tensor digests and aliases, not where the bytes happen to be stored, so the same weights committed
-twice (or to two stores) have the same digest.
+twice (or to two stores) in the same layout have the same digest (a chunked tensor's digest covers
+its chunk list: committed by another number of ranks, the same weights have another digest).
 """
 
 from __future__ import annotations
