@@ -40,6 +40,8 @@ __all__ = ["export", "map_objects", "place_chunk", "INDEX_NAME", "DEFAULT_EXPORT
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_EXPORT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
+#: Each exported shard's safetensors metadata: transformers 4.x refuses shards without ``format``.
+EXPORT_METADATA = {"format": "pt"}
 
 
 def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int = DEFAULT_EXPORT_SHARD_BYTES,
@@ -95,7 +97,8 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
         with progress(man.nbytes, f"export {step}",
                       enabled=show_progress) as bar:
             for fname, group in zip(files, shards):
-                plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group])
+                plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group],
+                              EXPORT_METADATA)
                 tmp = os.path.join(directory, fname + ".partial")
                 with open(tmp, "w+b") as f:  # readable too: a chunked tensor is assembled in a mapping of it
                     f.write(plan.header)

@@ -108,13 +108,14 @@ def _ordered(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return [s for _, s in indexed]
 
 
-def build_header(specs: Sequence[TensorSpec]) -> tuple[bytes, list[int]]:
+def build_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
     """Build the safetensors header for ``specs`` laid out in the given order.
 
     Returns the header bytes (length prefix included, padded so data starts at ``DATA_ALIGN``)
-    and each tensor's absolute offset in the file.
+    and each tensor's absolute offset in the file. ``metadata`` (string to string) becomes the
+    header's ``__metadata__`` (the store's objects have none; exports say ``{"format": "pt"}``).
     """
-    entries: dict[str, dict] = {}
+    entries: dict[str, dict] = {"__metadata__": dict(metadata)} if metadata else {}
     begin = 0
     rel = []
     for s in specs:
@@ -153,10 +154,11 @@ def plan_shards(specs: Sequence[TensorSpec], shard_size_bytes: int) -> list[Shar
     return [layout(g) for g in groups]
 
 
-def layout(specs: Sequence[TensorSpec]) -> ShardPlan:
-    """Lay ``specs`` out as one object (ordered by item size, header padded)."""
+def layout(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> ShardPlan:
+    """Lay ``specs`` out as one object (ordered by item size, header padded; ``metadata``: see
+    :func:`build_header`)."""
     ordered = _ordered(specs)
-    header, offsets = build_header(ordered)
+    header, offsets = build_header(ordered, metadata)
     return ShardPlan(header, tuple(Placement(s, o, s.nbytes) for s, o in zip(ordered, offsets)))
 
 

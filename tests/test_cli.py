@@ -129,6 +129,11 @@ def test_export_loads_with_safetensors(populated, tmp_path):
     for k, v in sd2.items():
         assert torch.equal(loaded[k], v), k
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in sd2.values())
+    from safetensors import safe_open
+
+    for f in files:  # transformers 4.x loads only shards that say their format
+        with safe_open(out / f, "pt") as st:
+            assert st.metadata() == {"format": "pt"}
     again = cli(root, "export", "2", str(out), check=False)
     assert again.returncode == 2  # refuses to overwrite an export
 
