@@ -5,7 +5,7 @@ The result loads with ``safetensors.torch.load_file`` (each shard) and with ``tr
 in memory. Each file is written under a temporary name and renamed into place.
 
 A chunked tensor (a sharded commit: each rank stored its own block) is exported whole: its range of
-the shard file is mapped and each chunk is copied into its box there (:func:`place_chunk`), so no
+the shard file is mapped and each chunk is copied into its box there (as a checkout reads a box), so no
 tensor is ever assembled in memory. Only then is torch imported; a version without chunked tensors
 is exported without it.
 
@@ -25,18 +25,15 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import IO, TYPE_CHECKING, Any, Iterable, Mapping
+from typing import IO, Any, Iterable, Mapping
 
 from .errors import InvalidArgumentError, ObjectUnavailableError
-from .format import ITEMSIZE, TensorSpec, layout
-from .manifest import Chunk, TensorEntry
+from .format import TensorSpec, layout
+from .manifest import TensorEntry
 from .progress import progress
 from .root import StoreRoot
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["export", "map_objects", "place_chunk", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
+__all__ = ["export", "map_objects", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_EXPORT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
@@ -135,48 +132,28 @@ def _write_chunked(f: IO[bytes], entry: TensorEntry, maps: Mapping[str, mmap.mma
     """Write the chunked tensor ``entry`` whole at the position of ``f`` (left just past it).
 
     The file is extended over the tensor's range, that range is mapped, and each chunk is copied
-    from its object's map into its box there: the tensor is never assembled in memory.
+    from its object's map into its box there (:func:`paramstore.snapshot.copy_box`, as a checkout
+    reads a box): the tensor is never assembled in memory. Same dtype on both sides: bit for bit.
     """
     import torch
 
+    from .snapshot import copy_box
+    from .tensors import ST_TO_TORCH
+
+    dtype = ST_TO_TORCH[entry.dtype]
     f.flush()
     pos = f.tell()
     end = pos + entry.nbytes
     f.truncate(end)
     start = pos - pos % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page boundary
     with mmap.mmap(f.fileno(), end - start, offset=start) as out:
-        whole = torch.frombuffer(out, dtype=torch.uint8)[pos - start :]
-        for c in entry.chunks:
-            src = torch.frombuffer(maps[c.object], dtype=torch.uint8, offset=c.offset, count=c.nbytes)
-            place_chunk(whole, entry, c, src)
+        whole = torch.frombuffer(out, dtype=torch.uint8)[pos - start :].view(dtype).view(entry.shape)
+        copy_box(entry, lambda c: torch.frombuffer(maps[c.object], dtype=torch.uint8, offset=c.offset,
+                                                   count=c.nbytes).view(dtype).view(c.sizes),
+                 (0,) * len(entry.shape), entry.shape, whole)
+        del whole
         out.flush()
     f.seek(end)
-
-
-def place_chunk(whole: "torch.Tensor", entry: TensorEntry, chunk: Chunk, data: "torch.Tensor") -> None:
-    """Copy ``data``, the bytes of ``chunk`` (uint8, dense C order), into its box of ``whole``, the
-    bytes of the tensor ``entry`` (uint8, dense C order, ``entry.nbytes`` of them).
-
-    The copy works on bytes (the last dimension counted in bytes), so any dtype is copied as it is
-    stored, bit for bit: ``whole[box].copy_(data)`` through views of both, one strided copy.
-
-    Example:
-        >>> from paramstore.manifest import Chunk, TensorEntry
-        >>> e = TensorEntry("U8", (2, 4), "", "", 0, 8)
-        >>> whole = torch.zeros(8, dtype=torch.uint8)
-        >>> place_chunk(whole, e, Chunk((0, 2), (2, 2), "", "", 0, 4), torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
-        >>> whole.view(2, 4).tolist()
-        [[0, 0, 1, 2], [0, 0, 3, 4]]
-    """
-    item = ITEMSIZE[entry.dtype]
-    box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets[:-1], chunk.sizes[:-1]))
-    last = slice(chunk.offsets[-1] * item, (chunk.offsets[-1] + chunk.sizes[-1]) * item)
-    _rows(whole, entry.shape, item)[(*box, last)].copy_(_rows(data, chunk.sizes, item))
-
-
-def _rows(data: "torch.Tensor", shape: tuple[int, ...], item: int) -> "torch.Tensor":
-    """The bytes ``data`` of a tensor of ``shape`` viewed as that shape, its last dimension in bytes."""
-    return data.view(*shape[:-1], shape[-1] * item)
 
 
 def map_objects(root: StoreRoot, step: int, objects: Iterable[str]) -> dict[str, mmap.mmap]:

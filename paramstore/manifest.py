@@ -71,13 +71,7 @@ class Chunk:
         for what, v in (("offsets", offsets), ("sizes", sizes)):
             if not isinstance(v, list) or not all(_count(n) for n in v):
                 raise CorruptObjectError(f"chunk has bad {what} {v!r}: expected a list of ints >= 0")
-        try:
-            check_digest(d["digest"])
-            check_digest(d["object"])
-        except ParamStoreError as e:
-            raise CorruptObjectError(f"chunk: {e}") from None
-        if not _count(d["offset"]) or not _count(d["nbytes"]):
-            raise CorruptObjectError(f"chunk has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
+        _check_location("chunk", d)
         return cls(tuple(offsets), tuple(sizes), d["digest"], d["object"], d["offset"], d["nbytes"])
 
 
@@ -150,13 +144,7 @@ class TensorEntry:
             chunks = [Chunk.from_json(c) for c in d["chunks"]]
             check_tiling(tuple(shape), chunks)
             return cls.chunked(dtype, tuple(shape), chunks)
-        try:
-            check_digest(d["digest"])
-            check_digest(d["object"])
-        except ParamStoreError as e:
-            raise CorruptObjectError(f"tensor entry: {e}") from None
-        if not _count(d["offset"]) or not _count(d["nbytes"]):
-            raise CorruptObjectError(f"tensor entry has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
+        _check_location("tensor entry", d)
         return cls(dtype, tuple(shape), d["digest"], d["object"], d["offset"], d["nbytes"])
 
 
@@ -383,6 +371,18 @@ def check_tiling(shape: tuple[int, ...], chunks: "list[Chunk] | tuple[Chunk, ...
     if len(cells) != len(chunks) or count != len(chunks):
         raise CorruptObjectError(f"chunks{at} of a tensor of shape {list(shape)} do not form a grid "
                                  f"({len(chunks)} chunks, {count} cells)")
+
+
+def _check_location(what: str, d: Mapping[str, Any]) -> None:
+    """Where bytes lie (a tensor entry's or a chunk's): both digests 64 lowercase hex digits (so
+    ``object`` can never name a path), offset and length ints >= 0. Raises CorruptObjectError."""
+    try:
+        check_digest(d["digest"])
+        check_digest(d["object"])
+    except ParamStoreError as e:
+        raise CorruptObjectError(f"{what}: {e}") from None
+    if not _count(d["offset"]) or not _count(d["nbytes"]):
+        raise CorruptObjectError(f"{what} has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
 
 
 def _count(n: Any) -> bool:

@@ -426,10 +426,9 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     va, vb = reg.get_version(a), reg.get_version(b)
     ma, mb = reg.get_manifest(a), reg.get_manifest(b)
     na, nb = set(ma.names()), set(mb.names())
-    (pa, ka), (pb, kb) = _by_piece(ma), _by_piece(mb)
     changed = []
     try:  # maps (and checks the size of) every object, those holding chunks included
-        sa, sb = Snapshot(va, pa, root.tier), Snapshot(vb, pb, root.tier)
+        sa, sb = Snapshot(va, ma, root.tier), Snapshot(vb, mb, root.tier)
     except FileNotFoundError as e:
         raise ObjectUnavailableError(f"version {a} or {b} references an object missing from this host "
                                      f"({e.filename}): check it out first (it fetches from peers or the remote), "
@@ -448,8 +447,7 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
             if _boxes(ea) != _boxes(eb):  # the digests differ by layout: the values may be equal (docstring)
                 item["relayout"] = True
             if eb.dtype != "BOOL" and eb.nbytes:
-                ta = _whole(sa, ea, ka[ma.aliases.get(name, name)])
-                tb = _whole(sb, eb, kb[mb.aliases.get(name, name)])
+                ta, tb = _whole(sa, name, ea), _whole(sb, name, eb)
                 work = torch.complex128 if ta.is_complex() else torch.float64
                 item["max_abs_diff"] = float((tb.to(work) - ta.to(work)).abs().max())
             changed.append(item)
@@ -473,36 +471,7 @@ def _boxes(entry: TensorEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(c.offsets, c.sizes) for c in entry.pieces()]
 
 
-def _by_piece(manifest: Manifest) -> tuple[Manifest, dict[str, list[str]]]:
-    """``manifest`` with every piece of every tensor (the tensor stored whole, or each chunk) as a
-    tensor of bytes of its own, so that a :class:`~paramstore.snapshot.Snapshot` of it maps and
-    checks each object, and views each piece in place; and, per tensor name, the names of its
-    pieces there (:func:`piece_name`, made unique with NUL characters, which no tensor name holds)."""
-    tensors: dict[str, TensorEntry] = {}
-    keys: dict[str, list[str]] = {}
-    for name, e in manifest.tensors.items():
-        for c in e.pieces():
-            key = piece_name(name, e, c)
-            while key in tensors or (key != name and key in manifest.tensors):
-                key += "\0"
-            tensors[key] = TensorEntry("U8", (c.nbytes,), c.digest, c.object, c.offset, c.nbytes)
-            keys.setdefault(name, []).append(key)
-    return Manifest(tensors), keys
-
-
-def _whole(snap: "Snapshot", entry: TensorEntry, keys: list[str]) -> "torch.Tensor":
-    """Tensor ``entry`` read through ``snap`` (a snapshot of :func:`_by_piece`'s manifest; ``keys``:
-    its pieces' names there): a view of the store's bytes, or for a chunked tensor a copy
-    assembled from its chunks (one tensor at a time)."""
-    import torch
-
-    from .export import place_chunk
-    from .tensors import ST_TO_TORCH
-
-    if entry.chunks:
-        data = torch.empty(entry.nbytes, dtype=torch.uint8)
-        for c, k in zip(entry.chunks, keys):
-            place_chunk(data, entry, c, snap[k])
-    else:
-        data = snap[keys[0]]
-    return data.view(ST_TO_TORCH[entry.dtype]).view(entry.shape)
+def _whole(snap: "Snapshot", name: str, entry: TensorEntry) -> "torch.Tensor":
+    """Tensor ``name`` of ``snap``: a view of the store's bytes, or for a chunked tensor a copy
+    assembled from its chunks and not cached (one tensor at a time)."""
+    return snap.read(name, (0,) * len(entry.shape), entry.shape) if entry.chunks else snap[name]

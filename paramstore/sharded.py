@@ -66,45 +66,55 @@ def chunk_name(name: str, offsets: tuple[int, ...]) -> str:
     return f"{name}\0{','.join(map(str, offsets))}"
 
 
-def local_block(name: str, value: Any) -> Block:
-    """This rank's block of the DTensor ``value`` (see the module docstring for who stores it).
+def local_block(name: str, value: Any, verb: str = "committed") -> Block | None:
+    """This rank's block of the DTensor ``value`` (see the module docstring for who stores it);
+    None when this rank is not in its mesh. The commit path and ``Snapshot.load_into`` both use it
+    (``verb``: what is done with the block, for messages).
 
     Raises InvalidTensorError for placements whose local block is not one box of the global
-    tensor (``Partial``: reduce it first, e.g. ``redistribute(placements=[Replicate()])``;
-    ``_StridedShard``, as FSDP2 + tensor parallel produce: ``full_tensor()`` it or commit the
-    unflattened TP layout).
+    tensor (``Partial``: redistribute it first, e.g. ``redistribute(placements=[Replicate()])``;
+    ``_StridedShard``, as FSDP2 + tensor parallel produce), or a local tensor of another shape
+    than its placement says (a padded shard).
     """
     key = (value.device_mesh, tuple(value.placements), tuple(value.shape))
     layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = _LAYOUTS[key] = _block_layout(name, *key)
+        layout = _LAYOUTS[key] = _block_layout(name, *key, verb)
+    if layout is _NOT_IN_MESH:
+        return None
     sizes, offsets, writes = layout
     local = value.to_local()
     if tuple(local.shape) != sizes:
-        raise InvalidTensorError(f"{name!r}: the local tensor has shape {tuple(local.shape)}, its placement says "
-                                 f"{sizes} (a padded shard?)")
+        raise InvalidTensorError(f"{name!r}: the DTensor's local tensor has shape {list(local.shape)}, its placements "
+                                 f"say {list(sizes)} (a padded shard?)")
     return Block(key[2], offsets, sizes, local, writes and local.numel() > 0)
 
 
-#: (mesh, placements, global shape) -> this rank's (sizes, offsets, writes): a trainer commits the
-#: same layout at every step, and working it out costs ~0.1 ms per tensor.
+#: (mesh, placements, global shape) -> this rank's (sizes, offsets, writes), or _NOT_IN_MESH: a
+#: trainer commits the same layout at every step, and working it out costs ~0.1 ms per tensor.
 _LAYOUTS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], bool]] = {}
+_NOT_IN_MESH: tuple = ()
 
 
-def _block_layout(name: str, mesh: Any, placements: tuple, shape: tuple[int, ...]
+def _block_layout(name: str, mesh: Any, placements: tuple, shape: tuple[int, ...], verb: str
                   ) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in placements:
+        where = f"{name!r} is a DTensor with placement {p} on mesh {tuple(mesh.shape)}"
+        if p.is_partial():
+            raise InvalidTensorError(
+                f"{where}: a Partial placement's local tensors are summands, not blocks of the weights. "
+                f"Redistribute it to Replicate or Shard first (dt.redistribute(placements=[Replicate()])): only "
+                f"then can it be {verb}")
         if type(p) is not Shard and type(p) is not Replicate:
             raise InvalidTensorError(
-                f"{name!r} has placement {p} on mesh {tuple(mesh.shape)}: only Shard(dim) and Replicate can be "
-                "committed block by block. Reduce a Partial first (dt.redistribute(placements=[Replicate()])) or "
-                "pass dt.full_tensor()")
+                f"{where}: its local tensor is not one box of the global tensor; only Shard(dim) and Replicate "
+                f"are {verb} block by block (redistribute it, or use dt.full_tensor())")
     coords = mesh.get_coordinate()
     if coords is None:
-        raise InvalidTensorError(f"{name!r}: this rank is not in the DTensor's mesh")
+        return _NOT_IN_MESH
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     writes = all(c == 0 for c, p in zip(coords, placements) if type(p) is Replicate)
     return tuple(sizes), tuple(offsets), writes

@@ -29,15 +29,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
-import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .errors import CorruptObjectError, InvalidArgumentError, LoadError, StoreClosedError
+from .errors import CorruptObjectError, InvalidArgumentError, InvalidTensorError, LoadError, StoreClosedError
 from .liveness import libc
 from .manifest import Chunk, Manifest, TensorEntry, Version
+from .sharded import is_dtensor, local_block
 from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
@@ -184,14 +184,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != n:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InvalidArgumentError(f"read({name!r}): out is {got}, the box is of shape {n}")
-        for c in e.pieces():
-            start = [max(a, b) for a, b in zip(lo, c.offsets)]
-            stop = [min(a + s, b + t) for a, s, b, t in zip(lo, n, c.offsets, c.sizes)]
-            if any(a >= b for a, b in zip(start, stop)):
-                continue  # this piece lies outside the box
-            src = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, c.offsets))
-            dst = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, lo))
-            out[dst].copy_(self._piece(e, c)[src])
+        copy_box(e, lambda c: self._piece(e, c), lo, n, out)
         return out
 
     def _entry(self, name: str) -> TensorEntry:
@@ -367,10 +360,20 @@ class Snapshot(Mapping[str, torch.Tensor]):
         return bad
 
 
-def _is_dtensor(value: object) -> bool:
-    """Whether ``value`` is a DTensor (without importing DTensor where nothing has: that costs ~0.6 s)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(value, mod.DTensor)
+def copy_box(entry: TensorEntry, piece: Callable[[Chunk], torch.Tensor], offsets: tuple[int, ...],
+             sizes: tuple[int, ...], out: torch.Tensor) -> None:
+    """Copy the box ``[offsets, offsets + sizes)`` of tensor ``entry`` into ``out`` (of shape
+    ``sizes``): from each of its pieces (``piece(chunk)``: a view of that chunk's bytes, of shape
+    ``chunk.sizes``) that meets the box, its intersection. Nothing else is read or copied.
+    (:meth:`Snapshot.read`, and the export of a chunked tensor into its file.)"""
+    for c in entry.pieces():
+        start = [max(a, b) for a, b in zip(offsets, c.offsets)]
+        stop = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, c.offsets, c.sizes)]
+        if any(a >= b for a, b in zip(start, stop)):
+            continue  # this piece lies outside the box
+        src = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, c.offsets))
+        dst = tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offsets))
+        out[dst].copy_(piece(c)[src])
 
 
 def _check_box(name: str, shape: tuple[int, ...], offsets: Sequence[int],
@@ -411,7 +414,7 @@ def _destination(key: str, value: Any, shape: tuple[int, ...]) -> tuple[torch.Te
     DTensor whose mesh this rank is not part of (it holds nothing). Raises LoadError."""
     if not isinstance(value, torch.Tensor):
         raise LoadError(f"{key!r} is a {type(value).__name__} in the module, not a tensor")
-    dtensor = _is_dtensor(value)
+    dtensor = is_dtensor(value)
     if tuple(value.shape) != tuple(shape):
         whose = " (the DTensor's global shape)" if dtensor else ""
         raise LoadError(f"size mismatch for {key!r}: the version has shape {list(shape)}, the module "
@@ -423,29 +426,13 @@ def _destination(key: str, value: Any, shape: tuple[int, ...]) -> tuple[torch.Te
 
 def _local_block(key: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """This rank's local tensor of DTensor ``value`` and the offsets of its block in the global
-    tensor; None if this rank is not in its mesh. Raises LoadError for a placement whose local
-    tensor is not one box of the global tensor."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = value.device_mesh, tuple(value.placements)
-    for p in placements:
-        if p.is_partial():
-            raise LoadError(f"{key!r} is a DTensor with placement {p} on mesh {tuple(mesh.shape)}: its local tensors "
-                            "are summands, not blocks of the weights. Redistribute it to Replicate or Shard first "
-                            "(param.redistribute(placements=[Replicate()])) and load into that")
-        if type(p) is not Shard and type(p) is not Replicate:
-            raise LoadError(f"{key!r} is a DTensor with placement {p} on mesh {tuple(mesh.shape)}: its local tensor "
-                            "is not one box of the global tensor; only Shard(dim) and Replicate load block by "
-                            "block (redistribute it, or load its unflattened layout)")
-    if mesh.get_coordinate() is None:
-        return None
-    sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.to_local()
-    if tuple(local.shape) != tuple(sizes):
-        raise LoadError(f"{key!r}: the DTensor's local tensor has shape {list(local.shape)}, its placements say "
-                        f"{list(sizes)} (a padded shard?)")
-    return local, tuple(offsets)
+    tensor (:func:`paramstore.sharded.local_block`, as a commit finds them); None if this rank is
+    not in its mesh. Raises LoadError for a placement whose local tensor is not one box."""
+    try:
+        block = local_block(key, value, verb="loaded")
+    except InvalidTensorError as e:
+        raise LoadError(str(e)) from None
+    return None if block is None else (block.local, block.offsets)
 
 
 def _extents(manifest: Manifest) -> dict[str, tuple[int, int, str]]:

@@ -403,8 +403,7 @@ class ParamStore:
                 taker = Taker(cast=cast, sharded=commit_group is not None, ranks=ranks,
                               writes_plain=commit_group is None or commit_group.is_lead)
             else:
-                collected = collect(items, dtype=cast, group=group,
-                                    group_of=lambda r: commit_group is not None and commit_group.is_lead)
+                collected = collect(items, dtype=cast, ranks=ranks)
             root = self._attach(create=self._create is not False)
             with self._lock:
                 self._check_open()  # under the lock: close() cannot slip in between
@@ -521,7 +520,7 @@ class ParamStore:
 
         self._attach(create=self._create is not False)
         committer = self._get_committer()
-        committer.prepare(collect(model, group_of=_is_lead), ahead=self._recycle_ahead)
+        committer.prepare(collect(model), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
             raise WaitTimeoutError(f"buffers not prepared within {timeout} s")
 
@@ -1326,13 +1325,6 @@ def _prepend(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
     would keep it until the end: the first tensor of a streaming commit alive for the whole commit)."""
     yield box.pop()
     yield from rest
-
-
-def _is_lead(ranks: tuple[int, ...]) -> bool:
-    """Whether this process is the first of ``ranks`` (it stores the plain tensors of a sharded commit)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() == ranks[0]
 
 
 def _warn_if_not_shared_memory(path: str) -> None:

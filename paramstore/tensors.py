@@ -155,6 +155,8 @@ class Taker:
                             f"{name!r} is sharded over ranks {list(mesh_ranks)}, outside the ranks committing "
                             f"{list(self.ranks) or 'alone'}: pass group= (or yield a DTensor of that mesh first)")
                 block = local_block(name, value)
+                if block is None:
+                    raise InvalidTensorError(f"{name!r}: this rank is not in the DTensor's mesh")
                 value, writes = block.local, block.writes
                 shape = block.shape
                 offsets = None if block.whole else block.offsets
@@ -175,22 +177,21 @@ class Taker:
         return TensorSpec(key, st, tuple(t.shape)), t
 
 
-def collect(model: Any, *, dtype: torch.dtype | None = None, group: Any = None,
-            group_of: Any = None) -> Collected:
+def collect(model: Any, *, dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None) -> Collected:
     """Validate ``model`` and list what this rank stores; tensors sharing one storage become aliases.
 
     Of a group of tied names, the smallest name is stored and the others alias it, so the version
     digest does not depend on the order of the state dict. ``dtype``: cast floating-point tensors
-    to it. DTensors, or ``group`` (a process group), make it a commit by several ranks:
-    ``group_of(ranks)`` is called with their global ranks (lead first) and returns whether this
-    rank is the lead; each rank keeps only the blocks it stores (see :mod:`paramstore.sharded`).
+    to it. ``ranks``: the global ranks committing it together (default: those of its DTensors'
+    meshes, :func:`commit_ranks`); with several, each rank keeps only the blocks it stores, and
+    the first (the lead) the plain tensors (see :mod:`paramstore.sharded`).
 
     Raises InvalidArgumentError, InvalidNameError or InvalidTensorError.
     """
     items = model if isinstance(model, list) else model_items(model)  # a list: model_items() already taken
-    ranks = commit_ranks([v for _, v in items], group)
-    taker = Taker(cast=dtype, sharded=len(ranks) > 1,
-                  writes_plain=len(ranks) <= 1 or (group_of is not None and group_of(ranks)))
+    if ranks is None:
+        ranks = commit_ranks([v for _, v in items])
+    taker = Taker(cast=dtype, sharded=len(ranks) > 1, writes_plain=len(ranks) <= 1 or _rank() == ranks[0])
     aliases = _ties(items)
     specs: list[TensorSpec] = []
     sources: list[torch.Tensor] = []
@@ -206,6 +207,12 @@ def collect(model: Any, *, dtype: torch.dtype | None = None, group: Any = None,
         raise InvalidArgumentError("model has no tensors to commit")
     return Collected(specs, sources, aliases, taker.names if taker.sharded else {},
                      taker.blocks, ranks if len(ranks) > 1 else ())
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def _ties(items: list[tuple[Any, Any]]) -> dict[str, str]:

@@ -42,6 +42,20 @@ def store(store_root):
         s.close()
 
 
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A one-process gloo group (``torch.distributed`` initialized in this process), destroyed after."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch built without distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # -- a real S3 API (moto's server on 127.0.0.1) -----------------------------------------------
 @pytest.fixture(scope="session")
 def s3_server():

@@ -3,22 +3,9 @@ gather and the same digest (single-process gloo group). Several ranks: tests/tes
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import paramstore
-
-
-@pytest.fixture
-def gloo_group(tmp_path):
-    if not dist.is_available():
-        pytest.skip("torch built without distributed")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_dtensor_of_one_rank_is_stored_whole_like_a_plain_tensor(gloo_group, store_root):

@@ -9,11 +9,7 @@ published straight to the registry (:func:`publish_chunked`). The DTensor tests 
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
-import os
 import time
-import traceback
-import warnings
 
 import pytest
 import torch
@@ -21,12 +17,11 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from helpers import assert_bits_equal, random_tensor
+from ranks import run_ranks
 from paramstore import ParamStore
 from paramstore.errors import InvalidArgumentError, LoadError, StoreClosedError
 from paramstore.manifest import Chunk, Manifest, TensorEntry, Version
 from paramstore.snapshot import Snapshot
-
-SPAWN = mp.get_context("spawn")
 
 Cuts = tuple[tuple[int, ...], ...]  # per dimension, where blocks start (besides 0)
 
@@ -402,24 +397,13 @@ def check_dtensor_load(root: str, step: int) -> None:
                     assert_bits_equal(got.full_tensor(), want, at)
 
 
-def rank_main(rank: int, init: str, report: str, root: str, step: int) -> None:
-    warnings.filterwarnings("ignore")
+def rank_main(rank: int, world: int, root: str, step: int) -> str:
+    """On each spawned rank (tests/ranks.py's ``run_ranks``): every check, then a barrier."""
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
-        check_dtensor_load(root, step)
-        dist.barrier()
-        outcome = "ok"
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        outcome = traceback.format_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(f"{report}.{rank}.tmp", "w") as f:
-        f.write(outcome)
-    os.rename(f"{report}.{rank}.tmp", f"{report}.{rank}")
-    os._exit(0 if outcome == "ok" else 1)
+    check_dtensor_load(root, step)
+    dist.barrier()
+    return "ok"
 
 
 @pytest.fixture
@@ -432,50 +416,16 @@ def dist_version(store, shm_dir):
 def test_load_into_dtensors_on_spawned_ranks(dist_version):
     """2 and 3 ranks with Shard(0), Shard(1), Replicate (uneven blocks); a (2, 2) mesh with
     (Shard(0), Shard(1)), (Shard(1), Replicate()), (Replicate(), Shard(0)), (Shard(0), Shard(0))."""
-    root, step, tmp = dist_version
-    init, report = os.path.join(tmp, "init"), os.path.join(tmp, "report")
-    procs = [SPAWN.Process(target=rank_main, args=(r, init, report, root, step), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    try:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    outcomes = {}
-    for r, p in enumerate(procs):
-        try:
-            with open(f"{report}.{r}") as f:
-                outcomes[r] = f.read()
-        except FileNotFoundError:
-            outcomes[r] = f"no report (exit code {p.exitcode}; negative: killed, e.g. after 120 s)"
-    failed = {r: o for r, o in outcomes.items() if o != "ok"}
-    assert not failed, "\n".join(f"rank {r}:\n{o}" for r, o in failed.items())
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    root, step, _ = dist_version
+    assert run_ranks(WORLD, rank_main, root, step, timeout=120) == {r: "ok" for r in range(WORLD)}
 
 
 @pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo group and a (1,) CPU mesh in this process."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch built without distributed")
+def one_rank(gloo_group):
+    """A (1,) CPU mesh in this process (a one-process gloo group: conftest's ``gloo_group``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def test_load_into_dtensors_in_one_process_and_what_is_refused(one_rank, dist_version):
