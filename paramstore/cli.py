@@ -140,7 +140,8 @@ def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     """A version and one line per name: dtype, global shape, size, digest, and for a tensor committed
-    sharded its chunk count (the manifest's format says whether it holds any: 2, or 1)."""
+    sharded its chunk count (the manifest's format says whether it holds any: 2, or 1); then one
+    line per asset (format 3)."""
     v = store.get(args.version)
     man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
@@ -149,7 +150,8 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
         f"size       {_human(v.nbytes)} in {len(man.tensors)} tensors, {len(man.aliases)} aliases, "
         f"{len(man.objects())} objects",
-        f"format     {out['manifest']['format']} ({f'{chunked} tensors chunked' if chunked else 'every tensor whole'})",
+        f"format     {out['manifest']['format']} ({f'{chunked} tensors chunked' if chunked else 'every tensor whole'}"
+        f"{f', {len(man.assets)} assets' if man.assets else ''})",
         f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
         f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
     ]
@@ -158,6 +160,8 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         chunks = f"  {len(e.chunks)} chunks" if e.chunks else ""
         alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
         lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{chunks}{alias}")
+    for n, e in sorted(man.assets.items()):
+        lines.append(f"  asset {n}  {_human(e.nbytes)}  {e.digest[:12]}")
     return out, "\n".join(lines), 0
 
 
@@ -212,7 +216,8 @@ def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 def _export(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
-    r = store.export(args.version, args.dir, shard_size_bytes=args.shard_size_bytes, show_progress=None)
+    r = store.export(args.version, args.dir, shard_size_bytes=args.shard_size_bytes, show_progress=None,
+                     assets_from=args.assets_from, weights_only=args.weights_only)
     return r, f"exported step {r['step']} to {r['directory']}: {', '.join(r['files'])}", 0
 
 
@@ -370,10 +375,15 @@ def _parser() -> argparse.ArgumentParser:
     add("rm", _rm, "remove a version that cannot be repaired (refused while leased, and for the latest); "
         "its objects go at the next gc").add_argument("version", type=_version_arg)
     add("du", _du, "logical vs stored bytes and the dedup ratio")
-    sp = add("export", _export, "write a version as Hugging Face safetensors shards + index")
+    sp = add("export", _export, "write a version as a Hugging Face model directory (safetensors shards, index, "
+             "config and tokenizer files) that from_pretrained loads as it is")
     sp.add_argument("version", type=_version_arg)
     sp.add_argument("dir")
     sp.add_argument("--shard-size-bytes", type=int, default=5 * 10**9)
+    sp.add_argument("--assets-from", metavar="MODEL_DIR",
+                    help="also write this directory's config and tokenizer files (for versions committed without them)")
+    sp.add_argument("--weights-only", action="store_true",
+                    help="write the shards and index alone (no config: from_pretrained cannot load it as it is)")
     sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME)")
     sp.add_argument("version", type=_version_arg, nargs="?")
     sp.add_argument("tag", metavar="NAME")  # not dest "name": that is --name, the store's name

@@ -298,6 +298,7 @@ class Committer:
         of its own. At the end the shards are compacted to the tensors that arrived, and the layout
         of what arrived becomes the next commit's. Extra memory: the tensor being copied (device
         copies run on a side stream, ``record_stream`` keeping the source's memory until copied).
+        The assets (``taker.assets``) follow the last tensor.
         """
         _, plans = self._layout
         where = {p.spec.name: (i, p) for i, plan in enumerate(plans) for p in plan.placements}
@@ -306,34 +307,38 @@ class Committer:
         extras: list[tuple[ShardPlan, Slab]] = []
         specs: list[TensorSpec] = []
         copier = _Copier({})
+
+        def place(spec: TensorSpec, src: torch.Tensor) -> None:
+            """Copy ``src`` to its place in the previous layout, or into an object of its own."""
+            specs.append(spec)
+            i, p = where.pop(spec.name, (None, None))
+            if p is not None and p.spec == spec:
+                if i not in taken:
+                    taken[i] = self._take_shard(job, plans[i])
+                slab = taken[i]
+                arrived.setdefault(i, set()).add(spec.name)
+            else:
+                plan = layout([spec])
+                slab = self._take_shard(job, plan)
+                extras.append((plan, slab))
+                p = plan.placements[0]
+            copier.copy(_slab_view(slab, p), src, follow=True)
+
         try:
             for item in pairs:
                 name, value = check_pair(item)
                 del item
                 got = taker.take(name, value)
                 del value
-                if got is None:  # another rank stores it
-                    continue
-                spec, src = got
+                if got is not None:  # None: another rank stores it
+                    place(*got)
                 del got
-                specs.append(spec)
-                i, p = where.pop(spec.name, (None, None))
-                if p is not None and p.spec == spec:
-                    if i not in taken:
-                        taken[i] = self._take_shard(job, plans[i])
-                    slab = taken[i]
-                    arrived.setdefault(i, set()).add(spec.name)
-                else:
-                    plan = layout([spec])
-                    slab = self._take_shard(job, plan)
-                    extras.append((plan, slab))
-                    p = plan.placements[0]
-                copier.copy(_slab_view(slab, p), src, follow=True)
-                del src
             if not taker.names:
                 from .errors import InvalidArgumentError
 
                 raise InvalidArgumentError("the commit's iterable yielded no tensors")
+            for spec, src in taker.take_assets():
+                place(spec, src)
         finally:
             copier.synchronize()
         job.plans, job.slabs = [], []
@@ -435,7 +440,7 @@ class Committer:
         # From the dedup lookup to the publish, GC must not delete what this commit will reference.
         with self._gc_lock():
             entries, new_objects, new_tensors = self._store(job, digests)
-            manifest = Manifest(entries, dict(job.collected.aliases))
+            manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
             self._registry.publish(version, manifest, new_objects, new_tensors)
             return version
@@ -494,7 +499,7 @@ class Committer:
             version, manifest = self._registry.get_version(step), self._registry.get_manifest(step)
         except Exception:  # noqa: BLE001 - not published (or unreadable): the group's error stands
             raise error from None
-        have = {(c.digest, c.object) for e in manifest.tensors.values() for c in e.pieces()}
+        have = {(c.digest, c.object) for _, e in manifest.stored() for c in e.pieces()}
         mine = {(c["digest"], c["object"]) for blocks in part.get("blocks", {}).values() for c in blocks}
         if "error" in part or not mine <= have:
             raise error
@@ -517,7 +522,7 @@ class Committer:
             entries = merge_parts(parts, group.ranks)
             new_objects = {o: ObjectInfo(size, tuple(ts)) for p in parts for o, (size, ts) in p["objects"].items()}
             new_tensors = {d: TensorLocation(*loc) for p in parts for d, loc in p["tensors"].items()}
-            manifest = Manifest(entries, dict(job.collected.aliases))
+            manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
             self._registry.publish(version, manifest, new_objects, new_tensors)
         except BaseException as e:  # noqa: BLE001 - every rank fails with it

@@ -1,8 +1,14 @@
-"""Export a version in the Hugging Face layout: safetensors shards plus ``model.safetensors.index.json``.
+"""Export a version in the Hugging Face layout: safetensors shards plus ``model.safetensors.index.json``,
+and the version's assets (``config.json``, ``generation_config.json``, tokenizer files) beside them.
 
-The result loads with ``safetensors.torch.load_file`` (each shard) and with ``transformers``'
-``from_pretrained(dir)``. Bytes are streamed from the store's objects into the shards: no full copy
-in memory. Each file is written under a temporary name and renamed into place.
+The result loads with ``safetensors.torch.load_file`` (each shard) and, as it is, with ``transformers``'
+``from_pretrained(dir)`` and ``vllm.LLM(model=dir)``: every shard's header says ``{"format": "pt"}``
+(transformers 4.x refuses shards without it), and the export is refused, before anything is written,
+when it would not load: without a ``config.json`` naming its ``model_type`` (see
+:func:`paramstore.assets.check_loadable`; ``assets_from=`` supplies the files of a version committed
+without them, ``weights_only=True`` exports the weights alone). Bytes are streamed from the store's
+objects into the shards: no full copy in memory. Each file is written under a temporary name and
+renamed into place; the index last, so a directory with an index is a complete export.
 
 A chunked tensor (a sharded commit: each rank stored its own block) is exported whole: its range of
 the shard file is mapped and each chunk is copied into its box there (as a checkout reads a box), so no
@@ -27,6 +33,7 @@ import mmap
 import os
 from typing import IO, Any, Iterable, Mapping
 
+from .assets import check_loadable, dir_assets, write_assets
 from .errors import InvalidArgumentError, ObjectUnavailableError
 from .format import TensorSpec, layout
 from .manifest import TensorEntry
@@ -42,14 +49,21 @@ EXPORT_METADATA = {"format": "pt"}
 
 
 def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int = DEFAULT_EXPORT_SHARD_BYTES,
-           show_progress: bool | None = None) -> dict[str, Any]:
-    """Write version ``step`` to ``directory`` as HF-style shards; returns what was written.
+           show_progress: bool | None = None, assets_from: str | os.PathLike[str] | None = None,
+           weights_only: bool = False) -> dict[str, Any]:
+    """Write version ``step`` to ``directory`` as HF-style shards and its assets; returns what was
+    written (``files``: the shards, the assets, then the index).
 
     ``directory`` must be new or empty (leftover ``*.partial`` files of an interrupted export are
-    allowed). ``show_progress``: None shows a bar when stderr is a terminal.
+    allowed). ``show_progress``: None shows a bar when stderr is a terminal. ``assets_from``: a
+    model directory whose files (every file at its top except weights) are written too, over the
+    version's own of the same name. ``weights_only``: write the shards and the index only (no
+    assets, no check that ``from_pretrained`` could load the result).
 
     Raises:
-        InvalidArgumentError: ``directory`` is a file or holds anything else; a bad shard size.
+        InvalidArgumentError: ``directory`` is a file or holds anything else; a bad shard size; the
+            export would not load with ``from_pretrained`` (no ``config.json`` with a ``model_type``)
+            and ``weights_only`` is false. Nothing is written then.
         ObjectUnavailableError: an object of the version is missing from this host (nothing is written).
     """
     if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
@@ -61,15 +75,20 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
         if other:
             raise InvalidArgumentError(f"{directory} is not empty ({len(other)} entries, e.g. {sorted(other)[0]!r}); "
                                        "export needs a new or empty directory")
+    extra = {} if assets_from is None or weights_only else dir_assets(assets_from)
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
-        return _export(root, step, directory, shard_size_bytes, show_progress)
+        return _export(root, step, directory, shard_size_bytes, show_progress, extra, weights_only)
 
 
-def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool) -> dict[str, Any]:
+def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool,
+            extra: dict[str, bytes], weights_only: bool) -> dict[str, Any]:
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
     maps = map_objects(root, step, man.objects())  # before anything is written
     try:
+        assets = {} if weights_only else {**{n: _bytes(maps, e) for n, e in man.assets.items()}, **extra}
+        if not weights_only:
+            check_loadable(assets, f"the export of version {step}")
         os.makedirs(directory, exist_ok=True)
     except BaseException:
         for m in maps.values():
@@ -115,6 +134,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     finally:
         for m in maps.values():
             m.close()
+    written = write_assets(directory, assets)
     index = {
         "metadata": {"total_size": sum(man.entry(n).nbytes for n in names), "paramstore_step": step,
                      "paramstore_digest": version.digest, "paramstore_aliases": dict(sorted(man.aliases.items()))},
@@ -124,7 +144,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2)
     os.replace(tmp, os.path.join(directory, INDEX_NAME))  # written last: the export is complete
-    return {"step": step, "directory": os.path.abspath(directory), "files": [*files, INDEX_NAME],
+    return {"step": step, "directory": os.path.abspath(directory), "files": [*files, *written, INDEX_NAME],
             "total_size": index["metadata"]["total_size"]}
 
 
@@ -154,6 +174,11 @@ def _write_chunked(f: IO[bytes], entry: TensorEntry, maps: Mapping[str, mmap.mma
         del whole
         out.flush()
     f.seek(end)
+
+
+def _bytes(maps: Mapping[str, mmap.mmap], entry: TensorEntry) -> bytes:
+    """The bytes of a whole (not chunked) entry: an asset's file."""
+    return maps[entry.object][entry.offset : entry.offset + entry.nbytes]
 
 
 def map_objects(root: StoreRoot, step: int, objects: Iterable[str]) -> dict[str, mmap.mmap]:

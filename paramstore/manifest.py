@@ -11,6 +11,13 @@ stored whole keeps the plain form, so a manifest without chunked tensors is writ
 as before chunks existed, and one with chunks in format 2 (which older readers refuse, naming the
 format).
 
+A version may also carry *assets*: small files that belong with the weights (a Hugging Face
+model's ``config.json`` and ``generation_config.json``, tokenizer files), each stored as a 1-D
+``U8`` entry in the same content-addressed objects as the tensors. So they are deduplicated, moved
+between hosts, pushed, pulled, verified and kept from GC exactly like tensors; only the views of a
+version's tensors (a snapshot's keys, ``load_into``, ``diff`` of tensors) leave them out. A
+manifest with assets is written in format 3.
+
 A *version* is the small record listed by ``ls``: step, creation time, tags, metrics, metadata,
 logical size, tensor count and the version digest. The version digest covers names, dtypes, shapes,
 tensor digests and aliases, not where the bytes happen to be stored, so the same weights committed
@@ -28,16 +35,20 @@ import blake3
 
 from .errors import CorruptObjectError, ParamStoreError
 from .format import ITEMSIZE
-from .validate import check_name
+from .validate import check_asset_name, check_name
 
 from paramstore.backends.tiers.base import check_digest
 
-__all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "check_manifest", "check_tiling"]
+__all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "ASSET_PREFIX", "check_manifest",
+           "check_tiling"]
 
-#: The newest manifest format this paramstore reads and writes: 1 (every tensor whole) or 2 (some
-#: tensors chunked). A manifest is written in the lowest format that can hold it.
-MANIFEST_FORMAT = 2
-_FORMATS = (1, 2)
+#: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
+#: tensors chunked) or 3 (with assets). A manifest is written in the lowest format that can hold it.
+MANIFEST_FORMAT = 3
+_FORMATS = (1, 2, 3)
+#: An asset's name where assets and tensors share one namespace (staging, the names inside objects,
+#: a sharded commit's exchange): a tensor name has no NUL, so none can collide with it.
+ASSET_PREFIX = "\0asset\0"
 _VERSION_DOMAIN = b"paramstore/version/v1\0"
 _CHUNKED_DOMAIN = b"paramstore/chunked/v1\0"
 _CHUNK_KEYS = {"offsets", "sizes", "digest", "object", "offset", "nbytes"}
@@ -150,10 +161,25 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Every tensor of a version, and the names that alias another one."""
+    """Every tensor of a version, the names that alias another one, and the version's assets
+    (file name -> a 1-D ``U8`` entry holding the file's bytes; see the module docstring)."""
 
     tensors: Mapping[str, TensorEntry]
     aliases: Mapping[str, str] = field(default_factory=dict)
+    assets: Mapping[str, TensorEntry] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entries: Mapping[str, TensorEntry], aliases: Mapping[str, str]) -> "Manifest":
+        """The manifest of a commit's ``entries``, where assets are named ``ASSET_PREFIX + name``."""
+        n = len(ASSET_PREFIX)
+        return cls({k: e for k, e in entries.items() if not k.startswith(ASSET_PREFIX)}, dict(aliases),
+                   {k[n:]: e for k, e in entries.items() if k.startswith(ASSET_PREFIX)})
+
+    def stored(self) -> list[tuple[str, TensorEntry]]:
+        """Every entry whose bytes an object holds: the tensors, then the assets (named
+        ``"asset <name>"`` here, for messages). Byte-level code (verify, fetch, push and pull
+        checks) goes through this; the views of tensors use :attr:`tensors`."""
+        return [*self.tensors.items(), *((f"asset {n}", e) for n, e in self.assets.items())]
 
     def names(self) -> list[str]:
         """All names, tensors and aliases, sorted."""
@@ -170,7 +196,7 @@ class Manifest:
 
     def objects(self) -> set[str]:
         """Digests of the objects this manifest references."""
-        return {c.object for e in self.tensors.values() for c in e.pieces()}
+        return {c.object for _, e in self.stored() for c in e.pieces()}
 
     @property
     def chunked(self) -> bool:
@@ -183,27 +209,29 @@ class Manifest:
             "tensors": {n: [e.dtype, list(e.shape), e.digest] for n, e in self.tensors.items()},
             "aliases": dict(self.aliases),
         }
+        if self.assets:  # absent otherwise: digests of versions without assets are unchanged
+            canon["assets"] = {n: e.digest for n, e in self.assets.items()}
         body = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
         return blake3.blake3(_VERSION_DOMAIN + body).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": 2 if self.chunked else 1,
+            "format": 3 if self.assets else 2 if self.chunked else 1,
             "tensors": {n: e.to_json() for n, e in sorted(self.tensors.items())},
             "aliases": dict(sorted(self.aliases.items())),
-        }
+        } | ({"assets": {n: e.to_json() for n, e in sorted(self.assets.items())}} if self.assets else {})
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Manifest":
         """Parse and check a manifest (see :meth:`TensorEntry.from_json`; names are valid, each alias
         names a stored tensor and is not one). Raises CorruptObjectError, or ParamStoreError for a
         format this paramstore does not read."""
-        _expect_keys("manifest", d, {"format", "tensors", "aliases"})
-        if d["format"] not in _FORMATS:
+        if not isinstance(d, Mapping) or d.get("format") not in _FORMATS:
             raise ParamStoreError(
-                f"manifest format {d['format']} is not supported by this paramstore "
-                f"(reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
+                f"manifest format {d.get('format') if isinstance(d, Mapping) else d!r} is not supported by this "
+                f"paramstore (reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
             )
+        _expect_keys("manifest", d, {"format", "tensors", "aliases"} | ({"assets"} if d["format"] >= 3 else set()))
         if not isinstance(d["tensors"], dict) or not isinstance(d["aliases"], dict):
             raise CorruptObjectError("manifest: 'tensors' and 'aliases' must be JSON objects")
         tensors = {}
@@ -217,9 +245,22 @@ class Manifest:
             _check_name(a)
             if not isinstance(n, str) or n not in tensors or a in tensors:
                 raise CorruptObjectError(f"manifest alias {a!r} -> {n!r} does not name a stored tensor")
-        manifest = cls(tensors, dict(d["aliases"]))
+        if not isinstance(d.get("assets", {}), dict):
+            raise CorruptObjectError("manifest: 'assets' must be a JSON object")
+        assets = {}
+        for n, e in d.get("assets", {}).items():
+            try:
+                check_asset_name(n)
+                assets[n] = TensorEntry.from_json(e)
+            except ParamStoreError as err:
+                raise CorruptObjectError(f"manifest asset {n!r}: {err}") from None
+            if assets[n].dtype != "U8" or len(assets[n].shape) != 1 or assets[n].chunks:
+                raise CorruptObjectError(f"manifest asset {n!r} is not a 1-D U8 entry")
+        manifest = cls(tensors, dict(d["aliases"]), assets)
         if manifest.chunked and d["format"] < 2:
             raise CorruptObjectError("manifest of format 1 holds chunked tensors (format 2)")
+        if d["format"] >= 3 and not assets:
+            raise CorruptObjectError("manifest of format 3 holds no assets")
         return manifest
 
 
@@ -324,7 +365,7 @@ def check_manifest(manifest: Manifest, version: Version, sizes: Mapping[str, int
         return
     if set(sizes) != manifest.objects():
         raise CorruptObjectError(f"version {version.step}{at}: its record lists other objects than its manifest")
-    for name, e in manifest.tensors.items():
+    for name, e in manifest.stored():
         for c in e.pieces():
             want = ITEMSIZE.get(e.dtype, 0)
             for n in c.sizes:

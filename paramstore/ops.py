@@ -104,7 +104,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                 except CorruptStoreError as e:
                     unreadable[s] = str(e)
                     continue
-                for name, e in manifest.tensors.items():
+                for name, e in manifest.stored():
                     for c in e.pieces():
                         refs.setdefault(c.object, []).append(
                             (s, piece_name(name, e, c), (c.offset, c.offset + c.nbytes), c.digest))

@@ -640,7 +640,7 @@ def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, C
     """The manifest's pieces (a tensor stored whole, or each chunk of a chunked one) grouped by the
     object that holds them, each with its name for messages (:func:`~paramstore.ops.piece_name`)."""
     out: dict[str, list[tuple[str, Chunk]]] = {}
-    for name, e in manifest.tensors.items() if manifest is not None else ():
+    for name, e in manifest.stored() if manifest is not None else ():
         for c in e.pieces():
             out.setdefault(c.object, []).append((piece_name(name, e, c), c))
     return out
@@ -673,7 +673,7 @@ def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, Obje
     """
     spans: dict[str, dict[tuple[int, int], str]] = {o: {} for o in sizes}
     tensors: dict[str, TensorLocation] = {}
-    for c in (c for e in manifest.tensors.values() for c in e.pieces()):
+    for c in (c for _, e in manifest.stored() for c in e.pieces()):
         spans[c.object][(c.offset, c.offset + c.nbytes)] = c.digest
         tensors[c.digest] = TensorLocation(c.object, c.offset, c.nbytes)
     objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}

@@ -187,6 +187,21 @@ class Snapshot(Mapping[str, torch.Tensor]):
         copy_box(e, lambda c: self._piece(e, c), lo, n, out)
         return out
 
+    @property
+    def assets(self) -> dict[str, bytes]:
+        """The version's assets (``config.json``, tokenizer files...; see :mod:`paramstore.assets`):
+        file name -> bytes, read from the store. They are not among the snapshot's tensors.
+
+        Example:
+            >>> _ = store.commit(2, model, assets={"notes.txt": b"lr=1e-6"}).result()
+            >>> with store.checkout(2) as snap:
+            ...     snap.assets, "notes.txt" in snap
+            ({'notes.txt': b'lr=1e-6'}, False)
+        """
+        if self._bufs is None:
+            raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        return {n: bytes(self._maps[e.object][e.offset : e.offset + e.nbytes]) for n, e in self.manifest.assets.items()}
+
     def _entry(self, name: str) -> TensorEntry:
         """The manifest entry of ``name`` (following an alias); StoreClosedError, KeyError."""
         if self._bufs is None:
@@ -348,7 +363,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
         spans: dict[str, dict[tuple[int, int], str]] = {}
-        for e in self.manifest.tensors.values():
+        for _, e in self.manifest.stored():
             for c in e.pieces():
                 spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
         bad: dict[str, str] = {}
@@ -439,7 +454,7 @@ def _extents(manifest: Manifest) -> dict[str, tuple[int, int, str]]:
     """Per object: the lowest offset and the highest end of the byte ranges the manifest points
     into, and the name of the tensor that ends highest (one pass over the manifest)."""
     out: dict[str, tuple[int, int, str]] = {}
-    for name, e in manifest.tensors.items():
+    for name, e in manifest.stored():
         for c in e.pieces():
             lo, hi, last = out.get(c.object, (c.offset, -1, name))
             end = c.offset + c.nbytes

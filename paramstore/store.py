@@ -18,6 +18,7 @@ from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from . import maintenance, ops
+from .assets import AssetsArg
 from .checkout import FetchReport, Fetcher, check_checkout_args, open_snapshot
 from .errors import (
     InvalidArgumentError,
@@ -325,6 +326,7 @@ class ParamStore:
         metadata: Mapping[str, Any] | None = None,
         dtype: torch.dtype | None = None,
         group: Any = None,
+        assets: AssetsArg = None,
     ) -> CommitHandle:
         """Snapshot ``model``'s tensors as version ``step``; returns at once.
 
@@ -348,6 +350,12 @@ class ParamStore:
         ``torch.distributed`` process group) makes plain tensors a commit of that group's ranks:
         written once, by its first rank, the others only iterate (see :mod:`paramstore.sharded`).
 
+        **Assets.** A transformers ``PreTrainedModel`` keeps its ``config.json`` and
+        ``generation_config.json`` with the version, and ``assets=`` attaches other files (a
+        tokenizer): stored and moved like tensors, left out of the snapshot's tensors, written
+        beside the shards by :meth:`export` so that ``from_pretrained`` loads the export as it is
+        (see :mod:`paramstore.assets`).
+
         Args:
             step: trainer step, a non-negative int above every committed step.
             model: a ``torch.nn.Module`` (its ``state_dict()``), a mapping of names to tensors, or
@@ -360,6 +368,10 @@ class ParamStore:
                 fp32 master weights); other tensors keep theirs.
             group: the process group whose ranks commit this version together (inferred from the
                 DTensors' meshes when None).
+            assets: files kept with the version: a directory (every file at its top except
+                weights, e.g. a model directory's configs and tokenizer files) or a mapping of
+                file names to bytes or paths. A name also found in the model's own config files
+                overrides it.
 
         Returns:
             A :class:`CommitHandle`; ``handle.result()`` waits and returns the :class:`Version`.
@@ -379,6 +391,7 @@ class ParamStore:
             116
         """
         self._check_open()
+        from .assets import model_assets, read_assets
         from .tensors import Taker, check_cast, collect, commit_ranks, is_stream, model_items
 
         # First who commits together (no validation yet: a rank that fails any check below must
@@ -396,14 +409,15 @@ class ParamStore:
             metrics_d = check_metrics(metrics)
             metadata_d = check_metadata(metadata)
             cast = check_cast(dtype)
+            files = {**({} if stream else model_assets(model, cast)), **read_assets(assets)}
             if os.getpid() != self._owner:
                 raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
                                       "after fork to commit from the child")
             if stream:
                 taker = Taker(cast=cast, sharded=commit_group is not None, ranks=ranks,
-                              writes_plain=commit_group is None or commit_group.is_lead)
+                              writes_plain=commit_group is None or commit_group.is_lead, assets=files)
             else:
-                collected = collect(items, dtype=cast, ranks=ranks)
+                collected = collect(items, dtype=cast, ranks=ranks, assets=files)
             root = self._attach(create=self._create is not False)
             with self._lock:
                 self._check_open()  # under the lock: close() cannot slip in between
@@ -1140,24 +1154,38 @@ class ParamStore:
         return ops.diff(self._root, self._root.resolve(a), self._root.resolve(b))
 
     def export(self, version: VersionSpec, directory: str | os.PathLike[str], *,
-               shard_size_bytes: int | None = None, show_progress: bool | None = False) -> dict[str, Any]:
-        """Write a version as Hugging Face safetensors shards plus ``model.safetensors.index.json``.
+               shard_size_bytes: int | None = None, show_progress: bool | None = False,
+               assets_from: str | os.PathLike[str] | None = None, weights_only: bool = False) -> dict[str, Any]:
+        """Write a version as a Hugging Face model directory: safetensors shards,
+        ``model.safetensors.index.json`` and the version's assets (``config.json``, tokenizer
+        files), which ``from_pretrained(directory)`` and ``vllm.LLM(model=directory)`` load as it is.
 
-        ``directory`` must be new or empty. Returns ``{"step", "directory", "files", ...}``.
+        ``directory`` must be new or empty. An export that would not load (no ``config.json``
+        naming a ``model_type``: a version committed from a plain module or state dict) is refused
+        before anything is written: pass ``assets_from=`` a model directory holding its config
+        (and tokenizer), or ``weights_only=True`` for the shards and index alone (see
+        :func:`paramstore.export.export`). Returns ``{"step", "directory", "files", ...}``.
 
         Example:
-            >>> out = store.export("latest", root + "/hf")  # a new directory (or an empty one)
+            >>> out = store.export("latest", root + "/hf", weights_only=True)  # a plain module: no config
             >>> out["files"]
             ['model-00001-of-00001.safetensors', 'model.safetensors.index.json']
             >>> out["step"], out["total_size"]
             (1, 232)
+            >>> import transformers
+            >>> gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
+            >>> _ = store.commit(2, gpt2, assets={"chat_template.jinja": b"{{ messages }}"}).result()
+            >>> store.export(2, root + "/gpt2")["files"][1:]
+            ['chat_template.jinja', 'config.json', 'generation_config.json', 'model.safetensors.index.json']
+            >>> type(transformers.AutoModelForCausalLM.from_pretrained(root + "/gpt2")).__name__
+            'GPT2LMHeadModel'
         """
         from .export import DEFAULT_EXPORT_SHARD_BYTES, export
 
         self._check_open()
         return export(self._root, self._root.resolve(version), os.fspath(directory),
                       shard_size_bytes=DEFAULT_EXPORT_SHARD_BYTES if shard_size_bytes is None else shard_size_bytes,
-                      show_progress=show_progress)
+                      show_progress=show_progress, assets_from=assets_from, weights_only=weights_only)
 
     # -- retention ---------------------------------------------------------------------------
     def prune(self, policy: Policy, *, dry_run: bool = False, tier: str = "local") -> PruneReport:

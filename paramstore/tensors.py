@@ -13,6 +13,7 @@ import torch
 
 from .errors import InvalidArgumentError, InvalidNameError, InvalidTensorError
 from .format import TensorSpec
+from .manifest import ASSET_PREFIX
 from .sharded import chunk_name, group_ranks, is_dtensor, local_block
 from .validate import check_name
 
@@ -124,7 +125,8 @@ class Taker:
     calls :meth:`take` as each tensor arrives; :func:`collect` for a whole state dict).
 
     ``writes_plain``: this rank stores plain tensors (one process, or the lead of several ranks);
-    ``sharded``: a commit by several ranks (names and blocks are recorded).
+    ``sharded``: a commit by several ranks (names and blocks are recorded); ``assets``: files kept
+    with the version (name -> bytes; :meth:`take_assets`, after the tensors).
     """
 
     cast: torch.dtype | None = None
@@ -133,6 +135,19 @@ class Taker:
     ranks: tuple[int, ...] = ()  # the ranks committing (a streaming commit checks each DTensor's mesh)
     names: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     blocks: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    assets: Mapping[str, bytes] = field(default_factory=dict)
+
+    def take_assets(self) -> list[tuple[TensorSpec, torch.Tensor]]:
+        """The assets this rank stores (the lead's job, like plain tensors), each a 1-D ``U8``
+        tensor named ``ASSET_PREFIX + name`` (see :mod:`paramstore.manifest`)."""
+        out = []
+        for name, data in sorted(self.assets.items()):
+            key = ASSET_PREFIX + name
+            self.names[key] = ("U8", (len(data),))
+            if self.writes_plain:
+                t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                out.append((TensorSpec(key, "U8", (len(data),)), t))
+        return out
 
     def take(self, name: Any, value: Any) -> tuple[TensorSpec, torch.Tensor] | None:
         """Validate one tensor; returns the spec and data this rank stores, or None (another rank
@@ -177,21 +192,24 @@ class Taker:
         return TensorSpec(key, st, tuple(t.shape)), t
 
 
-def collect(model: Any, *, dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None) -> Collected:
+def collect(model: Any, *, dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None,
+            assets: Mapping[str, bytes] | None = None) -> Collected:
     """Validate ``model`` and list what this rank stores; tensors sharing one storage become aliases.
 
     Of a group of tied names, the smallest name is stored and the others alias it, so the version
     digest does not depend on the order of the state dict. ``dtype``: cast floating-point tensors
     to it. ``ranks``: the global ranks committing it together (default: those of its DTensors'
     meshes, :func:`commit_ranks`); with several, each rank keeps only the blocks it stores, and
-    the first (the lead) the plain tensors (see :mod:`paramstore.sharded`).
+    the first (the lead) the plain tensors (see :mod:`paramstore.sharded`). ``assets``: files kept
+    with the version (checked names -> bytes), stored after the tensors.
 
     Raises InvalidArgumentError, InvalidNameError or InvalidTensorError.
     """
     items = model if isinstance(model, list) else model_items(model)  # a list: model_items() already taken
     if ranks is None:
         ranks = commit_ranks([v for _, v in items])
-    taker = Taker(cast=dtype, sharded=len(ranks) > 1, writes_plain=len(ranks) <= 1 or _rank() == ranks[0])
+    taker = Taker(cast=dtype, sharded=len(ranks) > 1, writes_plain=len(ranks) <= 1 or _rank() == ranks[0],
+                  assets=assets or {})
     aliases = _ties(items)
     specs: list[TensorSpec] = []
     sources: list[torch.Tensor] = []
@@ -205,6 +223,9 @@ def collect(model: Any, *, dtype: torch.dtype | None = None, ranks: tuple[int, .
             sources.append(got[1])
     if not taker.names:
         raise InvalidArgumentError("model has no tensors to commit")
+    for spec, t in taker.take_assets():
+        specs.append(spec)
+        sources.append(t)
     return Collected(specs, sources, aliases, taker.names if taker.sharded else {},
                      taker.blocks, ranks if len(ranks) > 1 else ())
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
 
-__all__ = ["check_name", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
+__all__ = ["check_name", "check_asset_name", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
            "MAX_TAG_BYTES", "MAX_STEP"]
 
 #: Steps are in [0, MAX_STEP): registry keys are 8-byte big-endian.
@@ -32,6 +32,21 @@ def check_name(name: Any, what: str = "tensor name") -> str:
         name.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidNameError(f"{what} {name!r} is not valid Unicode text: {e}") from e
+    return name
+
+
+#: File names an export writes itself, which no asset may take.
+EXPORT_INDEX = "model.safetensors.index.json"
+
+
+def check_asset_name(name: Any) -> str:
+    """An asset is a file written beside an export's shards: a plain file name (no directory part,
+    at most 255 bytes), not one the export writes itself (``*.safetensors``, the index)."""
+    check_name(name, "asset name")
+    if "/" in name or "\\" in name or name in (".", "..") or len(name.encode("utf-8")) > 255:
+        raise InvalidNameError(f"asset name {name!r} must be a plain file name (no directory part, at most 255 bytes)")
+    if name.endswith(".safetensors") or name == EXPORT_INDEX:
+        raise InvalidNameError(f"asset name {name!r} is a weights file name, which an export writes itself")
     return name
 
 

@@ -129,7 +129,7 @@ def test_inspection_is_public_api(three, tmp_path):
     assert three.diff(2, 2)["changed"] == []
     man = three.manifest(2)
     assert sorted(man.names()) == sorted(sd(2))
-    out = three.export(3, tmp_path / "hf")
+    out = three.export(3, tmp_path / "hf", weights_only=True)
     from safetensors.torch import load_file
 
     got = {}
@@ -232,7 +232,7 @@ def test_export_and_diff_of_a_missing_object_say_what_to_do(three, tmp_path):
     obj = three.manifest(2).entry("a.weight").object
     os.unlink(three._root.tier.object_path(obj))
     with pytest.raises(ObjectUnavailableError, match="verify"):
-        three.export(2, tmp_path / "out")
+        three.export(2, tmp_path / "out", weights_only=True)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ObjectUnavailableError, match="verify"):
         three.diff(2, 3)
@@ -244,13 +244,13 @@ def test_export_needs_a_new_or_empty_directory(three, tmp_path):
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(InvalidArgumentError, match="not empty"):
-        three.export(1, busy)
+        three.export(1, busy, weights_only=True)
     (tmp_path / "file").write_text("x")
     with pytest.raises(InvalidArgumentError, match="is a file"):
-        three.export(1, tmp_path / "file")
+        three.export(1, tmp_path / "file", weights_only=True)
     with pytest.raises(InvalidArgumentError):
         three.export(1, tmp_path / "x", shard_size_bytes=1.5)
-    assert three.export(1, tmp_path / "empty")["step"] == 1
+    assert three.export(1, tmp_path / "empty", weights_only=True)["step"] == 1
 
 
 def test_a_remote_url_with_no_bucket_is_refused(shm_dir):

@@ -118,7 +118,10 @@ def test_not_a_store(tmp_path):
 def test_export_loads_with_safetensors(populated, tmp_path):
     root, _, sd2 = populated
     out = tmp_path / "export"
-    cli(root, "export", "2", str(out), "--shard-size-bytes", "1000")
+    refused = cli(root, "export", "2", str(out), check=False)  # a plain state dict: no config.json
+    assert refused.returncode == 2 and "no config.json" in refused.stderr and "--assets-from" in refused.stderr
+    assert not out.exists()  # nothing written
+    cli(root, "export", "2", str(out), "--shard-size-bytes", "1000", "--weights-only")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1  # sharded at 1000 bytes
@@ -134,7 +137,7 @@ def test_export_loads_with_safetensors(populated, tmp_path):
     for f in files:  # transformers 4.x loads only shards that say their format
         with safe_open(out / f, "pt") as st:
             assert st.metadata() == {"format": "pt"}
-    again = cli(root, "export", "2", str(out), check=False)
+    again = cli(root, "export", "2", str(out), "--weights-only", check=False)
     assert again.returncode == 2  # refuses to overwrite an export
 
 
@@ -149,9 +152,9 @@ def test_export_from_pretrained_gpt2(store_root, tmp_path):
         with store.checkout(5) as snap:
             assert snap["lm_head.weight"] is snap["transformer.wte.weight"]
     out = tmp_path / "gpt2"
-    cli(store_root, "export", "5", str(out))
-    cfg.save_pretrained(out)
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    cli(store_root, "export", "5", str(out))  # config.json and generation_config.json come from the version
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(loaded) is transformers.GPT2LMHeadModel
     tokens = torch.randint(0, 100, (2, 10))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
