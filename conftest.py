@@ -43,7 +43,7 @@ if importlib.util.find_spec("redis") is None:
     collect_ignore += ["backends/registries/redis.py", "tests/redis_server.py"]
 # Each integration imports its framework; they are tested in that framework's own environment
 # (`make test-integrations`), where the framework is importable.
-for _module, _framework in (("verl", "verl"), ("vllm", "vllm"), ("sglang", "sglang")):
+for _module, _framework in (("verl", "verl"), ("vllm", "vllm")):
     if importlib.util.find_spec(_framework) is None:
         collect_ignore.append(f"paramstore/integrations/{_module}.py")
 

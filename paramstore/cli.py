@@ -175,6 +175,8 @@ def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
             (f"{c['from']} -> {c['to']}" if "from" in c else "")
         relayout = "  (chunk layout changed)" if c.get("relayout") else ""
         lines.append(f"~ {c['name']}  {_human(c['nbytes'])}  {detail}{relayout}".rstrip())
+    for mark, what in (("+", "added"), ("-", "removed"), ("~", "changed")):
+        lines += [f"{mark} asset {n}" for n in r.get("assets", {}).get(what, [])]
     return r, "\n".join(lines), 0
 
 

@@ -412,6 +412,9 @@ def diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
     the other, or chunked another way) is listed as changed even when its values are equal; such an
     item (of the same dtype and shape) has ``relayout: True``, and then a ``max_abs_diff`` of 0 says
     the values are equal.
+
+    When either version has assets (config, tokenizer files), ``assets`` lists the file names
+    added, removed and changed.
     """
     with root.leased(sorted({a, b})):
         return _diff(root, a, b)
@@ -463,7 +466,16 @@ def _diff(root: StoreRoot, a: int, b: int) -> dict[str, Any]:
         "added_bytes": sum({mb.entry(n).digest: mb.entry(n).nbytes for n in nb - na}.values()),
         "digest_from": va.digest,
         "digest_to": vb.digest,
-    }
+    } | _asset_diff(ma, mb)
+
+
+def _asset_diff(ma: Manifest, mb: Manifest) -> dict[str, Any]:
+    """``{"assets": {"added", "removed", "changed"}}`` (file names) when either version has assets."""
+    if not ma.assets and not mb.assets:
+        return {}
+    a, b = set(ma.assets), set(mb.assets)
+    return {"assets": {"added": sorted(b - a), "removed": sorted(a - b),
+                       "changed": sorted(n for n in a & b if ma.assets[n].digest != mb.assets[n].digest)}}
 
 
 def _boxes(entry: TensorEntry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

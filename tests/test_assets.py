@@ -102,6 +102,10 @@ def test_assets_are_deduplicated_and_kept_from_gc(store):
     store.commit(2, gpt2(seed=1)).result()  # other weights, the same config
     a, b = store.manifest(1).assets, store.manifest(2).assets
     assert a["config.json"] == b["config.json"]  # one copy: same object, same place
+    store.commit(3, {"w": torch.ones(2)}, assets={"config.json": b'{"model_type": "x"}', "new.txt": b""}).result()
+    assert store.diff(2, 3)["assets"] == {"added": ["new.txt"], "removed": ["generation_config.json"],
+                                          "changed": ["config.json"]}
+    assert store.diff(1, 2)["assets"] == {"added": [], "removed": [], "changed": []}
     store.remove(1)
     store.gc()
     with store.checkout(2) as snap:

@@ -1,0 +1,121 @@
+"""SGLang: load a version into a running SGLang engine from each worker's host store.
+
+SGLang's ``update_weights_from_tensor(named_tensors, load_format=...)`` hands ``named_tensors`` to
+every tensor-parallel worker and, when ``load_format`` is a dotted path listed in the server's
+``--custom-weight-loader``, calls ``loader(model, named_tensors)`` there. paramstore uses that hook
+to send a *request* instead of the weights: one small tensor naming the store and the version. Each
+worker's :func:`load_weights` checks that version out of its own host's store (zero-copy shared
+memory; fetched from peers first with a shared registry) and feeds it to the model's own
+``load_weights``, which shards it for tensor parallelism as it does a checkpoint. No weight crosses
+SGLang's serializer, and only what the host lacks crosses the network.
+
+Set-up (the server and the trainer; nothing else changes)::
+
+    python -m sglang.launch_server --model-path MODEL_DIR \\
+        --custom-weight-loader paramstore.integrations.sglang.load_weights
+
+    from paramstore.integrations.sglang import update_weights
+    update_weights(engine, "/dev/shm/run", version=7)        # an sglang.Engine, in-process
+    update_weights(engine, "/dev/shm/run", min_step=t - eta)  # the newest version within the bound
+
+(With the HTTP server, post :func:`request`'s ``named_tensors`` to ``/update_weights_from_tensor``
+with SGLang's own serializer, as its docs show for tensors.)
+
+**Unverified against SGLang**: SGLang has no CPU build, and no GPU was available where this was
+written. What is tested (``tests/integrations/test_sglang.py``): the request's encoding, and
+:func:`load_weights` on a module exposing ``load_weights(iterable)`` as SGLang's models do, with a
+real store and real processes. What is not: a running SGLang engine, its serializer and its
+tensor-parallel workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Iterable
+
+import torch
+
+from paramstore import ParamStore
+from paramstore.errors import InvalidArgumentError
+
+__all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions"]
+
+#: The name of the one tensor a request is made of.
+REQUEST_NAME = "paramstore.request"
+#: The dotted path to give SGLang's ``--custom-weight-loader`` and ``load_format``.
+LOADER = "paramstore.integrations.sglang.load_weights"
+
+_stores: dict[tuple[str, str | None, str | None], ParamStore] = {}
+_loaded: dict[int, int] = {}  # id(model) -> step loaded last
+_lock = threading.Lock()
+
+
+def request(root: str | os.PathLike[str], *, version: int | str | None = None, min_step: int | None = None,
+            timeout: float | None = None, registry: str | None = None,
+            name: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` that ask every worker to load a version from its host's store.
+
+    Args:
+        root: the store's root on each worker's host (the same path on every host).
+        version: a step, ``"latest"`` or a tag (default ``"latest"``); or
+        min_step: instead, the newest version with step ≥ ``min_step``, waiting up to
+            ``timeout`` seconds for one.
+        registry, name: a shared registry (``redis://...``) and the store's name in it.
+
+    Example:
+        >>> [(n, t)] = request("/dev/shm/run", min_step=5, timeout=30)
+        >>> n, t.dtype, json.loads(bytes(t.tolist()))["min_step"]
+        ('paramstore.request', torch.uint8, 5)
+    """
+    if version is not None and min_step is not None:
+        raise InvalidArgumentError("give version= or min_step=, not both")
+    body = {"root": os.fspath(root), "version": "latest" if version is None and min_step is None else version,
+            "min_step": min_step, "timeout": timeout, "registry": registry, "name": name}
+    data = json.dumps(body).encode()
+    return [(REQUEST_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+
+
+def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader: decode the request (:func:`request`), check the version out of
+    this host's store, and load it with ``model.load_weights``; the snapshot (and its lease) is
+    released as soon as the model holds the weights. Raises InvalidArgumentError for anything but a
+    request, and the store's errors (WaitTimeoutError, VersionNotFoundError...) as they are."""
+    items = list(named_tensors)
+    if len(items) != 1 or items[0][0] != REQUEST_NAME:
+        raise InvalidArgumentError(f"the paramstore loader takes one {REQUEST_NAME!r} tensor made by "
+                                   f"paramstore.integrations.sglang.request(), got {[n for n, _ in items][:3]}")
+    body = json.loads(bytes(items[0][1].detach().cpu().tolist()))
+    store = _store(body["root"], body["registry"], body["name"])
+    if body["min_step"] is not None:
+        snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"])
+    else:
+        snap = store.checkout(body["version"])
+    with snap:
+        model.load_weights(iter(snap.items()))
+        with _lock:
+            _loaded[id(model)] = snap.step
+
+
+def loaded_versions() -> dict[int, int]:
+    """In a worker process: ``id(model)`` -> the step :func:`load_weights` last loaded into it."""
+    with _lock:
+        return dict(_loaded)
+
+
+def update_weights(engine: Any, root: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Have a running ``sglang.Engine`` load a version from its workers' host stores: calls
+    ``engine.update_weights_from_tensor`` with :func:`request`\\ ``(root, **kwargs)`` and
+    ``load_format=LOADER`` (the server must list it in ``--custom-weight-loader``). Returns what
+    the engine returns."""
+    return engine.update_weights_from_tensor(named_tensors=request(root, **kwargs), load_format=LOADER)
+
+
+def _store(root: str, registry: str | None, name: str | None) -> ParamStore:
+    """One store per (root, registry, name) per process, opened on first use."""
+    key = (root, registry, name)
+    with _lock:
+        if key not in _stores:
+            _stores[key] = ParamStore(root, registry=registry, name=name)
+        return _stores[key]

@@ -1,0 +1,90 @@
+"""The SGLang loader (paramstore.integrations.sglang) with a real store and real worker processes.
+
+SGLang itself has no CPU build: no engine runs here. Its contract with a custom loader is
+``loader(model, named_tensors)`` (called in each tensor-parallel worker, after moving the tensors to
+the worker's device) and its models' ``load_weights(iterable of (name, tensor))``; the model here is
+a torch module that loads that way, so what runs is paramstore's side of that contract only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from paramstore import ParamStore
+from paramstore.errors import InvalidArgumentError, WaitTimeoutError
+from paramstore.integrations import sglang
+
+
+class Policy(torch.nn.Module):
+    """Loads weights as SGLang's models do: ``load_weights`` over (name, tensor) pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn_like(v) for k, v in Policy().state_dict().items()}
+
+
+def test_a_request_loads_the_version_and_leaves_no_lease(store_root):
+    with ParamStore(store_root) as store:
+        store.commit(1, weights(1)).result()
+        store.commit(2, weights(2), tags=["best"]).result()
+        model = Policy()
+        for spec, seed in [({"version": 1}, 1), ({"version": "best"}, 2), ({}, 2), ({"min_step": 1}, 2)]:
+            sglang.load_weights(model, sglang.request(store_root, **spec))
+            for n, t in weights(seed).items():
+                assert torch.equal(model.get_parameter(n), t), (spec, n)
+            assert sglang.loaded_versions()[id(model)] == seed
+        assert store.leases() == []
+
+
+def test_bad_requests_are_refused(store_root):
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        sglang.request(store_root, version=1, min_step=1)
+    with pytest.raises(InvalidArgumentError, match="one 'paramstore.request' tensor"):
+        sglang.load_weights(Policy(), [("proj.weight", torch.zeros(8, 8))])
+    with ParamStore(store_root) as store:
+        store.commit(1, weights(1)).result()
+    with pytest.raises(WaitTimeoutError):
+        sglang.load_weights(Policy(), sglang.request(store_root, min_step=5, timeout=0.3))
+
+
+def _worker(root: str, min_step: int, out) -> None:
+    model = Policy()
+    sglang.load_weights(model, sglang.request(root, min_step=min_step, timeout=60))
+    out.put({n: p.detach().numpy().tobytes() for n, p in model.named_parameters()}  # bytes: no tensor sharing
+            | {"step": sglang.loaded_versions()[id(model)]})
+
+
+def test_two_worker_processes_wait_for_the_step_then_load_it(store_root):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with ParamStore(store_root) as store:
+        store.commit(1, weights(1)).result()
+        procs = [ctx.Process(target=_worker, args=(store_root, 3, out)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        time.sleep(1.0)  # the workers wait: step 3 is not there yet
+        store.commit(3, weights(3)).result()
+        got = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert all(p.exitcode == 0 for p in procs)
+        for g in got:
+            assert g.pop("step") == 3
+            for n, t in weights(3).items():
+                assert g[n] == t.numpy().tobytes(), n
+        assert store.leases() == []
