@@ -1,0 +1,561 @@
+"""A verl checkpoint-engine backend named ``"paramstore"``: trainer → rollout weight sync through a store.
+
+The trainer's master rank commits the weights verl hands it as one version per step (a streaming
+commit: each full tensor is copied into shared memory as it is gathered, then dropped); every
+rollout worker checks out the newest version no older than ``global_steps - eta`` and hands its
+tensors, zero-copy views of the same shared memory, to the inference server. There is no process
+group between trainer and rollouts: the store is the rendezvous, so rollouts may come and go and
+a rollout may lag the trainer by up to ``eta`` steps.
+
+Enable it in a verl config (``actor_rollout_ref.rollout.checkpoint_engine`` is verl's
+:class:`verl.workers.config.CheckpointEngineConfig`; ``custom_backend_module`` is imported on every
+worker before the backend is built, which registers it)::
+
+    actor_rollout_ref:
+      rollout:
+        checkpoint_engine:
+          backend: paramstore
+          custom_backend_module: paramstore.integrations.verl
+          engine_kwargs:
+            paramstore:
+              root: /dev/shm/run-42        # the store (a tmpfs directory), the same on every worker
+              eta: 0                       # staleness bound: rollouts at step t accept versions >= t - eta
+              timeout: 600                 # seconds a rollout waits for that version
+              # registry: redis://:pw@10.0.0.2:6379/0   # several hosts: a shared registry...
+              # name: run-42                            # ...and the store's name there
+              # keep_last: 1               # versions retention keeps (None: keep every one)
+              # dtype: bfloat16            # store floating-point weights in this dtype
+
+or on the command line::
+
+    python -m verl.trainer.main_ppo ... \\
+        actor_rollout_ref.rollout.checkpoint_engine.backend=paramstore \\
+        actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=paramstore.integrations.verl \\
+        +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.paramstore.root=/dev/shm/run-42
+
+(``engine_kwargs`` is empty by default, hence the ``+`` that adds a key to it.) verl's default,
+``backend: naive``, hands the weights over inside one process (trainer and rollout colocated) and
+runs no checkpoint engine; a backend such as this one serves the trainers whose rollouts run in
+other processes (``trainer/ppo/v1/trainer_separate_async.py``, ``experimental/separation``, ...):
+there ``CheckpointEngineManager.update_weights(global_steps)`` runs ``send_weights`` on every trainer
+rank and ``receive_weights`` on every rollout worker, then ``finalize`` on all.
+
+**Arguments** (:class:`ParamStoreCheckpointEngine`): verl passes ``bucket_size`` (unused: nothing is
+bucketed, each tensor goes to shared memory whole) and, on trainer ranks, ``is_master`` (rank 0);
+the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``name``, ``eta``,
+``timeout``, ``keep_last``, ``dtype``, and any other keyword argument of
+:class:`paramstore.ParamStore` (``shard_size_bytes``, ``remote``, ``storage_options``, ``run_id``,
+...), passed on to it. An unknown key is refused at once with the list of accepted ones.
+
+**Decisions.**
+
+- *Only the master rank commits* (it is the store's writer); the other trainer ranks drain the
+  weights generator in order, because each ``next()`` is a collective gather across the trainer
+  ranks. ``commit(..., group=)`` (every rank drains, the first stores, a failure raises on every rank)
+  is not used: verl's ``CheckpointEngineManager`` already collects every trainer rank's result with
+  ``ray.get``, so a failed commit on the master fails the sync on the controller anyway; and
+  ``group=`` would need a store opened on every trainer rank plus a gloo group of their own, and
+  with the single-host registry it fails outright when the trainer spans hosts (the ranks would
+  write to different stores), while master-only works whenever the rollouts share the master's
+  host or a ``registry``. The master drains whatever its commit left unread even when the commit
+  fails, so the other ranks' gathers always complete.
+- *The asyncio loop.* The streaming commit pulls the generator on the loop's thread, as verl's own
+  NCCL backend does (its ``split_weight_chunks`` iterates the same synchronous generator there): the
+  generator runs the training engine's collectives and device copies, which belong on the thread
+  that owns the device. Waiting for the version to be published (hash, dedup, rename, registry
+  transaction, on paramstore's threads) is awaited without blocking the loop, as is the rollout's
+  wait for a version (the checkout runs on a worker thread).
+- *Re-sending a committed step* (verl re-sends ``global_steps`` after resuming from a checkpoint)
+  is a no-op: the generator is drained, nothing is written, and the metrics say so
+  (``paramstore/written`` 0). The weights are not compared with the stored ones. Sending a step below
+  the store's latest that it does not hold raises StepOrderError (the store holds a newer run's
+  versions: use a fresh root).
+- *Staleness.* With ``eta >= 1`` a rollout does not wait for the step being sent when a version
+  within the bound is already there: in a ``CheckpointEngineManager`` sync, where trainer and
+  rollouts run at the same time, it takes the newest version present at that moment (possibly the
+  previous step) and returns at once. ``eta=0`` waits for the step itself (up to ``timeout``).
+- ``global_steps=None``: the trainer commits the store's latest step + 1 (0 for an empty store);
+  a rollout takes the newest version there is (waiting up to ``timeout`` for one).
+- *Leases.* A rollout holds its snapshot (a lease: the version cannot be pruned) from
+  ``receive_weights`` until ``finalize()`` or its next ``receive_weights``/``get_weights``; tensors
+  already handed over stay valid after that (they keep their mapping).
+- *Stores* are opened lazily, one per process per ``(root, registry, name)``, shared by every engine
+  of the process, and closed at exit (or by :func:`close_stores`): reopening per sync would throw
+  away the pre-faulted and recycled staging buffers that make commits run at memory speed.
+- *Retention*: ``keep_last`` (default 1) versions besides the ones rollouts hold; ``keep_last:
+  null`` keeps every version (shared memory then grows by a model size per step of changed
+  weights).
+- *Devices.* The trainer's tensors may be on a GPU (verl's FSDP engine gathers them there): the
+  commit copies each into pinned shared memory on a side stream. The rollout's tensors are CPU views
+  of shared memory; the server adapter moves them to its device (as it does with the other
+  backends' received buckets).
+- *Metrics* (the master's dict from ``send_weights``, merged into the trainer's by verl; other
+  ranks return ``{}`` so as not to overwrite it): ``paramstore/step``, ``paramstore/written`` (1, or
+  0 for a re-send), ``paramstore/bytes`` (the version's logical size), ``paramstore/new_bytes``,
+  ``paramstore/tensors``, ``paramstore/send_s`` (the whole call), ``paramstore/publish_wait_s``
+  (from the last tensor copied to the version visible). ``new_bytes`` is the tensor bytes that lie in
+  objects no version before this commit references: what the commit stored after deduplication. It
+  is exact except when a tensor matches one of a version pruned but not yet garbage-collected (its
+  bytes are then counted as new though the object is reused; retention runs prune and GC together,
+  so the window is short).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import inspect
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import AsyncGenerator, Iterable, Iterator
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import (
+    CheckpointEngineRegistry,
+    CheckpointEngineWithCache,
+)
+
+from paramstore.errors import (
+    InvalidArgumentError,
+    NotAStoreError,
+    StepOrderError,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
+
+__all__ = ["BACKEND", "ParamStoreCheckpointEngine", "close_stores", "open_store"]
+
+#: The name verl's config uses for this backend (``checkpoint_engine.backend``).
+BACKEND = "paramstore"
+#: Default seconds a rollout waits for the version it needs.
+DEFAULT_TIMEOUT_S = 600.0
+#: Default number of versions retention keeps (besides those rollouts hold).
+DEFAULT_KEEP_LAST = 1
+
+_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype")
+
+
+# -- stores: one per process per (root, registry, name) ----------------------------------------
+_stores: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
+_stores_lock = threading.Lock()
+
+
+def open_store(root: str, registry: str | None = None, name: str | None = None, **options: Any) -> Any:
+    """The process's :class:`paramstore.ParamStore` for ``(root, registry, name)``, opened on first use.
+
+    Every engine of a process (a trainer and a rollout colocated in one process, or several engines
+    built over time) shares one store object, so its staging buffers and registry handle are made
+    once. ``options`` are ``ParamStore`` keyword arguments; a second caller must pass the same ones.
+    The store is closed at exit, or by :func:`close_stores`.
+
+    Raises:
+        InvalidArgumentError: the store is already open in this process with other options.
+    """
+    from paramstore.store import ParamStore
+
+    key = (os.getpid(), os.path.abspath(os.fspath(root)), registry, name or None)
+    with _stores_lock:
+        found = _stores.get(key)
+        if found is not None:
+            store, had = found
+            if had != options:
+                raise InvalidArgumentError(
+                    f"paramstore store {root} is already open in this process with options {had!r}; "
+                    f"another engine asked for {options!r}: give every engine of the store the same engine_kwargs")
+            return store
+        store = ParamStore(root, registry=registry, name=name, **options)
+        _stores[key] = (store, dict(options))
+        return store
+
+
+def close_stores() -> None:
+    """Close every store this process opened through the backend (their in-flight commits finish
+    first). Registered with :mod:`atexit`; the next use opens them again."""
+    with _stores_lock:
+        mine = [(k, s) for k, (s, _) in _stores.items() if k[0] == os.getpid()]
+        for k, _ in mine:
+            del _stores[k]
+    for _, store in mine:
+        store.close()
+
+
+atexit.register(close_stores)
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf container (verl's config) as plain Python; anything else as it is."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _store_options() -> tuple[str, ...]:
+    from paramstore.store import ParamStore
+
+    params = inspect.signature(ParamStore.__init__).parameters
+    return tuple(p for p in params if p not in ("self", "root", "registry", "name"))
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+# -- the engine --------------------------------------------------------------------------------
+@CheckpointEngineRegistry.register(BACKEND)
+class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
+    """verl checkpoint engine that moves weights through a paramstore store (see the module docstring).
+
+    verl builds it on every trainer rank (``is_master`` on rank 0) and every rollout worker with
+    ``CheckpointEngineRegistry.new("paramstore", bucket_size=..., [is_master=...,] **engine_kwargs["paramstore"])``.
+
+    Args:
+        bucket_size: verl's transfer bucket in bytes; unused (tensors go to shared memory whole).
+        is_master: this trainer rank commits (verl passes ``rank == 0`` on trainer ranks; rollout
+            workers get the default, False).
+        root: the store's directory, on a tmpfs (``/dev/shm/...``); every worker of the run names
+            the same store (with ``registry``, each host its own root).
+        registry: None for the single-host registry (trainer master and rollouts on one host), or a
+            ``redis://`` URL shared by several hosts.
+        name: the store's name in a shared registry (required with ``registry``).
+        eta: staleness bound, an int >= 0: a rollout syncing for step ``t`` takes the newest
+            version whose step is >= ``t - eta`` (with ``eta=0``: step ``t`` itself, or newer).
+        timeout: seconds a rollout waits for that version (None: forever).
+        keep_last: versions retention keeps besides leased ones (an int >= 1), or None to keep all.
+            Ignored when ``retention`` (a :mod:`paramstore.retention` policy) is passed.
+        dtype: store floating-point weights in this dtype (``"bfloat16"``, ``torch.bfloat16``), cast
+            while copying; None keeps the trainer's dtypes.
+        **store_options: other :class:`paramstore.ParamStore` keyword arguments.
+
+    Raises:
+        InvalidArgumentError: a missing ``root``, a bad ``eta``, ``timeout``, ``keep_last`` or
+            ``dtype``, or an unknown keyword argument (the message lists the accepted ones).
+    """
+
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, *, root: str | None = None,
+                 registry: str | None = None, name: str | None = None, eta: int = 0,
+                 timeout: float | None = DEFAULT_TIMEOUT_S, keep_last: int | None = DEFAULT_KEEP_LAST,
+                 dtype: str | torch.dtype | None = None, **store_options: Any) -> None:
+        if not root:
+            raise InvalidArgumentError(
+                "the paramstore checkpoint engine needs a store root: set "
+                "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.paramstore.root (e.g. /dev/shm/run-42)")
+        allowed = _store_options()
+        unknown = sorted(k for k in store_options if k not in allowed)
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown engine_kwargs.paramstore option(s) {unknown}: accepted are {sorted(_OWN_KEYS)} and the "
+                f"ParamStore options {sorted(allowed)}")
+        if isinstance(eta, bool) or not isinstance(eta, int) or eta < 0:
+            raise InvalidArgumentError(f"eta must be an int >= 0 (the staleness bound in steps), got {eta!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidArgumentError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise InvalidArgumentError(f"keep_last must be an int >= 1 or None (keep every version), got {keep_last!r}")
+        if registry and not name:
+            raise InvalidArgumentError("a shared registry needs engine_kwargs.paramstore.name: the store's name there, "
+                                       "the same on every worker")
+        self.bucket_size = bucket_size
+        self.is_master = bool(is_master)
+        self.root = os.fspath(root)
+        self.registry = registry or None
+        self.name = name or None
+        self.eta = eta
+        self.timeout = None if timeout is None else float(timeout)
+        self.keep_last = keep_last
+        self.dtype = _dtype(dtype)
+        self._options = {k: _plain(v) for k, v in store_options.items()}
+        if "retention" not in self._options and keep_last is not None:
+            from paramstore.retention import KeepLast
+
+            self._options["retention"] = KeepLast(keep_last)
+        self._snapshot: Any = None  # the rollout's leased version, held until finalize
+        self._objects: dict[int, frozenset[str]] = {}  # step -> objects its manifest references (immutable)
+        self.rank: int | None = None
+
+    def __repr__(self) -> str:
+        where = self.root if self.registry is None else f"{self.name} in {self.registry} (root {self.root})"
+        return f"ParamStoreCheckpointEngine({where}, is_master={self.is_master}, eta={self.eta})"
+
+    @property
+    def store(self) -> Any:
+        """This process's :class:`paramstore.ParamStore` for the configured store (opened on first use)."""
+        return open_store(self.root, self.registry, self.name, **self._options)
+
+    def _where(self) -> str:
+        return f"store {self.root}" if self.registry is None else f"store {self.name!r} (registry {self.registry}, root {self.root})"
+
+    # -- topology: no process group; the store is the rendezvous ---------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """What :meth:`build_topology` checks: this worker's host and the store it names. Allocates nothing."""
+        return {"backend": BACKEND, "is_master": self.is_master, "boot_id": _boot_id(),
+                "host": socket.gethostname(), "root": os.path.abspath(self.root), "registry": self.registry,
+                "name": self.name}
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Check that trainer and rollouts can meet in one store; return each worker's rank.
+
+        ``metadata`` is :meth:`prepare`'s dict from every trainer rank, then every rollout worker.
+        Exactly one trainer rank must be the master, and every worker must name the same store: the
+        same ``registry`` and ``name``, and, with the single-host registry, the same ``root`` on the
+        master's host (a rollout elsewhere could never see the master's commits).
+
+        Raises:
+            InvalidArgumentError: they cannot (the message says which worker and why).
+        """
+        if len(metadata) != trainer_world_size + rollout_world_size:
+            raise InvalidArgumentError(f"expected {trainer_world_size + rollout_world_size} workers' metadata, "
+                                       f"got {len(metadata)}")
+        trainers, rollouts = metadata[:trainer_world_size], metadata[trainer_world_size:]
+        masters = [i for i, m in enumerate(trainers) if m.get("is_master")]
+        if len(masters) != 1:
+            raise InvalidArgumentError(f"exactly one trainer rank must be the paramstore writer (is_master), got "
+                                       f"ranks {masters}")
+        master = trainers[masters[0]]
+        for i, m in enumerate(rollouts):
+            who = f"rollout worker {i} on {m.get('host')}"
+            if m.get("backend") != BACKEND:
+                raise InvalidArgumentError(f"{who} does not run the paramstore backend")
+            if (m.get("registry"), m.get("name")) != (master.get("registry"), master.get("name")):
+                raise InvalidArgumentError(
+                    f"{who} names registry {m.get('registry')!r}, store {m.get('name')!r}; the trainer names "
+                    f"{master.get('registry')!r}, {master.get('name')!r}: give every worker the same engine_kwargs")
+            if master.get("registry") is None:
+                if m.get("boot_id") != master.get("boot_id"):
+                    raise InvalidArgumentError(
+                        f"{who} is not on the trainer master's host {master.get('host')}: the single-host registry "
+                        "needs trainer and rollouts on one host; for several hosts set "
+                        "engine_kwargs.paramstore.registry=redis://... and name=...")
+                if m.get("root") != master.get("root"):
+                    raise InvalidArgumentError(f"{who} uses store {m.get('root')}, the trainer {master.get('root')}: "
+                                               "they must name the same root")
+        return ({"rank": list(range(trainer_world_size))}, {"rank": list(range(rollout_world_size))})
+
+    def init_process_group(self, rank: int | None = None, **kwargs: Any) -> None:
+        """Nothing to connect: records this worker's rank (from :meth:`build_topology`)."""
+        self.rank = rank
+
+    def finalize(self) -> None:
+        """End of a sync: a rollout releases the version it holds (its lease). The store stays open."""
+        snap, self._snapshot = self._snapshot, None
+        if snap is not None:
+            snap.close()
+
+    # -- trainer ----------------------------------------------------------------------------------
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           global_steps: int | None = None) -> dict[str, float]:
+        """Commit ``weights`` as the version of step ``global_steps`` (master rank); drain them elsewhere.
+
+        Every trainer rank calls this with the same generator, which gathers one full tensor at a time
+        collectively: every rank pulls it to the end, in order. The master streams it into one version
+        (each tensor copied into shared memory as it arrives) and returns once the version is visible to
+        every reader. ``global_steps=None`` commits the store's latest step + 1 (0 when empty). A step
+        already committed is not written again (the generator is still drained).
+
+        Returns:
+            On the master, metrics for verl's logger (see the module docstring); ``{}`` elsewhere.
+
+        Raises:
+            StepOrderError: ``global_steps`` is below the store's latest step and not in the store.
+            The commit's errors (StorageFullError, WriterConflictError, InvalidTensorError...): nothing
+            was published for this step.
+        """
+        start = time.perf_counter()
+        stream = _Drainable(weights)
+        if not self.is_master:
+            stream.drain()
+            return {}
+        try:
+            store = self.store
+            step = self._step_to_send(store, global_steps)
+            done = self._committed(store, step)
+            if done is not None:
+                stream.drain()
+                if (latest := store.latest()) is not None and latest.step > step:
+                    warnings.warn(f"paramstore: step {step} is already in {self._where()}, but so is the newer step "
+                                  f"{latest.step} (a run resumed from an older checkpoint?): rollouts will take "
+                                  f"step {latest.step}", RuntimeWarning, stacklevel=2)
+                return self._metrics(done, start, written=False, new_bytes=0, tensors=stream.count)
+            before = self._objects_before(store)
+            try:
+                handle = store.commit(step, stream, dtype=self.dtype,
+                                      metadata={"verl_global_steps": global_steps})
+            except StepOrderError as e:
+                raise StepOrderError(f"cannot commit step {step} to {self._where()}: {e}; the store holds newer "
+                                     "versions (an earlier run's?): give this run a fresh root") from e
+        finally:
+            stream.drain()  # whatever a failed commit left unread: the other ranks' gathers must complete
+        staged = time.perf_counter()
+        version = await asyncio.wrap_future(handle.committed)
+        new_bytes = self._new_bytes(store, version.step, before)
+        return self._metrics(version, start, written=True, new_bytes=new_bytes, tensors=stream.count,
+                             publish_wait=time.perf_counter() - staged)
+
+    def _step_to_send(self, store: Any, global_steps: int | None) -> int:
+        if global_steps is not None:
+            return int(global_steps)
+        try:
+            latest = store.latest()
+        except NotAStoreError:
+            latest = None
+        return 0 if latest is None else latest.step + 1
+
+    @staticmethod
+    def _committed(store: Any, step: int) -> Any:
+        try:
+            return store.get(step)
+        except (VersionNotFoundError, NotAStoreError):
+            return None
+
+    def _objects_of(self, store: Any, step: int) -> frozenset[str] | None:
+        objs = self._objects.get(step)
+        if objs is None:
+            try:
+                objs = self._objects[step] = frozenset(store.manifest(step).objects())
+            except VersionNotFoundError:
+                return None  # pruned meanwhile
+        return objs
+
+    def _objects_before(self, store: Any) -> set[str]:
+        """Objects the store's versions reference now (manifests are immutable: cached per step)."""
+        try:
+            steps = [v.step for v in store.versions()]
+        except NotAStoreError:
+            return set()
+        for gone in set(self._objects) - set(steps):
+            del self._objects[gone]
+        out: set[str] = set()
+        for step in steps:
+            out |= self._objects_of(store, step) or frozenset()
+        return out
+
+    def _new_bytes(self, store: Any, step: int, before: set[str]) -> int:
+        try:
+            manifest = store.manifest(step)
+        except VersionNotFoundError:
+            return 0
+        self._objects[step] = frozenset(manifest.objects())
+        where = {(c.object, c.offset, c.nbytes) for _, e in manifest.stored() for c in e.pieces()
+                 if c.object not in before}
+        return sum(n for _, _, n in where)
+
+    def _metrics(self, version: Any, start: float, *, written: bool, new_bytes: int, tensors: int,
+                 publish_wait: float = 0.0) -> dict[str, float]:
+        return {
+            "paramstore/step": version.step,
+            "paramstore/written": int(written),
+            "paramstore/bytes": version.nbytes if written else 0,
+            "paramstore/new_bytes": new_bytes,
+            "paramstore/tensors": tensors,
+            "paramstore/send_s": time.perf_counter() - start,
+            "paramstore/publish_wait_s": publish_wait,
+        }
+
+    # -- rollout ----------------------------------------------------------------------------------
+    async def receive_weights(self, global_steps: int | None = None
+                              ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Yield ``(name, tensor)`` of the newest version whose step is >= ``global_steps - eta``.
+
+        Waits up to ``timeout`` for it (off the event loop). The tensors are zero-copy views of the
+        store's shared memory (CPU; read-only in spirit: a write copies the page, privately). The
+        version stays leased until :meth:`finalize` or the next receive. ``global_steps=None``: the
+        newest version there is.
+
+        Raises:
+            WaitTimeoutError: no such version within ``timeout``; the message names the store, the step
+                waited for and the latest one there.
+        """
+        min_step = 0 if global_steps is None else max(0, int(global_steps) - self.eta)
+        snap = await asyncio.to_thread(self._checkout_min, min_step, global_steps)
+        self._hold(snap)
+        for name in snap:
+            yield name, snap[name]
+
+    async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Yield ``(name, tensor)`` of the latest version this host holds (verl's cached-weights hook).
+
+        The version stays leased until :meth:`finalize` or the next receive.
+
+        Raises:
+            VersionNotFoundError: the store holds no version yet (or NotAStoreError: there is no store).
+        """
+        snap = await asyncio.to_thread(self._checkout_latest)
+        self._hold(snap)
+        for name in snap:
+            yield name, snap[name]
+
+    def _holder(self) -> str:
+        return f"verl rollout pid {os.getpid()}"
+
+    def _checkout_min(self, min_step: int, global_steps: int | None) -> Any:
+        store = self.store
+        try:
+            return store.checkout(min_step=min_step, timeout=self.timeout, holder=self._holder())
+        except WaitTimeoutError as e:
+            try:
+                latest = store.latest()
+            except Exception:  # noqa: BLE001 - only for the message
+                latest = None
+            asked = "any version" if global_steps is None else (
+                f"step >= {min_step} (global_steps {global_steps} - eta {self.eta})")
+            raise WaitTimeoutError(
+                f"paramstore verl backend: no version with {asked} in {self._where()} within {self.timeout} s "
+                f"(latest: {None if latest is None else latest.step}): is the trainer sending weights to the same "
+                f"store, and did its send_weights succeed? ({e})") from e
+
+    def _checkout_latest(self) -> Any:
+        store = self.store
+        try:
+            return store.checkout("latest", holder=self._holder())
+        except VersionNotFoundError as e:
+            raise VersionNotFoundError(f"paramstore verl backend: {self._where()} holds no version yet: "
+                                       f"nothing cached to load ({e})") from e
+
+    def _hold(self, snap: Any) -> None:
+        old, self._snapshot = self._snapshot, snap
+        if old is not None:
+            old.close()
+
+
+class _Drainable:
+    """An iterator over verl's weights generator that counts what passed and can be drained to the end.
+
+    It keeps no reference to the items it hands on (the commit drops each tensor once copied).
+    """
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+        self.count = 0
+
+    def __iter__(self) -> _Drainable:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        item = next(self._it)
+        self.count += 1
+        return item
+
+    def drain(self) -> None:
+        """Pull the remaining items (each a collective gather on the trainer ranks) and drop them."""
+        for _ in self:
+            pass
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    got = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(got, torch.dtype) or not got.is_floating_point:
+        raise InvalidArgumentError(f"dtype must name a floating-point torch dtype (e.g. 'bfloat16'), got {dtype!r}")
+    return got

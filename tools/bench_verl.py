@@ -1,0 +1,173 @@
+"""One weight sync of a ~1 GiB model through verl's checkpoint engines: ``paramstore`` vs ``naive``, on CPU.
+
+Run in verl's environment::
+
+    .venv-verl/bin/python tools/bench_verl.py [--gib 1] [--tensors 64] [--syncs 4]
+
+What a sync is, for each backend, as verl drives it (``send_weights`` on the trainer with a generator
+of full tensors, ``receive_weights`` on the rollout, whose server adapter copies every tensor into
+the inference engine's own weights; here preallocated CPU tensors):
+
+* ``naive`` (verl's ``ColocatedCheckpointEngine``): trainer and rollout in one process; the
+  generator is handed over and each tensor copied into the rollout's weights. This is the floor: one
+  copy of the model.
+* ``paramstore``: the trainer commits the generator (streamed into shared memory, hashed,
+  deduplicated, published) and returns when the version is visible; a rollout in *another
+  process* (spawned, waiting in ``receive_weights``) checks it out and copies every tensor into its
+  weights, then ``finalize()``. The sync time is from the trainer's ``send_weights`` call to the
+  rollout's last copy (``time.monotonic``, one clock for both processes); ``send_s`` is how long the
+  trainer itself was held.
+
+Each line also gives the share of the machine's CPU that other processes used meanwhile (the
+benchmark hosts are shared: a high share makes that sync's time meaningless).
+
+Syncs are ``--pause`` seconds apart (default 2: in a run they are one training step apart, and
+paramstore prepares the next commit's buffers in the background meanwhile; ``--pause 0``: back to
+back). Every sync changes every tensor first (``add_``, not timed), so nothing is deduplicated. Sync 1 of
+paramstore is cold (the store is created and its shared memory faulted); later syncs reuse the
+prepared and recycled buffers (``keep_last=1``), which is the steady state of a training run. The
+ratio is paramstore / naive of the same sync number; the summary gives the median over syncs 2..N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import CpuMeter
+
+
+def _model(gib: float, tensors: int) -> dict[str, torch.Tensor]:
+    per = int(gib * (1 << 30)) // tensors // 2  # bf16 elements per tensor
+    cols = 4096
+    rows = max(1, per // cols)
+    g = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(rows, cols, generator=g).to(torch.bfloat16) for i in range(tensors)}
+
+
+def _rollout(root: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], steps: list[int], conn) -> None:
+    """The paramstore rollout process: for each step, receive and copy into its own weights."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import paramstore.integrations.verl
+
+    dst = {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in shapes.items()}
+    for t in dst.values():
+        t.fill_(0)  # fault the rollout's own weights in, as a loaded inference engine has them
+    engine = CheckpointEngineRegistry.new("paramstore", bucket_size=2048 << 20, root=root, eta=0, timeout=600)
+    conn.send("ready")
+
+    async def run() -> None:
+        for step in steps:
+            got = 0
+            async for name, tensor in engine.receive_weights(step):
+                dst[name].copy_(tensor)
+                got += 1
+            done = time.monotonic()
+            engine.finalize()
+            conn.send((step, done, got))
+
+    asyncio.run(run())
+    paramstore.integrations.verl.close_stores()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--tensors", type=int, default=64)
+    ap.add_argument("--syncs", type=int, default=4)
+    ap.add_argument("--pause", type=float, default=2.0,
+                    help="seconds between syncs, standing for the training step (default 2; 0: back to back)")
+    ap.add_argument("--shm-dir", default="/dev/shm")
+    args = ap.parse_args()
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import paramstore.integrations.verl as pv
+
+    model = _model(args.gib, args.tensors)
+    nbytes = sum(t.nbytes for t in model.values())
+    print(f"model: {len(model)} bf16 tensors, {nbytes / (1 << 30):.3f} GiB; torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs; {args.pause} s between syncs", flush=True)
+    steps = list(range(1, args.syncs + 1))
+
+    # -- naive: one process, the generator handed over, each tensor copied into the rollout's weights
+    naive = CheckpointEngineRegistry.new("naive", bucket_size=2048 << 20, is_master=True)
+    dst = {n: torch.zeros_like(t) for n, t in model.items()}
+    naive_s, naive_noise = [], []
+    meter = CpuMeter()
+    for step in steps:
+        time.sleep(args.pause)
+        for t in model.values():
+            t.add_(1)
+        meter.start()
+        t0 = time.monotonic()
+        naive.send_weights(((n, t) for n, t in model.items()), global_steps=step)
+        for name, tensor in naive.receive_weights(global_steps=step):
+            dst[name].copy_(tensor)
+        naive_s.append(time.monotonic() - t0)
+        naive_noise.append(meter.stop()["foreign_pct"])
+        assert all(torch.equal(dst[n], model[n]) for n in model)
+        print(f"naive      sync {step}: {naive_s[-1]:.3f} s (other processes used {naive_noise[-1]}% of the CPUs)",
+              flush=True)
+    del dst
+
+    # -- paramstore: trainer here, rollout in a spawned process
+    workdir = tempfile.mkdtemp(prefix="bench-verl-", dir=args.shm_dir)
+    root = os.path.join(workdir, "store")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in model.items()}
+    proc = ctx.Process(target=_rollout, args=(root, shapes, steps, child))
+    proc.start()
+    assert parent.recv() == "ready"
+    trainer = CheckpointEngineRegistry.new("paramstore", bucket_size=2048 << 20, is_master=True, root=root)
+    ps_s, send_s, ps_noise = [], [], []
+    meter = CpuMeter(lambda: [os.getpid(), proc.pid])
+    try:
+        for step in steps:
+            time.sleep(args.pause)
+            for t in model.values():
+                t.add_(1)
+            meter.start()
+            t0 = time.monotonic()
+            metrics = asyncio.run(trainer.send_weights(((n, t) for n, t in model.items()), global_steps=step))
+            sent = time.monotonic() - t0
+            got_step, done, got = parent.recv()
+            ps_noise.append(meter.stop()["foreign_pct"])
+            assert (got_step, got) == (step, len(model)), (got_step, got)
+            ps_s.append(done - t0)
+            send_s.append(sent)
+            print(f"paramstore sync {step}: {ps_s[-1]:.3f} s (trainer held {sent:.3f} s; new bytes "
+                  f"{metrics['paramstore/new_bytes'] / (1 << 30):.3f} GiB; other processes used {ps_noise[-1]}% of the CPUs)",
+                  flush=True)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        pv.close_stores()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    print(f"{'sync':>4}  {'naive s':>8}  {'paramstore s':>12}  {'trainer held s':>14}  {'ratio':>6}  "
+          f"{'others CPU % (naive, paramstore)':>32}")
+    for step, a, b, c, na, nb in zip(steps, naive_s, ps_s, send_s, naive_noise, ps_noise):
+        print(f"{step:>4}  {a:>8.3f}  {b:>12.3f}  {c:>14.3f}  {b / a:>6.2f}  {f'{na}, {nb}':>32}")
+    steady = [b / a for a, b in zip(naive_s[1:], ps_s[1:])] or [ps_s[0] / naive_s[0]]
+    print(f"median over syncs 2..{len(steps)}: naive {statistics.median(naive_s[1:] or naive_s):.3f} s, "
+          f"paramstore {statistics.median(ps_s[1:] or ps_s):.3f} s, ratio {statistics.median(steady):.2f}x; "
+          f"cold (sync 1) ratio {ps_s[0] / naive_s[0]:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
