@@ -22,9 +22,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from typing import Any, Mapping, Union
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ParamStoreWarning
 from .validate import check_asset_name
 
 __all__ = ["AssetsArg", "read_assets", "dir_assets", "model_assets", "check_loadable", "write_assets",
@@ -35,7 +36,7 @@ AssetsArg = Union[str, "os.PathLike[str]", Mapping[str, Union[bytes, str, "os.Pa
 
 #: Files of a model directory that are weights, not assets: the store holds the weights itself.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx",
-                   ".index.json")
+                   ".ot", ".tflite", ".pdparams", ".pkl", ".pickle", ".index.json")
 
 _CONFIG = "config.json"
 
@@ -97,21 +98,39 @@ def model_assets(model: Any, dtype: Any = None) -> dict[str, bytes]:
     """``config.json`` and ``generation_config.json`` of a transformers ``PreTrainedModel``, as
     its ``save_pretrained`` writes them (``architectures`` set to the model's class, ``dtype`` to
     the dtype the weights are stored in: ``dtype`` when the commit casts, else the model's); {} for
-    anything else. The model's own config is not changed."""
+    anything else. A wrapper (``torch.compile``, DDP, FSDP1) is looked through for the class. The
+    model's own config is not changed. A config that cannot be written as JSON gives a warning and
+    no files (the commit goes on without them)."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "to_json_string", None)) or not getattr(config, "model_type", None):
         return {}
-    config = copy.deepcopy(config)
-    config.architectures = [type(model).__name__.removeprefix("FSDP")]
-    stored = dtype if dtype is not None else getattr(model, "dtype", None)
-    if stored is not None:  # "float32", as save_pretrained records it (transformers 4.x: torch_dtype)
-        setattr(config, "dtype" if "dtype" in vars(config) else "torch_dtype", str(stored).rsplit(".", 1)[-1])
-    out = {_CONFIG: config.to_json_string(use_diff=True).encode()}
-    generation = getattr(model, "generation_config", None)
-    can_generate = getattr(model, "can_generate", lambda: False)
-    if callable(getattr(generation, "to_json_string", None)) and can_generate():
-        out["generation_config.json"] = generation.to_json_string(use_diff=True).encode()
+    inner = _unwrapped(model)
+    try:
+        config = copy.deepcopy(config)
+        config.architectures = [type(inner).__name__.removeprefix("FSDP")]
+        stored = dtype if dtype is not None else getattr(inner, "dtype", None)
+        if stored is not None:  # "float32", as save_pretrained records it (transformers 4.x: torch_dtype)
+            setattr(config, "dtype" if "dtype" in vars(config) else "torch_dtype", str(stored).rsplit(".", 1)[-1])
+        out = {_CONFIG: config.to_json_string(use_diff=True).encode()}
+        generation = getattr(inner, "generation_config", None)
+        can_generate = getattr(inner, "can_generate", lambda: False)
+        if callable(getattr(generation, "to_json_string", None)) and can_generate():
+            out["generation_config.json"] = generation.to_json_string(use_diff=True).encode()
+    except Exception as e:  # noqa: BLE001 - a config transformers itself could not save: warn, commit the weights
+        warnings.warn(f"paramstore: the model's config cannot be written as config.json ({type(e).__name__}: {e}); "
+                      "the version is committed without it (export it with assets_from=MODEL_DIR)",
+                      ParamStoreWarning, stacklevel=3)
+        return {}
     return out
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model a wrapper holds (``torch.compile``'s ``_orig_mod``, DDP's and FSDP1's ``module``)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None or inner is model or not hasattr(inner, "config"):
+            return model
+        model = inner
 
 
 def check_loadable(assets: Mapping[str, bytes], where: str) -> None:

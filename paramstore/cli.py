@@ -161,7 +161,7 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
         lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{chunks}{alias}")
     for n, e in sorted(man.assets.items()):
-        lines.append(f"  asset {n}  {_human(e.nbytes)}  {e.digest[:12]}")
+        lines.append(f"  [asset] {n}  {_human(e.nbytes)}  {e.digest[:12]}")
     return out, "\n".join(lines), 0
 
 

@@ -40,7 +40,7 @@ import torch
 
 from .errors import CommitGroupError, StorageFullError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
-from .manifest import Manifest, TensorEntry, Version
+from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version
 from .sharded import CommitGroup, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
 from .tensors import ST_TO_TORCH, Collected, Taker, check_pair
@@ -236,7 +236,11 @@ class Committer:
         cached_specs, cached_plans = self._layout
         if specs == cached_specs:
             return cached_plans
-        plans = plan_shards(specs, self._shard_size)
+        # Assets get objects of their own: a set of files that does not change (a model's config)
+        # is then one small object every version shares, never a shard of tensors kept alive by it.
+        files = [s for s in specs if s.name.startswith(ASSET_PREFIX)]
+        plans = plan_shards([s for s in specs if not s.name.startswith(ASSET_PREFIX)], self._shard_size)
+        plans += plan_shards(files, self._shard_size) if files else []
         self._layout = (list(specs), plans)
         return plans
 
@@ -586,8 +590,12 @@ class Committer:
             keep: list[tuple[Placement, str]] = []
             repeats: list[tuple[Placement, str]] = []  # same bytes as a tensor kept in this shard
             kept_here: set[str] = set()
+            # An object of assets is deduplicated whole: the same files make the same object (its
+            # digest covers its header and bytes), which put() finds already there. An asset never
+            # points into another object, where it would keep a shard of old tensors alive.
+            files = all(p.spec.name.startswith(ASSET_PREFIX) for p in plan.placements)
             for p, d in zip(plan.placements, ds):
-                loc = located.get(d) or known.get(d)
+                loc = None if files else located.get(d) or known.get(d)
                 if d in kept_here:
                     repeats.append((p, d))
                 elif loc is not None and loc.offset % ITEMSIZE[p.spec.dtype] == 0:
@@ -603,11 +611,14 @@ class Committer:
                 header, placed = _compact(slab, plan, [p for p, _ in keep])
                 obj = object_digest(header, [d for _, d in keep])
                 size = slab.size
-                self._tier.put(obj, slab.path, move=True)
+                fresh = self._tier.put(obj, slab.path, move=True)
             except BaseException:
                 slab.discard()
                 raise
-            job.published.append(slab)
+            if fresh:
+                job.published.append(slab)
+            else:  # the very same object is there already (the same assets): this copy is gone
+                slab.discard()
             new_objects[obj] = ObjectInfo(size, tuple(d for _, d in keep))
             for (p, d), off in zip(keep, placed):
                 located[d] = TensorLocation(obj, off, p.nbytes)

@@ -75,7 +75,9 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
         if other:
             raise InvalidArgumentError(f"{directory} is not empty ({len(other)} entries, e.g. {sorted(other)[0]!r}); "
                                        "export needs a new or empty directory")
-    extra = {} if assets_from is None or weights_only else dir_assets(assets_from)
+    if weights_only and assets_from is not None:
+        raise InvalidArgumentError("weights_only exports no assets: pass assets_from= or weights_only=True, not both")
+    extra = {} if assets_from is None else dir_assets(assets_from)
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
         return _export(root, step, directory, shard_size_bytes, show_progress, extra, weights_only)
 
@@ -84,7 +86,8 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
             extra: dict[str, bytes], weights_only: bool) -> dict[str, Any]:
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
-    maps = map_objects(root, step, man.objects())  # before anything is written
+    wanted = {c.object for e in man.tensors.values() for c in e.pieces()} if weights_only else man.objects()
+    maps = map_objects(root, step, wanted)  # before anything is written
     try:
         assets = {} if weights_only else {**{n: _bytes(maps, e) for n, e in man.assets.items()}, **extra}
         if not weights_only:

@@ -226,10 +226,12 @@ class Manifest:
         """Parse and check a manifest (see :meth:`TensorEntry.from_json`; names are valid, each alias
         names a stored tensor and is not one). Raises CorruptObjectError, or ParamStoreError for a
         format this paramstore does not read."""
-        if not isinstance(d, Mapping) or d.get("format") not in _FORMATS:
+        if not isinstance(d, Mapping) or not _count(d.get("format")):
+            raise CorruptObjectError(f"manifest record is not a JSON object with an int format: {str(d)[:80]}")
+        if d["format"] not in _FORMATS:
             raise ParamStoreError(
-                f"manifest format {d.get('format') if isinstance(d, Mapping) else d!r} is not supported by this "
-                f"paramstore (reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
+                f"manifest format {d['format']} is not supported by this paramstore "
+                f"(reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
             )
         _expect_keys("manifest", d, {"format", "tensors", "aliases"} | ({"assets"} if d["format"] >= 3 else set()))
         if not isinstance(d["tensors"], dict) or not isinstance(d["aliases"], dict):

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .errors import CommitGroupError, InvalidTensorError
-from .manifest import Chunk, TensorEntry, check_tiling
+from .manifest import ASSET_PREFIX, Chunk, TensorEntry, check_tiling
 
 __all__ = ["Block", "local_block", "is_dtensor", "CommitGroup", "group_ranks", "merge_parts", "chunk_name"]
 
@@ -243,8 +243,10 @@ def merge_parts(parts: list[Mapping[str, Any]], ranks: tuple[int, ...]) -> dict[
         if part["names"] != first:
             diff = sorted(set(part["names"]) ^ set(first)) or sorted(
                 n for n in first if part["names"].get(n) != first[n])
-            raise CommitGroupError(f"rank {rank} committed other tensors than rank {ranks[0]} (first difference: "
-                                   f"{diff[0]!r}): every rank must commit the same names, dtypes and shapes")
+            first_diff = diff[0].replace(ASSET_PREFIX, "asset ")
+            raise CommitGroupError(f"rank {rank} committed other tensors or assets than rank {ranks[0]} (first "
+                                   f"difference: {first_diff!r}): every rank must commit the same names, dtypes and "
+                                   "shapes, and the same asset files")
     chunks: dict[str, list[Chunk]] = {n: [] for n in first}
     for part in parts:
         for name, blocks in part["blocks"].items():

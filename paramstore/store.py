@@ -370,8 +370,8 @@ class ParamStore:
                 DTensors' meshes when None).
             assets: files kept with the version: a directory (every file at its top except
                 weights, e.g. a model directory's configs and tokenizer files) or a mapping of
-                file names to bytes or paths. A name also found in the model's own config files
-                overrides it.
+                file names to bytes or paths. The model's own config files (which describe the
+                weights committed) win over files of the same name here.
 
         Returns:
             A :class:`CommitHandle`; ``handle.result()`` waits and returns the :class:`Version`.
@@ -409,7 +409,7 @@ class ParamStore:
             metrics_d = check_metrics(metrics)
             metadata_d = check_metadata(metadata)
             cast = check_cast(dtype)
-            files = {**({} if stream else model_assets(model, cast)), **read_assets(assets)}
+            files = {**read_assets(assets), **({} if stream else model_assets(model, cast))}
             if os.getpid() != self._owner:
                 raise ParamStoreError("this store was opened in the parent process; open a new ParamStore "
                                       "after fork to commit from the child")
@@ -534,7 +534,9 @@ class ParamStore:
 
         self._attach(create=self._create is not False)
         committer = self._get_committer()
-        committer.prepare(collect(model), ahead=self._recycle_ahead)
+        from .assets import model_assets
+
+        committer.prepare(collect(model, assets=model_assets(model)), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
             raise WaitTimeoutError(f"buffers not prepared within {timeout} s")
 

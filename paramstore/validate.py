@@ -41,12 +41,14 @@ EXPORT_INDEX = "model.safetensors.index.json"
 
 def check_asset_name(name: Any) -> str:
     """An asset is a file written beside an export's shards: a plain file name (no directory part,
-    at most 255 bytes), not one the export writes itself (``*.safetensors``, the index)."""
+    at most 240 bytes: an export writes it as ``NAME.partial`` first), not one the export writes
+    itself (``*.safetensors``, the index, ``*.partial``)."""
     check_name(name, "asset name")
-    if "/" in name or "\\" in name or name in (".", "..") or len(name.encode("utf-8")) > 255:
-        raise InvalidNameError(f"asset name {name!r} must be a plain file name (no directory part, at most 255 bytes)")
-    if name.endswith(".safetensors") or name == EXPORT_INDEX:
-        raise InvalidNameError(f"asset name {name!r} is a weights file name, which an export writes itself")
+    if "/" in name or "\\" in name or name in (".", "..") or len(name.encode("utf-8")) > 240:
+        raise InvalidNameError(f"asset name {name!r} must be a plain file name (no directory part, at most 240 bytes)")
+    if name.endswith((".safetensors", ".partial")) or name == EXPORT_INDEX:
+        raise InvalidNameError(f"asset name {name!r} is a weights or temporary file name, which an export writes "
+                               "itself")
     return name
 
 

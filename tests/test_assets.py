@@ -113,6 +113,47 @@ def test_assets_are_deduplicated_and_kept_from_gc(store):
     assert store.verify()["ok"]
 
 
+def test_unchanged_assets_are_one_small_object_that_pins_no_tensors(store):
+    """Every version of a fine-tuned model shares its config; that must not keep any version's
+    tensors alive once retention drops them (assets are stored in objects of their own)."""
+    from paramstore.retention import KeepLast
+
+    model = gpt2()
+    sizes = []
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)  # every tensor changes
+        store.commit(step, model, assets={"notes.txt": b"same"}).result()
+        store.prune(KeepLast(1))
+        store.gc()
+        du = store.du()
+        sizes.append((du["objects"], du["stored_bytes"]))
+    assert all(n == 2 for n, _ in sizes), sizes  # one shard of tensors + one object of assets
+    assert sizes[-1][1] < store.get(4).nbytes + (64 << 10), sizes  # about one model, not two
+    objects = {e.object for e in store.manifest(4).assets.values()}
+    assert len(objects) == 1 and not objects & {c.object for e in store.manifest(4).tensors.values()
+                                                 for c in e.pieces()}
+
+
+def test_a_config_that_cannot_be_saved_warns_and_the_weights_are_committed(store):
+    model = gpt2()
+    model.config.run_info = {"started": {1, 2}}  # a set: not JSON
+    with pytest.warns(paramstore.ParamStoreWarning, match="cannot be written as config.json"):
+        store.commit(1, model).result()
+    assert store.manifest(1).assets == {}
+    compiled = torch.compile(gpt2())  # a wrapper: the class recorded is the model's
+    store.commit(2, compiled, assets={"config.json": b"{}"}).result()  # the model's own config wins
+    del model.config.run_info
+    config = json.loads(_asset(store, 2, "config.json"))
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+
+
+def _asset(store, step, name):
+    with store.checkout(step) as snap:
+        return snap.assets[name]
+
+
 def test_a_version_without_config_is_refused_then_exported_with_assets_from(store, tmp_path):
     model = gpt2()
     store.commit(2, model.state_dict()).result()  # a state dict: nothing says which model it is
@@ -135,13 +176,18 @@ def test_a_version_without_config_is_refused_then_exported_with_assets_from(stor
     (bad / "config.json").write_text(json.dumps({"n_embd": 32}))
     with pytest.raises(InvalidArgumentError, match="no model_type"):
         store.export(2, tmp_path / "refused", assets_from=bad)
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        store.export(2, tmp_path / "refused", assets_from=bad, weights_only=True)
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("assets, error, match", [
     ({"a/b.json": b"{}"}, InvalidNameError, "plain file name"),
     ({"..": b"{}"}, InvalidNameError, "plain file name"),
-    ({"model-00001-of-00001.safetensors": b""}, InvalidNameError, "weights file"),
-    ({"model.safetensors.index.json": b"{}"}, InvalidNameError, "weights file"),
+    ({"model-00001-of-00001.safetensors": b""}, InvalidNameError, "weights or temporary file"),
+    ({"model.safetensors.index.json": b"{}"}, InvalidNameError, "weights or temporary file"),
+    ({"model.safetensors.index.json.partial": b"{}"}, InvalidNameError, "weights or temporary file"),
+    ({"t" * 236 + ".json": b"{}"}, InvalidNameError, "at most 240 bytes"),
     ({"config.json": {"model_type": "gpt2"}}, InvalidArgumentError, "bytes .the content. or a path"),
     ({"config.json": "/nonexistent/config.json"}, InvalidArgumentError, "cannot read asset file"),
     ("/nonexistent/model", InvalidArgumentError, "not a directory"),
