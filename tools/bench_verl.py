@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import CpuMeter
+from benchlib import CpuMeter, machine, write_outputs
 
 
 def _model(gib: float, tensors: int) -> dict[str, torch.Tensor]:
@@ -89,7 +89,11 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=2.0,
                     help="seconds between syncs, standing for the training step (default 2; 0: back to back)")
     ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--markdown", help="write the table for docs/benchmarks.md here (tools/docgen.py verl)")
     args = ap.parse_args()
+    res = {"argv": ["tools/bench_verl.py", *sys.argv[1:]], "machine": machine()}
+    t_start = time.monotonic()
 
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
@@ -164,9 +168,21 @@ def main() -> None:
     for step, a, b, c, na, nb in zip(steps, naive_s, ps_s, send_s, naive_noise, ps_noise):
         print(f"{step:>4}  {a:>8.3f}  {b:>12.3f}  {c:>14.3f}  {b / a:>6.2f}  {f'{na}, {nb}':>32}")
     steady = [b / a for a, b in zip(naive_s[1:], ps_s[1:])] or [ps_s[0] / naive_s[0]]
-    print(f"median over syncs 2..{len(steps)}: naive {statistics.median(naive_s[1:] or naive_s):.3f} s, "
-          f"paramstore {statistics.median(ps_s[1:] or ps_s):.3f} s, ratio {statistics.median(steady):.2f}x; "
-          f"cold (sync 1) ratio {ps_s[0] / naive_s[0]:.2f}x")
+    summary = (f"median over syncs 2..{len(steps)}: naive {statistics.median(naive_s[1:] or naive_s):.3f} s, "
+               f"paramstore {statistics.median(ps_s[1:] or ps_s):.3f} s, ratio {statistics.median(steady):.2f}x; "
+               f"cold (sync 1) ratio {ps_s[0] / naive_s[0]:.2f}x")
+    print(summary)
+    res.update(gib=round(nbytes / (1 << 30), 3), tensors=len(model), pause_s=args.pause, naive_s=naive_s,
+               paramstore_s=ps_s, trainer_held_s=send_s, others_cpu_pct={"naive": naive_noise, "paramstore": ps_noise},
+               ratio_median=statistics.median(steady), total_seconds=time.monotonic() - t_start)
+    md = [f"One verl weight sync of a {res['gib']} GiB model ({len(model)} bf16 tensors, every one changed; "
+          f"{args.pause} s between syncs):", "",
+          "| sync | naive (s) | paramstore (s) | trainer held (s) | paramstore / naive | other processes' CPU % |",
+          "|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {s} | {a:.3f} | {b:.3f} | {c:.3f} | {b / a:.2f}× | {na}, {nb} |"
+           for s, a, b, c, na, nb in zip(steps, naive_s, ps_s, send_s, naive_noise, ps_noise)]
+    md += ["", summary[0].upper() + summary[1:] + "."]
+    write_outputs(args.json, res, args.markdown, "\n".join(md))
 
 
 if __name__ == "__main__":
