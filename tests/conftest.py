@@ -59,6 +59,9 @@ def gloo_group(tmp_path):
 # -- a real S3 API (moto's server on 127.0.0.1) -----------------------------------------------
 @pytest.fixture(scope="session")
 def s3_server():
+    # Installed by paramstore's dev extra; an integration environment may lack them (its tests skip).
+    pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'paramstore[s3]')")
     from s3_server import S3Server
 
     server = S3Server()
@@ -76,6 +79,7 @@ def s3_remote(s3_server):
 @pytest.fixture(scope="session")
 def redis_url():
     """``redis://127.0.0.1:<port>/0`` of a redis-server started for this session (skips without one)."""
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install 'paramstore[redis]')")
     import redis_server
 
     if not os.path.exists(redis_server.BINARY):
