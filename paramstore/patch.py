@@ -1,0 +1,165 @@
+"""Sparse patches between two versions of a tensor: only the elements that changed, bit-exact.
+
+In RL post-training most bf16 weights are bit-identical from one step to the next (updates below
+bf16 resolution), so a tensor that "changed" usually changed in a few percent of its elements. A
+*patch* records those elements: their positions (delta-coded: the gaps between them, which are
+small) and their new bit patterns, compressed with zstd. Elements are compared as bit patterns of
+their item size, never as numbers, so NaN payloads, -0.0 against +0.0 and float8 encodings round
+trip exactly.
+
+A patch is a safetensors file (no pickle anywhere): one ``U8`` tensor ``"data"`` holding the zstd
+frame of ``gaps ‖ values``, and ``__metadata__`` saying what it patches (the dtype, the tensor's
+byte length, how many elements changed, the gap width, and the base and target tensor digests).
+:func:`apply_patch` rebuilds the target into a new buffer and checks its blake3 digest against the
+target's: a wrong patch (or a wrong base) is an error, never wrong weights.
+
+Example:
+    >>> import numpy as np
+    >>> base = np.zeros(1000, dtype=np.float32)
+    >>> target = base.copy(); target[[3, 500]] = [1.5, -0.0]
+    >>> patch = make_patch(base.tobytes(), target.tobytes(), "F32")
+    >>> len(patch) < target.nbytes // 10
+    True
+    >>> apply_patch(base.tobytes(), patch) == target.tobytes()
+    True
+    >>> patch_info(patch)["changed"]
+    2
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import blake3
+import numpy as np
+
+from .errors import CorruptObjectError, InvalidArgumentError
+from .format import ITEMSIZE
+
+__all__ = ["make_patch", "apply_patch", "patch_info", "PATCH_FORMAT", "DEFAULT_MAX_RATIO"]
+
+#: The patch format this paramstore writes and reads.
+PATCH_FORMAT = "1"
+#: A patch is kept only when it is at most this fraction of the tensor's bytes.
+DEFAULT_MAX_RATIO = 0.5
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ZSTD_LEVEL = 3
+
+
+def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO) -> bytes | None:
+    """A patch turning ``base`` into ``target`` (bytes-like, the same length, elements of
+    safetensors dtype ``dtype``), or None when it would be larger than ``max_ratio`` times the
+    tensor (then move the tensor whole; an empty tensor never gets one).
+
+    Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a whole
+    number of elements.
+    """
+    a, b = _elements(base, dtype), _elements(target, dtype)
+    if a.shape != b.shape:
+        raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
+    changed = np.flatnonzero(a != b)
+    budget = max_ratio * b.nbytes
+    gaps = np.diff(changed, prepend=0)
+    if gaps.size and int(gaps.max()) >= 1 << 32:
+        width, gaps = 8, gaps.astype(np.uint64)
+    else:
+        width, gaps = 4, gaps.astype(np.uint32)
+    if changed.size * (width + b.itemsize) > 4 * budget:  # hopeless even at 4:1 compression
+        return None
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
+    meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(changed.size),
+            "gap_width": str(width), "base": _digest(a), "target": _digest(b)}
+    patch = _safetensors(frame, meta)
+    return patch if len(patch) <= budget else None
+
+
+def apply_patch(base: Any, patch: bytes, *, base_digest: str | None = None) -> bytes:
+    """The target tensor's bytes, rebuilt from ``base`` and ``patch`` and checked against the
+    target digest the patch names. ``base_digest``: when the caller knows it (a manifest entry),
+    the patch must be for that base.
+
+    Raises CorruptObjectError: a malformed patch, a patch for another base, or a result whose
+    digest is not the target's (nothing wrong is ever returned).
+    """
+    meta, frame = _parse(patch)
+    dtype, nbytes, count, width = meta["dtype"], int(meta["nbytes"]), int(meta["changed"]), int(meta["gap_width"])
+    if base_digest is not None and base_digest != meta["base"]:
+        raise CorruptObjectError(f"patch is for base {meta['base'][:16]}…, not {base_digest[:16]}…")
+    a = _elements(base, dtype)
+    if a.nbytes != nbytes:
+        raise CorruptObjectError(f"patch is for a tensor of {nbytes} bytes, the base has {a.nbytes}")
+    import zstandard
+
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=count * (width + a.itemsize))
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"patch data does not decompress: {e}") from None
+    if len(raw) != count * (width + a.itemsize):
+        raise CorruptObjectError(f"patch data is {len(raw)} bytes, expected {count * (width + a.itemsize)}")
+    gaps = np.frombuffer(raw, dtype=np.uint32 if width == 4 else np.uint64, count=count)
+    values = np.frombuffer(raw, dtype=a.dtype, offset=count * width)
+    positions = np.cumsum(gaps, dtype=np.uint64)
+    if count and int(positions[-1]) >= a.size:
+        raise CorruptObjectError(f"patch changes element {int(positions[-1])} of a tensor of {a.size}")
+    out = a.copy()
+    out[positions] = values
+    if _digest(out) != meta["target"]:
+        raise CorruptObjectError(f"patched tensor hashes to {_digest(out)[:16]}…, the patch's target is "
+                                 f"{meta['target'][:16]}…: a damaged patch or the wrong base")
+    return out.tobytes()
+
+
+def patch_info(patch: bytes) -> dict[str, Any]:
+    """What a patch says about itself: dtype, nbytes, changed (element count), base, target,
+    and its own size. Raises CorruptObjectError for a malformed patch."""
+    meta, _ = _parse(patch)
+    return {"dtype": meta["dtype"], "nbytes": int(meta["nbytes"]), "changed": int(meta["changed"]),
+            "base": meta["base"], "target": meta["target"], "size": len(patch)}
+
+
+def _elements(buf: Any, dtype: str) -> np.ndarray:
+    """``buf`` as an array of unsigned ints of ``dtype``'s item size (bit patterns, not numbers)."""
+    if dtype not in ITEMSIZE or ITEMSIZE[dtype] not in _BITS:
+        raise InvalidArgumentError(f"cannot patch tensors of dtype {dtype!r}")
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes % ITEMSIZE[dtype]:
+        raise InvalidArgumentError(f"{mv.nbytes} bytes is not a whole number of {dtype} elements")
+    return np.frombuffer(mv, dtype=_BITS[ITEMSIZE[dtype]])
+
+
+def _digest(a: np.ndarray) -> str:
+    """The tensor digest of these bytes (as :func:`paramstore.format.tensor_digest`: blake3)."""
+    return blake3.blake3(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
+
+
+def _safetensors(data: bytes, meta: dict[str, str]) -> bytes:
+    header = json.dumps({"__metadata__": meta, "data": {"dtype": "U8", "shape": [len(data)],
+                                                        "data_offsets": [0, len(data)]}},
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
+    """The metadata and zstd frame of a patch; CorruptObjectError if it is not one."""
+    mv = memoryview(patch)
+    try:
+        (n,) = struct.unpack_from("<Q", mv, 0)
+        header = json.loads(bytes(mv[8 : 8 + n]))
+        meta, entry = header["__metadata__"], header["data"]
+        begin, end = entry["data_offsets"]
+        if meta.get("paramstore_patch") != PATCH_FORMAT or entry["dtype"] != "U8" or 8 + n + end != len(mv) \
+                or begin != 0:
+            raise ValueError("not a paramstore patch of format " + PATCH_FORMAT)
+        for key in ("dtype", "nbytes", "changed", "gap_width", "base", "target"):
+            if not isinstance(meta.get(key), str):
+                raise ValueError(f"no {key!r}")
+        if meta["gap_width"] not in ("4", "8") or not meta["nbytes"].isdigit() or not meta["changed"].isdigit():
+            raise ValueError("bad sizes")
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptObjectError(f"malformed patch: {e}") from None
+    return meta, mv[8 + n :]
