@@ -48,10 +48,14 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ZSTD_LEVEL = 3
 
 
-def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO) -> bytes | None:
+def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO,
+               base_digest: str | None = None, target_digest: str | None = None) -> bytes | None:
     """A patch turning ``base`` into ``target`` (bytes-like, the same length, elements of
     safetensors dtype ``dtype``), or None when it would be larger than ``max_ratio`` times the
     tensor (then move the tensor whole; an empty tensor never gets one).
+
+    ``base_digest``, ``target_digest``: the tensors' digests when known (a manifest's), which
+    saves hashing them here.
 
     Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a whole
     number of elements.
@@ -59,7 +63,7 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
     a, b = _elements(base, dtype), _elements(target, dtype)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
-    changed = np.flatnonzero(a != b)
+    changed = _changed(a, b)
     budget = max_ratio * b.nbytes
     gaps = np.diff(changed, prepend=0)
     if gaps.size and int(gaps.max()) >= 1 << 32:
@@ -72,7 +76,7 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
 
     frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
     meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(changed.size),
-            "gap_width": str(width), "base": _digest(a), "target": _digest(b)}
+            "gap_width": str(width), "base": base_digest or _digest(a), "target": target_digest or _digest(b)}
     patch = _safetensors(frame, meta)
     return patch if len(patch) <= budget else None
 
@@ -119,6 +123,19 @@ def patch_info(patch: bytes) -> dict[str, Any]:
     meta, _ = _parse(patch)
     return {"dtype": meta["dtype"], "nbytes": int(meta["nbytes"]), "changed": int(meta["changed"]),
             "base": meta["base"], "target": meta["target"], "size": len(patch)}
+
+
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Positions where ``a`` and ``b`` differ, ascending. Compared 8 bytes at a time first, then
+    element by element inside the words that differ (few, when little changed)."""
+    per = 8 // a.itemsize
+    if per == 1 or a.nbytes % 8:
+        return np.flatnonzero(a != b)
+    words = np.flatnonzero(a.view(np.uint64) != b.view(np.uint64))
+    if not words.size:
+        return words
+    cand = (words[:, None] * per + np.arange(per)).ravel()
+    return cand[a[cand] != b[cand]]
 
 
 def _elements(buf: Any, dtype: str) -> np.ndarray:
