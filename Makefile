@@ -83,6 +83,7 @@ bench: install
 	$(BIN)/python tools/bench_transport.py
 	$(BIN)/python tools/bench_peers.py
 	$(BIN)/python tools/bench_sharded.py
+	$(BIN)/python tools/bench_patch.py
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache
