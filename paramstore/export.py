@@ -39,10 +39,11 @@ from .format import TensorSpec, layout
 from .manifest import TensorEntry
 from .progress import progress
 from .root import StoreRoot
+from .validate import EXPORT_INDEX
 
 __all__ = ["export", "map_objects", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
 
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = EXPORT_INDEX
 DEFAULT_EXPORT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 #: Each exported shard's safetensors metadata: transformers 4.x refuses shards without ``format``.
 EXPORT_METADATA = {"format": "pt"}

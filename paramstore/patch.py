@@ -32,11 +32,10 @@ import json
 import struct
 from typing import Any
 
-import blake3
 import numpy as np
 
 from .errors import CorruptObjectError, InvalidArgumentError
-from .format import ITEMSIZE
+from .format import ITEMSIZE, TensorSpec, build_header, tensor_digest
 
 __all__ = ["make_patch", "apply_patch", "patch_info", "PATCH_FORMAT", "DEFAULT_MAX_RATIO"]
 
@@ -77,7 +76,8 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
     frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
     meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(changed.size),
             "gap_width": str(width), "base": base_digest or _digest(a), "target": target_digest or _digest(b)}
-    patch = _safetensors(frame, meta)
+    header, _ = build_header([TensorSpec("data", "U8", (len(frame),))], meta)
+    patch = header + frame
     return patch if len(patch) <= budget else None
 
 
@@ -149,16 +149,8 @@ def _elements(buf: Any, dtype: str) -> np.ndarray:
 
 
 def _digest(a: np.ndarray) -> str:
-    """The tensor digest of these bytes (as :func:`paramstore.format.tensor_digest`: blake3)."""
-    return blake3.blake3(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
-
-
-def _safetensors(data: bytes, meta: dict[str, str]) -> bytes:
-    header = json.dumps({"__metadata__": meta, "data": {"dtype": "U8", "shape": [len(data)],
-                                                        "data_offsets": [0, len(data)]}},
-                        separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    return struct.pack("<Q", len(header)) + header + data
+    """The tensor digest of an array's bytes."""
+    return tensor_digest(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
 def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:

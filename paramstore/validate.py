@@ -35,7 +35,7 @@ def check_name(name: Any, what: str = "tensor name") -> str:
     return name
 
 
-#: File names an export writes itself, which no asset may take.
+#: The index file an export writes (``paramstore.export.INDEX_NAME``), which no asset may take.
 EXPORT_INDEX = "model.safetensors.index.json"
 
 

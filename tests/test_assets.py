@@ -300,3 +300,17 @@ def test_a_sharded_commit_stores_assets_once_and_another_host_fetches_them(shm_d
     asset_objects = {e.object for e in man.assets.values()}
     on = [{f.split(".")[0] for _, _, fs in os.walk(os.path.join(h, "objects")) for f in fs} for h in hosts[:2]]
     assert asset_objects <= on[0] and not asset_objects & on[1]  # the lead stored them, once
+
+
+def test_the_config_files_follow_a_change_of_config_or_dtype(store):
+    """The files are made once per model and config (serialising costs ~1 ms a commit): a changed
+    config, or another stored dtype, gives new files."""
+    model = gpt2()
+    store.commit(1, model).result()
+    model.config.n_inner = 99  # changed between commits
+    store.commit(2, model, dtype=torch.bfloat16).result()
+    first, second = (json.loads(_asset(store, s, "config.json")) for s in (1, 2))
+    assert first.get("n_inner") is None and second["n_inner"] == 99
+    assert stored_dtype(first) == "float32" and stored_dtype(second) == "bfloat16"
+    store.commit(3, model, dtype=torch.bfloat16).result()  # unchanged: the same files, one object
+    assert store.manifest(3).assets == store.manifest(2).assets

@@ -81,6 +81,16 @@ def _rollout(root: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], 
     paramstore.integrations.verl.close_stores()
 
 
+def _next_step(model: dict[str, torch.Tensor], pause: float, meter: CpuMeter) -> float:
+    """Stand for a training step (``pause``, then every tensor changed, not timed); start the
+    meter; return the sync's start time."""
+    time.sleep(pause)
+    for t in model.values():
+        t.add_(1)
+    meter.start()
+    return time.monotonic()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -111,11 +121,7 @@ def main() -> None:
     naive_s, naive_noise = [], []
     meter = CpuMeter()
     for step in steps:
-        time.sleep(args.pause)
-        for t in model.values():
-            t.add_(1)
-        meter.start()
-        t0 = time.monotonic()
+        t0 = _next_step(model, args.pause, meter)
         naive.send_weights(((n, t) for n, t in model.items()), global_steps=step)
         for name, tensor in naive.receive_weights(global_steps=step):
             dst[name].copy_(tensor)
@@ -140,11 +146,7 @@ def main() -> None:
     meter = CpuMeter(lambda: [os.getpid(), proc.pid])
     try:
         for step in steps:
-            time.sleep(args.pause)
-            for t in model.values():
-                t.add_(1)
-            meter.start()
-            t0 = time.monotonic()
+            t0 = _next_step(model, args.pause, meter)
             metrics = asyncio.run(trainer.send_weights(((n, t) for n, t in model.items()), global_steps=step))
             sent = time.monotonic() - t0
             got_step, done, got = parent.recv()

@@ -37,8 +37,8 @@ from typing import Any, Iterable
 
 import torch
 
-from paramstore import ParamStore
 from paramstore.errors import InvalidArgumentError
+from paramstore.integrations._stores import open_store
 
 __all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions"]
 
@@ -47,7 +47,6 @@ REQUEST_NAME = "paramstore.request"
 #: The dotted path to give SGLang's ``--custom-weight-loader`` and ``load_format``.
 LOADER = "paramstore.integrations.sglang.load_weights"
 
-_stores: dict[tuple[str, str | None, str | None], ParamStore] = {}
 _loaded: dict[int, int] = {}  # id(model) -> step loaded last
 _lock = threading.Lock()
 
@@ -87,7 +86,7 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         raise InvalidArgumentError(f"the paramstore loader takes one {REQUEST_NAME!r} tensor made by "
                                    f"paramstore.integrations.sglang.request(), got {[n for n, _ in items][:3]}")
     body = json.loads(bytes(items[0][1].detach().cpu().tolist()))
-    store = _store(body["root"], body["registry"], body["name"])
+    store = open_store(body["root"], body["registry"], body["name"])
     if body["min_step"] is not None:
         snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"])
     else:
@@ -110,12 +109,3 @@ def update_weights(engine: Any, root: str | os.PathLike[str], **kwargs: Any) -> 
     ``load_format=LOADER`` (the server must list it in ``--custom-weight-loader``). Returns what
     the engine returns."""
     return engine.update_weights_from_tensor(named_tensors=request(root, **kwargs), load_format=LOADER)
-
-
-def _store(root: str, registry: str | None, name: str | None) -> ParamStore:
-    """One store per (root, registry, name) per process, opened on first use."""
-    key = (root, registry, name)
-    with _lock:
-        if key not in _stores:
-            _stores[key] = ParamStore(root, registry=registry, name=name)
-        return _stores[key]

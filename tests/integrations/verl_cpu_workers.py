@@ -241,7 +241,7 @@ class LocalReplica(RolloutReplica):
 
     def get_ray_class_with_init_args(self) -> Any:
         """Unused: the workers come from :meth:`init_hybrid`."""
-        raise NotImplementedError
+        raise NotImplementedError("LocalReplica builds no Ray worker class: its workers come from init_hybrid()")
 
 
 __all__ = ["CpuFSDPEngine", "CpuTrainingWorker", "LocalReplica", "RecordingRollout", "RolloutWorker",
