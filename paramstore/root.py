@@ -149,7 +149,8 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
     if not os.path.exists(marker):
         if not create:
             raise NotAStoreError(_not_a_store(path, create=False))
-        if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))):
+        if os.path.exists(path) and (not os.path.isdir(path) or not _creatable(os.listdir(path))) \
+                and not os.path.exists(marker):  # another process may have finished creating it since
             raise NotAStoreError(_not_a_store(path, create=True))
         if os.path.isdir(path):
             check_safe(path)  # an empty directory someone else made must not become our store
