@@ -69,8 +69,12 @@ class FetchReport:
         local: objects this host already held (nothing moved for them).
         from_peers: objects read from peer hosts (verified).
         from_remote: objects downloaded from the remote tier (verified).
+        from_patches: objects rebuilt here from patches against a version this host holds
+            (verified; see :mod:`paramstore.delta`).
+        patch_bytes: bytes of patch objects moved to this host (also counted in ``bytes_from``).
         bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
-        rejected: per peer session, objects whose bytes from that peer failed verification.
+        rejected: per peer session, objects whose bytes from that peer failed verification
+            (``"patch"``: patches that did not rebuild their object, which then moved whole).
         seconds: time spent obtaining bytes.
 
     Example:
@@ -79,14 +83,16 @@ class FetchReport:
         >>> report.step, report.local, report.moved, report.bytes  # everything was already on this host
         (1, 1, False, 0)
         >>> report.as_dict()
-        {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'bytes': 0, 'bytes_from': {},
-         'rejected': {}, 'seconds': ...}
+        {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'from_patches': 0, 'patch_bytes': 0,
+         'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ...}
     """
 
     step: int
     local: int = 0
     from_peers: list[str] = field(default_factory=list)
     from_remote: list[str] = field(default_factory=list)
+    from_patches: list[str] = field(default_factory=list)
+    patch_bytes: int = 0
     bytes_from: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
@@ -98,11 +104,11 @@ class FetchReport:
 
     @property
     def fetched(self) -> list[str]:
-        """Objects moved to this host from any source (peers, then the remote).
+        """Objects obtained by this host from any source (peers, the remote, rebuilt from patches).
 
         (Before 0.2 ``store.last_fetch.fetched`` listed the objects read from peers.)
         """
-        return [*self.from_peers, *self.from_remote]
+        return [*self.from_peers, *self.from_remote, *self.from_patches]
 
     @property
     def missing(self) -> list[str]:
@@ -113,11 +119,12 @@ class FetchReport:
     @property
     def moved(self) -> bool:
         """Whether any byte had to move."""
-        return bool(self.from_peers or self.from_remote)
+        return bool(self.from_peers or self.from_remote or self.from_patches)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
-                "from_remote": len(self.from_remote), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
+                "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),
+                "patch_bytes": self.patch_bytes, "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
                 "rejected": dict(self.rejected), "seconds": self.seconds}
 
 
@@ -133,13 +140,15 @@ class Fetcher:
         server: called to get this process's peer server, if it runs one (fetched objects are
             then served to other hosts at once).
         prepare_buffers: after a peer fetch, prepare slabs for the next version of the same layout.
+        patches: first rebuild what patches can (:func:`paramstore.delta.fetch_by_patches`).
     """
 
     def __init__(self, root: StoreRoot, pool: "SlabPool", *, remote: "Remote | None",
                  transport: Callable[[], "Transport"], server: Callable[[], "PeerServer | None"],
-                 prepare_buffers: bool = True) -> None:
+                 prepare_buffers: bool = True, patches: bool = False) -> None:
         self._root, self._pool, self._remote = root, pool, remote
         self._transport, self._server, self._prepare = transport, server, prepare_buffers
+        self._patches = patches
 
     def fetch(self, step: int, manifest: Manifest) -> FetchReport:
         """Make every object of ``manifest`` present in the local tier (the caller holds a lease).
@@ -154,6 +163,11 @@ class Fetcher:
         missing = [o for o in objects if not tier.exists(o)]
         report = FetchReport(step, local=len(objects) - len(missing))
         peer_error: TransferError | None = None
+        if missing and self._patches:
+            from .delta import fetch_by_patches
+
+            fetch_by_patches(self._root, self._pool, step, manifest, report, functools.partial(self._get, report))
+            missing = [o for o in missing if not tier.exists(o)]
         if missing and reg.peers():
             from .peer import fetch as peer_fetch
 
@@ -182,6 +196,23 @@ class Fetcher:
                 message += f" (the peer fetch failed: {peer_error})"
             raise ObjectUnavailableError(message) from peer_error
         return report
+
+
+    def _get(self, report: FetchReport, sizes: "dict[str, int]") -> int:
+        """Move these objects (patches) here from peers; returns the bytes moved (counted per peer in
+        ``report.bytes_from``). What no peer delivers is simply not here afterwards."""
+        from .peer import fetch as peer_fetch
+
+        if not self._root.registry.peers():
+            return 0
+        sub = FetchReport(report.step)
+        try:
+            peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=sub, server=self._server())
+        except TransferError:
+            pass  # no transfer engine here: the objects move whole from the remote, if any
+        report.bytes_from.update(sub.bytes_from)
+        report.rejected.update(sub.rejected)
+        return sub.bytes
 
 
 def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: bool) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Ty
 from . import maintenance, ops
 from .assets import AssetsArg
 from .checkout import FetchReport, Fetcher, check_checkout_args, open_snapshot
+from .delta import Patcher
 from .errors import (
     InvalidArgumentError,
     ParamStoreWarning,
@@ -148,6 +149,15 @@ class ParamStore:
             host:port/db``: a registry shared by the hosts of a store (see ``paramstore.backends``).
         name: with a shared registry, the store's name there (required: every host of one store
             passes the same name; stores sharing a server differ by name).
+        patches: make and use sparse patches between versions (see :mod:`paramstore.delta`). A
+            committing process makes, after each commit and on a thread of its own, patch objects
+            that rebuild the new version's objects from the version before it (only the elements
+            that changed); a checkout that lacks objects of a version rebuilds them from patches
+            against a version its host holds, moving the patches instead of whole objects, and
+            checks every rebuilt object's digest (a bad patch falls back to the whole object).
+            None (default): on with a shared registry or a remote (where bytes cross links), off
+            for a single-host store; True or False to choose. Patches need the base version to
+            still exist: keep at least two versions (retention) or hold a lease on the older one.
 
     Raises:
         NotAStoreError: ``root`` holds something other than a store, or is missing and
@@ -185,6 +195,7 @@ class ParamStore:
         shared_group: bool = False,
         scrub_rate: float | None = None,
         group_timeout: float = 600.0,
+        patches: bool | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -203,6 +214,11 @@ class ParamStore:
             raise InvalidArgumentError("root must be a directory path, got ''")
         if create is not None and not isinstance(create, bool):
             raise InvalidArgumentError(f"create must be True, False or None, got {create!r}")
+        if patches is not None and not isinstance(patches, bool):
+            raise InvalidArgumentError(f"patches must be True, False or None, got {patches!r}")
+        self._patches = patches if patches is not None else (registry is not None or remote is not None)
+        self._patcher: Patcher | None = None
+        self._patcher_lock = threading.Lock()
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
         self._group_timeout = check_timeout(group_timeout)
         self._groups: dict[tuple[int, ...], Any] = {}  # ranks -> CommitGroup (sharded commits)
@@ -279,7 +295,8 @@ class ParamStore:
                 if self._scrub_rate is not None:
                     self._scrubber = Scrubber(root, self._scrub_rate)
                 self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
-                                        server=lambda: self._peer, prepare_buffers=self._prepare)
+                                        server=lambda: self._peer, prepare_buffers=self._prepare,
+                                        patches=self._patches)
             except BaseException:
                 root.close()
                 raise
@@ -584,7 +601,8 @@ class ParamStore:
 
     @_keyword_timeout(0)
     def flush(self, *, timeout: float | None = None) -> Version | None:
-        """Wait until every commit of this process is visible; returns the last version.
+        """Wait until every commit of this process is visible (and, with patches, its patches are
+        made); returns the last version.
 
         Example:
             >>> for step in (2, 3):
@@ -593,7 +611,20 @@ class ParamStore:
             3
         """
         handle = self._last_handle
-        return None if handle is None else handle.result(timeout)  # raises WaitTimeoutError
+        if handle is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        version = handle.result(timeout)  # raises WaitTimeoutError
+        if self._patches and self._patcher_for().wait(
+                version.step, None if deadline is None else max(0.0, deadline - time.monotonic())) is False:
+            raise WaitTimeoutError(f"the patches of step {version.step} were not made within {timeout} s")
+        return version
+
+    def _patcher_for(self) -> Patcher:
+        with self._patcher_lock:
+            if self._patcher is None:
+                self._patcher = Patcher(self._root)
+            return self._patcher
 
     def _get_committer(self) -> Committer:
         if self._committer is None:
@@ -614,6 +645,8 @@ class ParamStore:
                 self._persister.submit(version.step, handle.persisted)
             except BaseException as e:  # noqa: BLE001 - reported through the future
                 handle.persisted.set_exception(e)
+        if self._patches:
+            self._patcher_for().submit(version.step)
         if self._maintainer is not None:
             self._maintainer.poke()
 
@@ -1317,6 +1350,8 @@ class ParamStore:
             self._scrubber.close()
         if self._committer is not None:
             self._committer.close()
+        if self._patcher is not None:
+            self._patcher.close()
         if self._claimed:
             try:
                 release(self._opened.registry, self._run_id)  # the next trainer starts without a warning

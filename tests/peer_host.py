@@ -3,8 +3,9 @@
 Run as ``python peer_host.py ROOT REGISTRY NAME ROLE [ARGS]``; it prints one JSON line per event
 on stdout and reads commands from stdin:
 
-* ``trainer``: serves, then for each stdin line ``commit STEP SEED CHANGED`` commits
-  :func:`model` and prints ``{"committed": step, "session": ...}``.
+* ``trainer``: serves, then for each stdin line ``commit STEP SEED CHANGED [SPARSE]`` commits
+  :func:`model` and prints ``{"committed": step, "session": ...}`` (``patches`` then waits for
+  the patches of the last commit and prints their bytes).
 * ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
   out, compares every tensor with :func:`model` and prints what it read from which peer, and how
   many fetched objects landed in slabs the store had prepared (faulted in) beforehand.
@@ -25,8 +26,18 @@ from paramstore import ParamStore  # noqa: E402
 TENSORS, SHAPE = 16, (1024, 1024)  # 16 x 4 MiB float32 = 64 MiB
 
 
-def model(seed: int, changed: int = TENSORS) -> dict[str, torch.Tensor]:
-    """Version ``seed``: the first ``changed`` tensors depend on ``seed``, the others on nothing."""
+def model(seed: int, changed: int = TENSORS, sparse: float = 0.0) -> dict[str, torch.Tensor]:
+    """Version ``seed``: the first ``changed`` tensors depend on ``seed``, the others on nothing.
+
+    ``sparse`` > 0: instead, version ``seed - 1`` with that fraction of the elements of each of the
+    first ``changed`` tensors changed (an RL step: every tensor changed, a little)."""
+    if sparse:
+        out = model(seed - 1, changed)
+        for i, t in enumerate(list(out.values())[:changed]):
+            g = torch.Generator().manual_seed(seed * 1000 + i)
+            idx = torch.randperm(t.numel(), generator=g)[: int(sparse * t.numel())]
+            t.view(-1)[idx] += 1.0
+        return out
     out = {}
     for i in range(TENSORS):
         g = torch.Generator().manual_seed((seed if i < changed else 0) * 1000 + i)
@@ -46,21 +57,26 @@ def main() -> None:
         for line in sys.stdin:
             cmd, *args = line.split()
             if cmd == "commit":
-                step, seed, changed = map(int, args)
-                store.commit(step, model(seed, changed)).result()
+                step, seed, changed = map(int, args[:3])
+                store.commit(step, model(seed, changed, float(args[3]) if args[3:] else 0.0)).result()
                 server.sync()  # announce now rather than on the next rescan
                 say(committed=step)
+            elif cmd == "patches":
+                store.flush()
+                server.sync()
+                say(patches=store._patcher.last.bytes if store._patcher and store._patcher.last else 0)
             elif cmd == "checkout":
-                step, seed, changed = map(int, args)
+                step, seed, changed = map(int, args[:3])
                 store._pool.wait_prepared(60)  # what the last fetch prepared (in a real host: idle time)
                 ready = {os.stat(s.path).st_ino for v in store._pool._free.values() for s in v}
                 with store.checkout(step) as snap:
-                    want = model(seed, changed)
+                    want = model(seed, changed, float(args[3]) if args[3:] else 0.0)
                     ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
                     report = snap.fetch
                 prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready for d in report.from_peers)
                 say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
-                    fetched=len(report.from_peers), rejected=dict(report.rejected))
+                    fetched=len(report.from_peers), rejected=dict(report.rejected),
+                    from_patches=len(report.from_patches), patch_bytes=report.patch_bytes)
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 for digest in server.served:
                     with open(store._root.tier.object_path(digest), "r+b") as f:

@@ -207,6 +207,37 @@ def test_objects_referenced_and_forgotten(reg):
     assert reg.locate_tensors([a, b, c]) == {a: TL(o2, 64), c: TL(o2, 80)}
 
 
+def test_patch_records_live_as_long_as_both_versions(reg):
+    for s in (1, 2, 3, 4):
+        publish(reg, s)
+    p12, p23, p13, p34 = D("p12"), D("p23"), D("p13"), D("p34")
+    assert reg.add_patches(1, 2, {D("o2"): (p12, 100)})
+    assert reg.add_patches(2, 3, {D("o3"): (p23, 50)})
+    assert reg.add_patches(1, 3, {D("o3"): (p13, 70)})
+    assert reg.add_patches(3, 4, {D("o4"): (p34, 30)})
+    assert reg.add_patches(3, 4, {D("x4"): (D("px"), 40)})  # merged with the pair's record
+    assert reg.patches(3) == {(2, 3): {D("o3"): p23}, (1, 3): {D("o3"): p13}}
+    assert reg.patches(4) == {(3, 4): {D("o4"): p34, D("x4"): D("px")}}
+    assert reg.patches(7) == {}
+    assert set(reg.patches()) == {(1, 2), (2, 3), (1, 3), (3, 4)}
+    assert reg.object_sizes([p12, p23, D("px")]) == {p12: 100, p23: 50, D("px"): 40}  # registered as objects
+    assert {p12, p23, p13, p34, D("px")} <= reg.referenced_objects()  # kept by GC while recorded
+    lease = reg.acquire_lease(3, "reader")
+    assert reg.remove_versions([2]) == [2]  # 1->2 and 2->3 lose a version; 1->3 and 3->4 stay
+    assert set(reg.patches()) == {(1, 3), (3, 4)}
+    assert p12 not in reg.referenced_objects() and p13 in reg.referenced_objects()
+    assert not reg.add_patches(2, 4, {D("o4"): (D("p24"), 10)})  # base gone: nothing recorded
+    assert not reg.add_patches(3, 9, {D("o9"): (D("p39"), 10)})
+    assert set(reg.patches()) == {(1, 3), (3, 4)} and D("p24") not in reg.objects()
+    reg.release_lease(lease.id)
+    assert reg.remove_versions([1, 3]) == [1, 3]
+    assert reg.patches() == {} and reg.referenced_objects() == {D("o4")}
+    for bad in [(2, 2, {}), (3, 1, {}), (-1, 2, {}), (True, 2, {}), (1, 2, {"nope": (D("p"), 1)}),
+                (1, 2, {D("o"): (D("p"), 0)}), (1, 2, {D("o"): D("p")}), (1, 2, [])]:
+        with pytest.raises(InvalidArgumentError):
+            reg.add_patches(*bad)
+
+
 def test_object_sizes_looks_up_only_what_is_asked(reg):
     o1, o2 = D("o1"), D("o2")
     publish(reg, 1, {D("a"): TL(o1, 64), D("b"): TL(o2, 80)})

@@ -24,6 +24,10 @@ Notes for implementers (a new registry passes ``tests/test_registry_contract.py`
 * **Validation.** Digests, peer ids and addresses come from other hosts: validate them
   (``check_digests``, ``check_peer``...) before they are stored or returned.
 * **Wake-ups.** ``watch()`` must not busy-spin and must not lose a change made after it returned.
+* **Patches.** ``add_patches`` registers the patch objects (as objects of no tensors) and its
+  record in one transaction, only while both versions exist; ``remove_versions`` drops the records
+  whose base or target it removes, in its own transaction; ``referenced_objects`` includes the
+  patch objects of every record (so GC keeps them exactly as long as their record).
 * **Defaults.** ``object_sizes`` has a default built on ``objects()``; override it when the backing
   store can look keys up directly (both shipped registries do).
 """
@@ -38,7 +42,7 @@ from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import InvalidArgumentError
 from paramstore.manifest import Manifest, Version
 
-__all__ = ["Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
+__all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
 
 #: Store-level values a registry keeps (:meth:`Registry.get_meta`): the store's identity, written
 #: when it is created and checked by every open, and the current writer (see ``paramstore.writer``).
@@ -117,6 +121,28 @@ def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
         if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 1 << 64:
             raise InvalidArgumentError(f"the address of {d} must be an int in [0, 2**64), got {address!r}")
     return dict(objects)
+
+
+def check_patches(base: object, target: object, patches: object) -> dict[str, tuple[str, int]]:
+    """The arguments of :meth:`Registry.add_patches` checked: steps with ``0 <= base < target``,
+    target and patch objects as digests, sizes positive ints."""
+    for what, step in (("base", base), ("target", target)):
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 64:
+            raise InvalidArgumentError(f"a patch's {what} must be a step (int >= 0), got {step!r}")
+    if base >= target:  # type: ignore[operator]
+        raise InvalidArgumentError(f"a patch's base ({base}) must be older than its target ({target})")
+    if not isinstance(patches, Mapping):
+        raise InvalidArgumentError(f"expected a mapping target object -> (patch object, size), got {patches!r}")
+    out = {}
+    for obj, entry in patches.items():
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            raise InvalidArgumentError(f"the patch of {obj!r} must be (patch object, size), got {entry!r}")
+        patch, size = entry
+        check_digests([obj, patch])
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise InvalidArgumentError(f"the size of patch {patch} must be a positive int, got {size!r}")
+        out[obj] = (patch, size)
+    return out
 
 
 class TensorLocation(NamedTuple):
@@ -270,7 +296,25 @@ class Registry(abc.ABC):
 
     @abc.abstractmethod
     def referenced_objects(self) -> set[str]:
-        """Digests of the objects any version references (the mark phase of GC)."""
+        """Digests of the objects any version references, and the patch objects of every patch
+        record (the mark phase of GC)."""
+
+    # -- patches -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def add_patches(self, base: int, target: int, patches: Mapping[str, tuple[str, int]]) -> bool:
+        """Record patches that rebuild objects of version ``target`` from the objects of version
+        ``base``: ``{target object: (patch object, patch size)}``, merged with those already
+        recorded for the pair. The patch objects are registered as objects (no tensors).
+
+        Called only after the patch objects are durable in the tier. Returns False, recording
+        nothing, when either version is gone (a prune won); raises InvalidArgumentError for bad
+        digests or sizes, or ``base >= target``.
+        """
+
+    @abc.abstractmethod
+    def patches(self, target: int | None = None) -> dict[tuple[int, int], dict[str, str]]:
+        """Patch records: ``(base, target) -> {target object: patch object}``, of every version
+        or of ``target`` only. A record goes when its base or its target version is removed."""
 
     @abc.abstractmethod
     def forget_objects(self, digests: set[str]) -> None:

@@ -19,6 +19,8 @@ name              key                             value
 ``peer-objects``  peer id (UTF-8) + NUL           empty: the reverse of ``holders``, so a peer's objects go with it
                   + object digest (32 raw bytes)
 ``meta``          ``store_id`` / ``writer``       the store's identity and its current writer (UTF-8)
+``patches``       target step + base step          pairs of target object + patch object (32 raw bytes each)
+                  (8-byte big-endian each)
 ================  ==============================  ===========================================
 
 ``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import os
 import struct
@@ -65,8 +68,8 @@ from paramstore.manifest import Manifest, Version
 
 from ._inotify import FileWatch
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_peer,
-    check_peer_id,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
+    check_peer, check_peer_id,
 )
 
 __all__ = ["LmdbRegistry"]
@@ -75,7 +78,7 @@ _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
 # Named databases missing from an older store are created when it is opened.
 _DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
-        "peer-objects", "meta")
+        "peer-objects", "meta", "patches")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 #: Bytes allocated ahead of LMDB's last page in ``data.mdb`` (topped up when half is used), so
 #: that lease writes never need new space from a full filesystem.
@@ -107,6 +110,11 @@ def _guarded(fn: _F) -> _F:
 # LMDB's errors that mean the file is damaged (the others are limits or the environment's state).
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
            lmdb.BadValsizeError, lmdb.PanicError)
+
+
+def _pairs(raw: bytes) -> dict[str, str]:
+    """A patch record's value: target object -> patch object."""
+    return {raw[i : i + 32].hex(): raw[i + 32 : i + 64].hex() for i in range(0, len(raw), 64)}
 
 
 def _step_key(step: int) -> bytes:
@@ -412,7 +420,38 @@ class LmdbRegistry(Registry):
         with self.env.begin(db=self._dbs["refs"]) as txn:
             for _, v in txn.cursor():
                 out.update(v[i : i + 32].hex() for i in range(0, len(v), 32))
+            for _, v in txn.cursor(db=self._dbs["patches"]):
+                out.update(v[i : i + 32].hex() for i in range(32, len(v), 64))
         return out
+
+    # -- patches -----------------------------------------------------------------------------
+    @_guarded
+    def add_patches(self, base: int, target: int, patches: Mapping[str, tuple[str, int]]) -> bool:
+        patches = check_patches(base, target, patches)
+        key = _STEP.pack(target) + _STEP.pack(base)
+        with self._write() as txn:
+            versions = self._dbs["versions"]
+            if txn.get(_STEP.pack(base), db=versions) is None or txn.get(_STEP.pack(target), db=versions) is None:
+                return False
+            pairs = _pairs(txn.get(key, b"", db=self._dbs["patches"]))
+            pairs.update({obj: patch for obj, (patch, _) in patches.items()})
+            txn.put(key, b"".join(bytes.fromhex(o) + bytes.fromhex(p) for o, p in sorted(pairs.items())),
+                    db=self._dbs["patches"])
+            for patch, size in patches.values():
+                txn.put(bytes.fromhex(patch), _STEP.pack(size), db=self._dbs["objects"], overwrite=False)
+        return True
+
+    @_guarded
+    def patches(self, target: int | None = None) -> dict[tuple[int, int], dict[str, str]]:
+        with self.env.begin(db=self._dbs["patches"]) as txn:
+            cur = txn.cursor()
+            if target is None:
+                rows = iter(cur)
+            else:
+                prefix = _step_key(target)
+                rows = itertools.takewhile(lambda kv: kv[0][:8] == prefix, cur.iternext()) \
+                    if cur.set_range(prefix) else iter(())
+            return {(_STEP.unpack_from(k, 8)[0], _STEP.unpack_from(k)[0]): _pairs(v) for k, v in rows}
 
     # -- writes ------------------------------------------------------------------------------
     @_guarded
@@ -571,6 +610,8 @@ class LmdbRegistry(Registry):
             for k, v in list(txn.cursor(db=self._dbs["tags"])):
                 if v in gone:
                     txn.delete(k, db=self._dbs["tags"])
+            for k in [k for k, _ in txn.cursor(db=self._dbs["patches"]) if k[:8] in gone or k[8:] in gone]:
+                txn.delete(k, db=self._dbs["patches"])
         if removed:
             self._notify()
         return removed

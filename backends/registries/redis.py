@@ -16,6 +16,7 @@ key (after prefix)     type    content
 ``persisted``          hash    key(step) -> URL of the remote the version is durable in
 ``tags``               hash    tag name -> key(step)
 ``tensors``            hash    tensor digest -> ``[object digest, offset, length]``
+``patches``            hash    ``key(target):key(base)`` -> ``{target object: patch object}``
 ``objects``            hash    object digest -> ``{"size": n, "tensors": [digests]}``
 ``leases``             set     ids of leases that may be live
 ``lease:<id>``         string  ``{"step": key(step), "holder", "pid", "host", "acquired_at"}``, with a TTL
@@ -92,8 +93,8 @@ from paramstore.errors import (
 from paramstore.manifest import Manifest, Version, check_manifest
 
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_peer,
-    check_peer_id,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
+    check_peer, check_peer_id,
 )
 
 __all__ = ["RedisRegistry", "mask_url"]
@@ -213,8 +214,9 @@ return 1
 # KEYS: leases. ARGV: lease key prefix, lease channel.
 _LEASES = _script(_LIVE_LEASES + "return live_leases(KEYS[1], ARGV[1], ARGV[2])")
 
-# KEYS: steps versions manifests refs persisted tags leases
+# KEYS: steps versions manifests refs persisted tags leases patches
 # ARGV: lease key prefix, lease channel, events channel, steps... Returns the steps removed.
+# Patch records whose base or target goes are dropped with them.
 _REMOVE = _script(_LIVE_LEASES + """
 local held = {}
 local live = live_leases(KEYS[7], ARGV[1], ARGV[2])
@@ -234,9 +236,26 @@ if #removed > 0 then
   for i = 1, #tags, 2 do
     if gone[tags[i + 1]] then redis.call('hdel', KEYS[6], tags[i]) end
   end
+  for _, pair in ipairs(redis.call('hkeys', KEYS[8])) do
+    if gone[string.sub(pair, 1, 20)] or gone[string.sub(pair, 22, 41)] then redis.call('hdel', KEYS[8], pair) end
+  end
   redis.call('publish', ARGV[3], 'removed')
 end
 return removed
+""")
+
+# KEYS: steps patches objects. ARGV: base, target, field, JSON {target object: patch object},
+# JSON flat list [patch object, record, ...]. Returns 0 when either version is gone, else 1.
+_ADD_PATCHES = _script("""
+if not redis.call('zscore', KEYS[1], ARGV[1]) or not redis.call('zscore', KEYS[1], ARGV[2]) then return 0 end
+local pairs_ = {}
+local cur = redis.call('hget', KEYS[2], ARGV[3])
+if cur then pairs_ = cjson.decode(cur) end
+for k, v in pairs(cjson.decode(ARGV[4])) do pairs_[k] = v end
+redis.call('hset', KEYS[2], ARGV[3], cjson.encode(pairs_))
+local objects = cjson.decode(ARGV[5])
+for i = 1, #objects, 2 do redis.call('hsetnx', KEYS[3], objects[i], objects[i + 1]) end
+return 1
 """)
 
 # KEYS: objects, tensors. ARGV: object digests. Index entries that point elsewhere stay.
@@ -384,6 +403,14 @@ def _address(digest: str, raw: Any) -> int:
     return _read(f"an announced address of {digest}", parse)
 
 
+def _patch_pairs(raw: str) -> dict[str, str]:
+    pairs = json.loads(raw)
+    if not isinstance(pairs, dict):
+        raise ValueError("not an object")
+    check_digests([*pairs, *pairs.values()])
+    return pairs
+
+
 def _refs(raw: str) -> list[str]:
     """A version's entry in ``refs``: the digests of its objects."""
     return check_digests(json.loads(raw))
@@ -515,7 +542,8 @@ class RedisRegistry(Registry):
         self._timeout = connect_timeout_s
         p = f"ps:{{{namespace}}}:"
         self._k = {n: p + n for n in ("steps", "versions", "manifests", "refs", "persisted", "tags",
-                                      "tensors", "objects", "leases", "events", "lease-events", "meta")}
+                                      "tensors", "objects", "leases", "events", "lease-events", "meta",
+                                      "patches")}
         self._lease_prefix = p + "lease:"
         self._prefix = p
         self._closed = False
@@ -659,6 +687,27 @@ class RedisRegistry(Registry):
         out: set[str] = set()
         for raw in self._client().hvals(self._k["refs"]):
             out.update(_read(self._k["refs"], functools.partial(_refs, raw)))
+        for pairs in self.patches().values():
+            out.update(pairs.values())
+        return out
+
+    # -- patches -----------------------------------------------------------------------------
+    @_translated
+    def add_patches(self, base: int, target: int, patches: Mapping[str, tuple[str, int]]) -> bool:
+        patches = check_patches(base, target, patches)
+        pairs = {obj: patch for obj, (patch, _) in patches.items()}
+        objects = [x for patch, size in patches.values() for x in (patch, json.dumps({"size": size, "tensors": []}))]
+        args = [_key(base), _key(target), f"{_key(target)}:{_key(base)}", json.dumps(pairs), json.dumps(objects)]
+        return bool(self._run(_ADD_PATCHES, self._keys("steps", "patches", "objects"), args))
+
+    @_translated
+    def patches(self, target: int | None = None) -> dict[tuple[int, int], dict[str, str]]:
+        out = {}
+        for field, raw in self._client().hgetall(self._k["patches"]).items():
+            t, _, b = field.partition(":")
+            if target is not None and int(t) != target:
+                continue
+            out[(int(b), int(t))] = _read(f"{self._k['patches']} field {field!r}", functools.partial(_patch_pairs, raw))
         return out
 
     @_translated
@@ -889,7 +938,7 @@ class RedisRegistry(Registry):
         wanted = sorted({_key(s) for s in steps if 0 <= s < _MAX_STEP})
         if not wanted:
             return []
-        keys = self._keys("steps", "versions", "manifests", "refs", "persisted", "tags", "leases")
+        keys = self._keys("steps", "versions", "manifests", "refs", "persisted", "tags", "leases", "patches")
         removed = self._run(_REMOVE, keys, [self._lease_prefix, self._k["lease-events"], self._k["events"], *wanted])
         return [int(s) for s in removed]
 

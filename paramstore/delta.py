@@ -1,0 +1,496 @@
+"""Patches between versions: an object of a new version rebuilt from the objects of an older one.
+
+Content addressing moves only the tensors that changed; but in RL post-training nearly every
+tensor changes a little at every step (a few percent of its bf16 elements), so a version would
+still move almost whole. A *patch object* rebuilds one object of version ``target`` from the
+objects of version ``base`` a host already holds: for each of the target's tensors, the sparse
+changes against the same tensor (same name, same block) in ``base`` (:func:`paramstore.patch.encode`:
+positions delta-coded, new bit patterns, zstd).
+
+**Made** after each commit, on a thread of its own in the committing process (:class:`Patcher`,
+never on the training thread), for the new objects of the version against the version before it,
+and kept only when at most ``max_ratio`` of the object's size. It is recorded in the registry
+(:meth:`~paramstore.backends.registries.base.Registry.add_patches`), which keeps the record, and
+so the patch object, exactly as long as both versions exist: GC never keeps a base for a patch,
+it drops the patch with its base.
+
+**Used** by a checkout that lacks objects of a version (:func:`fetch_by_patches`, before peers and
+the remote are asked for whole objects): it looks for a chain of recorded patches from a version
+whose objects are all on this host (``base → target``, or ``v-2 → v-1 → v``, rebuilding the
+intermediate version here), fetches the patch objects (from peers, like any object), rebuilds
+each target object into a fresh slab (never into an object someone may read) and places it only
+if its object digest (both levels: every tensor's bytes and the header) is the one the manifest
+names. A patch that is damaged, for the wrong base, or missing, leaves its object to be fetched
+whole. A chain is used only when its patch objects are smaller than the objects they rebuild.
+
+**Format.** A patch object is an ordinary object of the store (a safetensors file named by its
+object digest), so tiers, peers, push/pull and ``verify`` treat it like any other:
+
+* tensor ``head`` (``U8``): the target object's header bytes;
+* tensor ``t<i>`` (``U8``) for the i-th tensor of the target in file order: its sparse changes
+  against its base tensor, or its bytes whole when it has no base here (a new name, another
+  dtype or length, a block stored on another host) or its changes would not be smaller;
+* ``__metadata__``: ``paramstore_patch`` (this format), ``target`` (object digest), ``base``
+  (step), ``size`` (the target's bytes) and ``spans``: a JSON list, per target tensor, of
+  ``[begin, end, dtype, base object or "", base offset, changed elements, gap width]``.
+
+Example:
+    >>> import torch
+    >>> from paramstore import ParamStore
+    >>> from paramstore.delta import make_patches, patch_summary
+    >>> w = torch.zeros(4096)
+    >>> s = ParamStore(root, patches=True)
+    >>> s.commit(1, {"w": w}).result().step
+    1
+    >>> w[7] = 1.0
+    >>> s.commit(2, {"w": w}).result().step
+    2
+    >>> s.flush().step  # waits for the patches too
+    2
+    >>> [(base, target, info["changed"]) for (base, target), info in sorted(patch_summary(s._root).items())]
+    [(1, 2, 1)]
+    >>> s.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import CorruptObjectError, ParamStoreError, VersionNotFoundError
+from .format import TensorSpec, layout, object_digest, parse_header, rehash, tensor_digest, tensor_spans
+from .patch import decode_into, encode
+from .staging import tmp_name
+
+if TYPE_CHECKING:
+    from .checkout import FetchReport
+    from .manifest import Manifest
+    from .root import StoreRoot
+    from .staging import SlabPool
+
+__all__ = ["Patcher", "PatchReport", "make_patches", "rebuild", "fetch_by_patches", "plan_chain", "patch_summary",
+           "PATCH_OBJECT_FORMAT", "DEFAULT_MAX_RATIO", "MAX_CHAIN"]
+
+#: The patch-object format this paramstore writes and reads.
+PATCH_OBJECT_FORMAT = "1"
+#: A patch object is kept only when it is at most this fraction of the object it rebuilds.
+DEFAULT_MAX_RATIO = 0.5
+#: The longest chain of patches a checkout follows (versions rebuilt on the way, the last included).
+MAX_CHAIN = 8
+
+_Key = tuple[str, tuple[int, ...]]  # (tensor name, block offsets): a tensor's identity across versions
+
+
+# -- making ------------------------------------------------------------------------------------
+def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float = DEFAULT_MAX_RATIO,
+                 lock: bool = True) -> dict[str, tuple[str, int]]:
+    """Make, store and record the patch objects rebuilding ``target``'s new objects from ``base``.
+
+    "New" objects are those of ``target`` that ``base`` does not reference and this host holds.
+    Returns ``{target object: (patch object, size)}`` as recorded (empty when nothing was worth a
+    patch, or when either version went meanwhile). Raises VersionNotFoundError if a version is gone
+    before its manifest was read. ``lock``: hold the host's GC lock (shared) from the first patch
+    object placed until the record is written, so GC cannot sweep them in between.
+    """
+    reg, tier = root.registry, root.tier
+    base_m, target_m = reg.get_manifest(base), reg.get_manifest(target)
+    bases = {(name, c.offsets): (e.dtype, c) for name, e in base_m.stored() for c in e.pieces()}
+    where = {(c.object, c.offset): (name, c.offsets) for name, e in target_m.stored() for c in e.pieces()}
+    todo = sorted(o for o in target_m.objects() - base_m.objects() if tier.exists(o))
+    made: dict[str, tuple[bytes, list[bytes], dict[str, str]]] = {}
+    with _Maps(tier) as maps:
+        for obj in todo:
+            try:
+                patch = _make_one(maps, obj, base, where, bases, max_ratio)
+            except FileNotFoundError:  # collected meanwhile (its version was pruned)
+                continue
+            if patch is not None:
+                made[obj] = patch
+    if not made:
+        return {}
+    with (root.gc_lock() if lock else _nothing()):
+        out = {obj: _write(root, *patch) for obj, patch in made.items()}
+        return out if reg.add_patches(base, target, out) else {}
+
+
+def _make_one(maps: "_Maps", obj: str, base: int, where: Mapping[tuple[str, int], _Key],
+              bases: Mapping[_Key, tuple[str, Any]], max_ratio: float
+              ) -> tuple[bytes, list[bytes], dict[str, str]] | None:
+    """The header, blobs and metadata of the patch object for ``obj``, or None if not worth it."""
+    buf = maps.get(obj)
+    size = len(buf)
+    start, entries = parse_header(buf)
+    dtypes = {start + int(e["data_offsets"][0]): e["dtype"] for e in entries.values()}
+    budget = int(max_ratio * size)
+    blobs: list[bytes] = [bytes(buf[:start])]
+    spans: list[list[Any]] = []
+    total = start
+    for begin, end in tensor_spans(buf)[1]:
+        dtype, n = dtypes[begin], end - begin
+        key = where.get((obj, begin))
+        ref = bases.get(key) if key is not None else None
+        enc = None
+        if ref is not None and ref[0] == dtype and ref[1].nbytes == n and n and maps.has(ref[1].object):
+            base_buf = maps.get(ref[1].object)[ref[1].offset : ref[1].offset + n]
+            enc = encode(base_buf, buf[begin:end], dtype, max_bytes=n // 2)
+        if enc is None:
+            blobs.append(bytes(buf[begin:end]))
+            spans.append([begin, end, dtype, "", 0, 0, 0])
+        else:
+            blobs.append(enc.frame)
+            spans.append([begin, end, dtype, ref[1].object, ref[1].offset, enc.changed, enc.gap_width])  # type: ignore[index]
+        total += len(blobs[-1])
+        if total > budget:
+            return None
+    meta = {"paramstore_patch": PATCH_OBJECT_FORMAT, "target": obj, "base": str(base), "size": str(size),
+            "spans": json.dumps(spans, separators=(",", ":"))}
+    plan = layout([TensorSpec("head", "U8", (len(blobs[0]),)),
+                   *(TensorSpec(f"t{i}", "U8", (len(b),)) for i, b in enumerate(blobs[1:]))], meta)
+    return plan.header, blobs, meta
+
+
+def _write(root: "StoreRoot", header: bytes, blobs: list[bytes], meta: dict[str, str]) -> tuple[str, int]:
+    """Place a patch object in the tier (written, fsynced, renamed); returns (digest, size)."""
+    digest = object_digest(header, [tensor_digest(b) for b in blobs])
+    path = os.path.join(root.tier.tmp_dir, tmp_name())
+    try:
+        with open(path, "xb") as f:
+            f.write(header)
+            for b in blobs:
+                f.write(b)
+        root.tier.put(digest, path, move=True)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return digest, len(header) + sum(len(b) for b in blobs)
+
+
+# -- reading -----------------------------------------------------------------------------------
+def _read_patch(buf: memoryview) -> tuple[dict[str, str], dict[str, memoryview]]:
+    """A patch object's metadata and tensors (as views of ``buf``); CorruptObjectError if it is not one."""
+    try:
+        start, entries = parse_header(buf)
+        n = int.from_bytes(bytes(buf[:8]), "little")
+        meta = json.loads(bytes(buf[8 : 8 + n])).get("__metadata__") or {}
+        if meta.get("paramstore_patch") != PATCH_OBJECT_FORMAT:
+            raise ValueError(f"not a patch object of format {PATCH_OBJECT_FORMAT}")
+        views = {name: buf[start + int(e["data_offsets"][0]) : start + int(e["data_offsets"][1])]
+                 for name, e in entries.items()}
+        json.loads(meta["spans"])
+        int(meta["size"]), int(meta["base"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptObjectError(f"malformed patch object: {e}") from None
+    return meta, views
+
+
+def rebuild(root: "StoreRoot", pool: "SlabPool", patch: str, target: str) -> int:
+    """Rebuild object ``target`` from the patch object ``patch`` (both named by digest; the patch and
+    its base objects are on this host) into a fresh slab, check its digest, and place it.
+
+    Returns the target's size. Raises CorruptObjectError (nothing placed) for a malformed patch, a
+    patch for another object, or a result whose digest is not ``target`` (a damaged patch or base);
+    FileNotFoundError if the patch or a base object is not here.
+    """
+    tier = root.tier
+    with _Maps(tier) as maps:
+        meta, views = _read_patch(maps.get(patch))
+        if meta["target"] != target:
+            raise CorruptObjectError(f"patch {patch[:12]}… rebuilds {str(meta['target'])[:12]}…, not {target[:12]}…")
+        size = int(meta["size"])
+        slab = pool.take(size)
+        error, digest = None, ""
+        buf = memoryview(slab.map)
+        try:
+            _apply(maps, meta, views, buf)
+            digest = rehash(buf)[0]
+        except CorruptObjectError as e:  # (the exception's frames, which view the slab, go here)
+            error = str(e)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            error = f"does not apply: {e}"
+        except BaseException:
+            _drop(slab, buf)
+            raise
+        if error is None and digest != target:
+            error = f"rebuilt an object hashing to {digest[:12]}…, not {target[:12]}…: a damaged patch or base"
+        if error is not None:
+            _drop(slab, buf)
+            raise CorruptObjectError(f"patch {patch[:12]}… {error}")
+        buf.release()
+        slab.close()
+        tier.put(target, slab.path, move=True)
+    return size
+
+
+def _drop(slab: Any, buf: memoryview) -> None:
+    """Delete a slab that did not become an object (its map is closed once nothing views it)."""
+    try:
+        buf.release()
+        slab.close()
+    except BufferError:
+        pass
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(slab.path)
+
+
+def _apply(maps: "_Maps", meta: Mapping[str, str], views: Mapping[str, memoryview], buf: memoryview) -> None:
+    head = views["head"]
+    buf[: len(head)] = head
+    for i, (begin, end, dtype, bobj, boff, changed, width) in enumerate(json.loads(meta["spans"])):
+        if not 0 <= begin <= end <= len(buf):
+            raise ValueError(f"span {begin}..{end} outside the object")
+        blob = views[f"t{i}"]
+        if bobj:
+            base = maps.get(bobj)
+            if not 0 <= boff <= boff + end - begin <= len(base):
+                raise ValueError(f"base range {boff}..{boff + end - begin} outside object {bobj[:12]}…")
+            decode_into(buf[begin:end], base[boff : boff + end - begin], blob, dtype, changed, width)
+        else:
+            buf[begin:end] = blob
+
+
+# -- using -------------------------------------------------------------------------------------
+def plan_chain(root: "StoreRoot", step: int, missing: set[str], *, depth: int = MAX_CHAIN
+               ) -> list[tuple[int, int, dict[str, str]]]:
+    """The patch records to apply, in order, to rebuild ``missing`` objects of ``step`` from a
+    version whose objects are all on this host: ``[(base, target, {object: patch})]``, the last
+    one's target being ``step``; empty when no chain exists or its patches are not smaller than
+    what they rebuild. Intermediate versions must be rebuilt whole by their record."""
+    reg, tier = root.registry, root.tier
+    records: dict[int, list[tuple[int, dict[str, str]]]] = {}
+    for (b, t), pairs in reg.patches().items():
+        if b < t <= step:
+            records.setdefault(t, []).append((b, pairs))
+    if step not in records:
+        return []
+    objects: dict[int, set[str] | None] = {}
+
+    def objects_of(s: int) -> set[str] | None:
+        if s not in objects:
+            try:
+                objects[s] = reg.get_manifest(s).objects()
+            except VersionNotFoundError:
+                objects[s] = None
+        return objects[s]
+
+    def search(t: int, need: set[str], left: int) -> list[tuple[int, int, dict[str, str]]] | None:
+        for b, pairs in sorted(records.get(t, []), key=lambda r: -r[0]):  # the newest base first
+            if not need & pairs.keys():
+                continue
+            have = objects_of(b)
+            if have is None:
+                continue
+            lacking = {o for o in have if not tier.exists(o)}
+            if not lacking:
+                return [(b, t, pairs)]
+            if left > 1:
+                sub = search(b, lacking, left - 1)
+                if sub and lacking <= sub[-1][2].keys():
+                    return [*sub, (b, t, pairs)]
+        return None
+
+    chain = search(step, missing, depth) or []
+    if chain:
+        patches = {p for _, t, pairs in chain for o, p in pairs.items() if t != step or o in missing}
+        full = sum(reg.object_sizes(missing & chain[-1][2].keys()).values())
+        if sum(reg.object_sizes(patches).values()) >= full:
+            return []
+    return chain
+
+
+def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "Manifest", report: "FetchReport",
+                     get: Callable[[Mapping[str, int]], int]) -> None:
+    """Rebuild the objects of ``step`` this host lacks from patches where a chain exists
+    (:func:`plan_chain`); ``get(sizes)`` moves patch objects here (from peers) and returns the
+    bytes it moved. What was rebuilt goes into ``report`` (``from_patches``, ``patch_bytes``,
+    ``rejected["patch"]``); what was not is left for whole-object fetches."""
+    tier, reg = root.tier, root.registry
+    missing = {o for o in manifest.objects() if not tier.exists(o)}
+    try:
+        chain = plan_chain(root, step, missing)
+    except VersionNotFoundError:
+        return
+    for base, target, pairs in chain:
+        try:
+            objects = manifest.objects() if target == step else reg.get_manifest(target).objects()
+        except VersionNotFoundError:
+            return  # pruned meanwhile: the rest moves whole
+        todo = sorted(o for o in objects if o in pairs and not tier.exists(o))
+        wanted = reg.object_sizes({pairs[o] for o in todo if not tier.exists(pairs[o])})
+        if wanted:
+            report.patch_bytes += get(wanted)
+        for obj in todo:
+            try:
+                rebuild(root, pool, pairs[obj], obj)
+            except FileNotFoundError:
+                continue  # the patch did not come, or a base was collected: moved whole instead
+            except CorruptObjectError as e:
+                report.rejected["patch"] += 1
+                warnings.warn(f"paramstore: {e}; the object is fetched whole", RuntimeWarning, stacklevel=2)
+                continue
+            report.from_patches.append(obj)
+        if target != step and not all(tier.exists(o) for o in objects):
+            return  # an intermediate version is incomplete: the rest moves whole
+
+
+def patch_summary(root: "StoreRoot", target: int | None = None) -> dict[tuple[int, int], dict[str, int]]:
+    """For each patch record (of ``target`` only, when given): ``(base, target) -> {"objects": n,
+    "bytes": size of its patch objects, "changed": number of target objects it rebuilds}``
+    (what ``du`` and ``show`` report)."""
+    reg = root.registry
+    records = reg.patches(target)
+    sizes = reg.object_sizes({p for pairs in records.values() for p in pairs.values()})
+    return {pair: {"objects": len(set(pairs.values())), "bytes": sum(sizes.get(p, 0) for p in set(pairs.values())),
+                   "changed": len(pairs)} for pair, pairs in records.items()}
+
+
+# -- the committing process's thread -------------------------------------------------------------
+@dataclass
+class PatchReport:
+    """What the patcher made for one version: ``{target object: (patch object, size)}``, the base,
+    and how long it took (``error``: why it made nothing, if it failed)."""
+
+    base: int | None
+    target: int
+    patches: dict[str, tuple[str, int]] = field(default_factory=dict)
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.patches.values())
+
+
+class Patcher:
+    """Makes the patches of each committed version against the version before it, on a daemon
+    thread of the committing process. At most one version waits: a newer commit replaces it (a
+    patch nobody made costs a whole-object fetch, never correctness).
+
+    Args:
+        root: the store.
+        max_ratio: see :data:`DEFAULT_MAX_RATIO`.
+    """
+
+    def __init__(self, root: "StoreRoot", *, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
+        self._root, self._max_ratio = root, max_ratio
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._pending: int | None = None
+        self._prev: int | None = None
+        self._lock = threading.Condition()
+        self._done = -1  # the newest step handled (an older one still waiting is skipped)
+        self.last: PatchReport | None = None
+        self._thread = threading.Thread(target=self._loop, name="paramstore-patcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        """Make the patches of ``step`` (just committed) when the thread gets to it."""
+        with self._lock:
+            self._pending = step
+            self._lock.notify_all()
+
+    def wait(self, step: int, timeout: float | None = None) -> bool:
+        """Block until the patches of ``step`` (or of a newer version) are made; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._done >= step, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pending = -1
+            self._lock.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._pending is not None)
+                step, self._pending = self._pending, None
+                if step == -1:
+                    return
+            try:
+                self.last = self._make(step)  # type: ignore[arg-type]
+            finally:
+                with self._lock:
+                    self._done = max(self._done, step)  # type: ignore[type-var]
+                    self._lock.notify_all()
+
+    def _base(self, step: int) -> int | None:
+        """The newest version before ``step``."""
+        reg = self._root.registry
+        prev = self._prev
+        if prev is not None and prev < step:
+            try:
+                reg.get_version(prev)
+                newer = [v.step for v in reg.versions(after=prev) if v.step < step]
+                return newer[-1] if newer else prev
+            except VersionNotFoundError:
+                pass
+        older = [v.step for v in reg.versions() if v.step < step]
+        return older[-1] if older else None
+
+    def _make(self, step: int) -> PatchReport:
+        t0 = time.monotonic()
+        report = PatchReport(None, step)
+        try:
+            report.base = self._base(step)
+            self._prev = step
+            if report.base is not None:
+                report.patches = make_patches(self._root, report.base, step, max_ratio=self._max_ratio)
+        except VersionNotFoundError as e:
+            report.error = str(e)  # pruned before its patches were made: nothing to do
+        except (ParamStoreError, OSError, ValueError) as e:
+            report.error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"paramstore: the patches of step {step} were not made: {report.error}", RuntimeWarning,
+                          stacklevel=1)
+        report.seconds = time.monotonic() - t0
+        return report
+
+
+class _Maps:
+    """Read-only maps of objects, opened once each and closed together."""
+
+    def __init__(self, tier: Any) -> None:
+        self._tier, self._maps = tier, {}  # type: ignore[var-annotated]
+        self._views: dict[str, memoryview] = {}
+
+    def has(self, digest: str) -> bool:
+        if digest in self._views:
+            return True
+        try:
+            self.get(digest)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def get(self, digest: str) -> memoryview:
+        if digest not in self._views:
+            m = self._tier.map(digest)
+            self._maps[digest] = m
+            self._views[digest] = memoryview(m)
+        return self._views[digest]
+
+    def __enter__(self) -> "_Maps":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for v in self._views.values():
+            v.release()
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view of it is still referenced: unmapped when that goes
+                pass
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

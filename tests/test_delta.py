@@ -1,0 +1,182 @@
+"""Patches between versions (paramstore/delta.py): made after commit, used where bytes would move,
+verified, dropped with their base.
+
+Single-host tests take an object of a version away (as a host that never had it) and check it out
+again: the store rebuilds it from a patch against a version it holds. The multi-host test runs real
+processes with a redis-server and Mooncake over TCP (see test_peers.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from paramstore import ParamStore
+from paramstore.retention import KeepLast
+from paramstore.delta import make_patches, patch_summary, plan_chain
+from paramstore.errors import CorruptObjectError, ObjectUnavailableError
+
+
+def weights(step: int, n: int = 4, numel: int = 64 * 1024, fraction: float = 0.01) -> dict[str, torch.Tensor]:
+    """bf16 weights at ``step``: step 1 random, each later step changes ``fraction`` of each tensor's elements."""
+    g = torch.Generator().manual_seed(0)
+    out = {f"layer{i}.weight": torch.randn(numel, generator=g).to(torch.bfloat16) for i in range(n)}
+    out["step"] = torch.tensor([step])  # a tensor that always changes whole (8 bytes)
+    for s in range(2, step + 1):
+        for i in range(n):
+            t = out[f"layer{i}.weight"]
+            idx = torch.randperm(numel, generator=torch.Generator().manual_seed(s * 100 + i))[: int(fraction * numel)]
+            t[idx] += 1.0
+    return out
+
+
+def new_objects(store: ParamStore, step: int, before: int) -> list[str]:
+    return sorted(store.manifest(step).objects() - store.manifest(before).objects())
+
+
+def drop(store: ParamStore, objects: list[str]) -> None:
+    """Remove objects from the shared-memory tier, as on a host that never received them."""
+    for o in objects:
+        os.unlink(store._root.tier.object_path(o))
+
+
+def equal(snap, want: dict[str, torch.Tensor]) -> bool:
+    return set(snap) == set(want) and all(torch.equal(snap[k], v) for k, v in want.items())
+
+
+def test_a_missing_object_is_rebuilt_from_a_patch_bit_exact(store_root):
+    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        assert store.flush().step == 2
+        report = store._patcher.last
+        assert report.base == 1 and report.error is None
+        model_bytes = sum(t.nbytes for t in weights(2).values())
+        assert 0 < report.bytes < 0.1 * model_bytes  # 1% of elements changed
+        targets = new_objects(store, 2, 1)
+        assert set(report.patches) == set(targets)
+        drop(store, targets)
+        with store.checkout(2) as snap:
+            assert equal(snap, weights(2))
+            assert sorted(snap.fetch.from_patches) == targets and snap.fetch.moved
+            assert snap.fetch.as_dict()["from_patches"] == len(targets)
+        report = store.verify()  # the patch objects are objects like any other
+        assert report["ok"] and report["corrupt"] == {} and report["missing"] == [], report
+
+
+def test_patches_are_kept_only_when_smaller(store_root):
+    with ParamStore(store_root, patches=True) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2, fraction=0.9))  # most elements changed: a patch would not pay
+        store.flush()
+        assert store._patcher.last.patches == {}
+        assert store._root.registry.patches() == {}
+
+
+def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp_path):
+    remote = f"file://{tmp_path}/remote"
+    with ParamStore(store_root, remote=remote, shard_size_bytes=1 << 20) as store:  # patches: on with a remote
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        store.wait_persisted(timeout=60)
+        [(pair, pairs)] = store._root.registry.patches().items()
+        assert pair == (1, 2)
+        for patch in set(pairs.values()):  # flip a byte of every patch's data
+            path = store._root.tier.object_path(patch)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 3)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x40]))
+        targets = new_objects(store, 2, 1)
+        drop(store, targets)
+        with pytest.warns(RuntimeWarning, match="fetched whole"):
+            snap = store.checkout(2)
+        with snap:
+            assert equal(snap, weights(2))
+            assert snap.fetch.from_patches == [] and snap.fetch.rejected["patch"] == len(targets)
+            assert sorted(snap.fetch.from_remote) == targets  # whole, from the remote
+
+
+def test_a_chain_rebuilds_v_from_v_minus_2(store_root):
+    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
+        for s in (1, 2, 3):
+            store.commit(s, weights(s))
+            store.flush()
+        assert set(store._root.registry.patches()) == {(1, 2), (2, 3)}
+        lost = new_objects(store, 2, 1) + new_objects(store, 3, 2)
+        drop(store, lost)  # this host holds version 1 only
+        assert [(b, t) for b, t, _ in plan_chain(store._root, 3, set(new_objects(store, 3, 2)))] == [(1, 2), (2, 3)]
+        with store.checkout(3) as snap:
+            assert equal(snap, weights(3))
+            assert sorted(snap.fetch.from_patches) == sorted(lost)  # version 2 rebuilt on the way
+
+
+def test_retention_drops_the_patches_of_pruned_bases_and_gc_frees_them(store_root):
+    with ParamStore(store_root, patches=True, retention=KeepLast(2), shard_size_bytes=1 << 20) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        first = set(store._root.registry.patches()[(1, 2)].values())
+        assert all(store._root.tier.exists(p) for p in first)
+        store.commit(3, weights(3))
+        store.flush()
+        store._maintainer.wait_idle(30)
+        store.gc()  # another pass, in case the background one ran before the prune
+        assert set(store._root.registry.patches()) == {(2, 3)}  # version 1 went, and the patch to 2 with it
+        assert not any(store._root.tier.exists(p) for p in first)
+        kept = set(store._root.registry.patches()[(2, 3)].values())
+        assert all(store._root.tier.exists(p) for p in kept)
+        drop(store, new_objects(store, 3, 2))
+        with store.checkout(3) as snap:
+            assert equal(snap, weights(3)) and snap.fetch.from_patches
+
+
+def test_with_patches_off_nothing_is_made_or_used(store_root):
+    with ParamStore(store_root, patches=False) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        assert store._patcher is None and store._root.registry.patches() == {}
+    with ParamStore(store_root, patches=True) as store:  # made by another process's store
+        make_patches(store._root, 1, 2)
+        assert patch_summary(store._root)[(1, 2)]["bytes"] > 0
+    with ParamStore(store_root, patches=False) as reader:
+        drop(reader, new_objects(reader, 2, 1))
+        with pytest.raises(ObjectUnavailableError):
+            reader.checkout(2)
+
+
+def test_single_host_store_makes_no_patches_by_default(store_root):
+    with ParamStore(store_root) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        assert store._patcher is None and store._root.registry.patches() == {}
+
+
+def test_a_patch_for_another_object_or_a_damaged_base_is_refused(store_root):
+    from paramstore.delta import rebuild
+
+    with ParamStore(store_root, patches=True, shard_size_bytes=200 << 10) as store:
+        for s in (1, 2):
+            store.commit(s, weights(s))
+        store.flush()
+        pairs = store._root.registry.patches()[(1, 2)]
+        a, b = sorted(pairs)[:2]
+        drop(store, [a, b])
+        with pytest.raises(CorruptObjectError, match="rebuilds"):
+            rebuild(store._root, store._pool, pairs[a], b)
+        for base in store.manifest(1).objects():  # flip a byte of each tensor of version 1 here
+            path = store._root.tier.object_path(base)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)
+                f.write(b"\x7f")
+        with pytest.raises(CorruptObjectError, match="damaged patch or base"):
+            rebuild(store._root, store._pool, pairs[a], a)
+        assert not store._root.tier.exists(a) and not store._root.tier.exists(b)
+        leftovers = [f for f in store._root.tier.leftovers() if f.startswith("slab-")]
+        free = {s.path for v in store._pool._free.values() for s in v}
+        assert all(os.path.join(store._root.tier.tmp_dir, f) in free for f in leftovers)  # nothing half-built left
