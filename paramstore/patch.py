@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import CorruptObjectError, InvalidArgumentError
 from .format import ITEMSIZE, TensorSpec, build_header, tensor_digest
 
-__all__ = ["make_patch", "apply_patch", "patch_info", "PATCH_FORMAT", "DEFAULT_MAX_RATIO"]
+__all__ = ["make_patch", "apply_patch", "patch_info", "encode", "decode_into", "Encoded", "PATCH_FORMAT",
+           "DEFAULT_MAX_RATIO"]
 
 #: The patch format this paramstore writes and reads.
 PATCH_FORMAT = "1"
@@ -45,6 +46,87 @@ PATCH_FORMAT = "1"
 DEFAULT_MAX_RATIO = 0.5
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ZSTD_LEVEL = 3
+
+
+class Encoded(NamedTuple):
+    """The changes between two versions of a tensor, as :func:`encode` makes them."""
+
+    frame: bytes
+    """The compressed payload (what a patch carries)."""
+    changed: int
+    """The number of elements that differ."""
+    gap_width: int
+    """4 or 8: the bytes per delta-coded position."""
+
+
+def encode(base: Any, target: Any, dtype: str, *, max_bytes: int | None = None) -> Encoded | None:
+    """The changes turning ``base`` into ``target`` (bytes-like, the same length, elements of
+    safetensors dtype ``dtype`` such as ``"BF16"``), or None when the frame would be larger than
+    ``max_bytes`` (None: no limit).
+
+    Deterministic: the same inputs give the same frame bytes on any machine, whatever its number of
+    cores. Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a
+    whole number of elements.
+
+    >>> e = encode(bytes(8), bytes([0, 0, 7, 0, 0, 0, 0, 0]), "BF16")
+    >>> e.changed, e.gap_width
+    (1, 4)
+    >>> out = bytearray(8); decode_into(out, bytes(8), e.frame, "BF16", e.changed, e.gap_width)
+    >>> bytes(out)
+    b'\\x00\\x00\\x07\\x00\\x00\\x00\\x00\\x00'
+    >>> encode(bytes(8), bytes([1] * 8), "BF16", max_bytes=4) is None
+    True
+    """
+    a, b = _elements(base, dtype), _elements(target, dtype)
+    if a.shape != b.shape:
+        raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
+    changed = _changed(a, b)
+    gaps = np.diff(changed, prepend=0)
+    if gaps.size and int(gaps.max()) >= 1 << 32:
+        width, gaps = 8, gaps.astype(np.uint64)
+    else:
+        width, gaps = 4, gaps.astype(np.uint32)
+    if max_bytes is not None and changed.size * (width + b.itemsize) > 4 * max_bytes:
+        return None  # hopeless even at 4:1 compression
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
+    if max_bytes is not None and len(frame) > max_bytes:
+        return None
+    return Encoded(frame, int(changed.size), width)
+
+
+def decode_into(out: Any, base: Any, frame: Any, dtype: str, changed: int, gap_width: int) -> None:
+    """Write ``base`` with the changes of ``frame`` (an :attr:`Encoded.frame`) applied into ``out``:
+    a writable buffer of ``base``'s length (a ``bytearray``, a memoryview into an mmap, ...), never
+    the same memory as ``base``, which is only read.
+
+    Raises CorruptObjectError for a frame that does not decode to ``changed`` positions and values
+    of that ``gap_width``, or changes positions out of range; InvalidArgumentError for an unknown
+    dtype or an ``out`` of another length. Checks no digest: callers check the result's.
+    """
+    a = _elements(base, dtype)
+    o = _elements(out, dtype, writable=True)
+    if o.shape != a.shape:
+        raise InvalidArgumentError(f"out is {o.nbytes} bytes, the base {a.nbytes}")
+    if gap_width not in (4, 8) or changed < 0:
+        raise CorruptObjectError(f"bad patch sizes: {changed} changes of gap width {gap_width}")
+    if changed > a.size:
+        raise CorruptObjectError(f"patch changes {changed} elements of a tensor of {a.size}")
+    import zstandard
+
+    expect = changed * (gap_width + a.itemsize)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expect)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"patch data does not decompress: {e}") from None
+    if len(raw) != expect:
+        raise CorruptObjectError(f"patch data is {len(raw)} bytes, expected {expect}")
+    gaps = np.frombuffer(raw, dtype=np.uint32 if gap_width == 4 else np.uint64, count=changed)
+    values = np.frombuffer(raw, dtype=a.dtype, offset=changed * gap_width)
+    positions = _positions(gaps, a.size)
+    np.copyto(o, a)
+    o[positions] = values
 
 
 def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO,
@@ -62,22 +144,14 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
     a, b = _elements(base, dtype), _elements(target, dtype)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
-    changed = _changed(a, b)
     budget = max_ratio * b.nbytes
-    gaps = np.diff(changed, prepend=0)
-    if gaps.size and int(gaps.max()) >= 1 << 32:
-        width, gaps = 8, gaps.astype(np.uint64)
-    else:
-        width, gaps = 4, gaps.astype(np.uint32)
-    if changed.size * (width + b.itemsize) > 4 * budget:  # hopeless even at 4:1 compression
+    enc = encode(a, b, dtype, max_bytes=int(budget))
+    if enc is None:
         return None
-    import zstandard
-
-    frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
-    meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(changed.size),
-            "gap_width": str(width), "base": base_digest or _digest(a), "target": target_digest or _digest(b)}
-    header, _ = build_header([TensorSpec("data", "U8", (len(frame),))], meta)
-    patch = header + frame
+    meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(enc.changed),
+            "gap_width": str(enc.gap_width), "base": base_digest or _digest(a), "target": target_digest or _digest(b)}
+    header, _ = build_header([TensorSpec("data", "U8", (len(enc.frame),))], meta)
+    patch = header + enc.frame
     return patch if len(patch) <= budget else None
 
 
@@ -96,25 +170,13 @@ def apply_patch(base: Any, patch: bytes, *, base_digest: str | None = None) -> b
     a = _elements(base, dtype)
     if a.nbytes != nbytes:
         raise CorruptObjectError(f"patch is for a tensor of {nbytes} bytes, the base has {a.nbytes}")
-    import zstandard
-
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=count * (width + a.itemsize))
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"patch data does not decompress: {e}") from None
-    if len(raw) != count * (width + a.itemsize):
-        raise CorruptObjectError(f"patch data is {len(raw)} bytes, expected {count * (width + a.itemsize)}")
-    gaps = np.frombuffer(raw, dtype=np.uint32 if width == 4 else np.uint64, count=count)
-    values = np.frombuffer(raw, dtype=a.dtype, offset=count * width)
-    positions = np.cumsum(gaps, dtype=np.uint64)
-    if count and int(positions[-1]) >= a.size:
-        raise CorruptObjectError(f"patch changes element {int(positions[-1])} of a tensor of {a.size}")
-    out = a.copy()
-    out[positions] = values
-    if _digest(out) != meta["target"]:
-        raise CorruptObjectError(f"patched tensor hashes to {_digest(out)[:16]}…, the patch's target is "
+    out = bytearray(a.nbytes)
+    decode_into(out, a, frame, dtype, count, width)
+    digest = tensor_digest(memoryview(out))
+    if digest != meta["target"]:
+        raise CorruptObjectError(f"patched tensor hashes to {digest[:16]}…, the patch's target is "
                                  f"{meta['target'][:16]}…: a damaged patch or the wrong base")
-    return out.tobytes()
+    return bytes(out)
 
 
 def patch_info(patch: bytes) -> dict[str, Any]:
@@ -138,11 +200,29 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return cand[a[cand] != b[cand]]
 
 
-def _elements(buf: Any, dtype: str) -> np.ndarray:
+def _positions(gaps: np.ndarray, size: int) -> np.ndarray:
+    """The positions that delta-coded ``gaps`` name; CorruptObjectError if one is outside
+    ``range(size)`` (a sum that would wrap around 2**64 included)."""
+    if not gaps.size:
+        return gaps.astype(np.intp)
+    if gaps.dtype == np.uint64 and int(gaps.max()) >= size:
+        raise CorruptObjectError(f"patch skips {int(gaps.max())} elements of a tensor of {size}")
+    positions = np.cumsum(gaps, dtype=np.uint64)  # gaps < size <= 2**63 each: no wrap below 2**64 * ...
+    last = int(positions[-1])
+    if last >= size:
+        raise CorruptObjectError(f"patch changes element {last} of a tensor of {size}")
+    return positions.view(np.int64)
+
+
+def _elements(buf: Any, dtype: str, *, writable: bool = False) -> np.ndarray:
     """``buf`` as an array of unsigned ints of ``dtype``'s item size (bit patterns, not numbers)."""
     if dtype not in ITEMSIZE or ITEMSIZE[dtype] not in _BITS:
         raise InvalidArgumentError(f"cannot patch tensors of dtype {dtype!r}")
+    if isinstance(buf, np.ndarray):
+        buf = buf.reshape(-1).view(np.uint8)
     mv = memoryview(buf).cast("B")
+    if writable and mv.readonly:
+        raise InvalidArgumentError("out must be a writable buffer")
     if mv.nbytes % ITEMSIZE[dtype]:
         raise InvalidArgumentError(f"{mv.nbytes} bytes is not a whole number of {dtype} elements")
     return np.frombuffer(mv, dtype=_BITS[ITEMSIZE[dtype]])
