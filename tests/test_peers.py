@@ -139,6 +139,23 @@ def test_delta_moves_only_changed_objects(hosts):
     assert changed_bytes <= moved <= 1.1 * changed_bytes + (64 << 10)
 
 
+def test_hosts_holding_a_version_move_patches_not_objects(hosts):
+    """An RL-like step (1% of every tensor's elements changed): hosts that hold version 1 rebuild
+    version 2 from patches (bit-exact, checked by the host) and move ~2% of the model, not all of it."""
+    trainer, a, b = hosts("trainer"), hosts("rollout"), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    for r in (a, b):
+        assert r.ask("checkout 1 1 16")["ok"]
+    trainer.ask("commit 2 2 16 0.01")
+    made = trainer.ask("patches")["patches"]
+    assert 0 < made < 0.05 * MODEL_BYTES
+    for r in (a, b):
+        rep = r.ask("checkout 2 2 16 0.01")
+        assert rep["ok"] and rep["from_patches"] == 2 and rep["fetched"] == 0 and rep["rejected"] == {}, rep
+        assert sum(rep["bytes_from"].values()) == rep["patch_bytes"] == made, rep  # the patches, once each
+    print(f"patches: {made / MODEL_BYTES:.2%} of the model moved per host")
+
+
 def test_next_fetch_lands_in_prefaulted_slabs(hosts):
     """After a fetch the store prepares slabs for the next version of the same layout; the next
     fetch reads into them (no page faults on the way) and they become its objects."""
