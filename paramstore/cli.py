@@ -145,6 +145,8 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     v = store.get(args.version)
     man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
+    out["patches"] = [{"base": base, **info} for (base, _), info in sorted(store.patches(v.step).items())]
+    patches = ", ".join(f"from {p['base']}: {_human(p['bytes'])} for {p['changed']} objects" for p in out["patches"])
     chunked = sum(1 for e in man.tensors.values() if e.chunks)
     lines = [
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
@@ -152,6 +154,7 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         f"{len(man.objects())} objects",
         f"format     {out['manifest']['format']} ({f'{chunked} tensors chunked' if chunked else 'every tensor whole'}"
         f"{f', {len(man.assets)} assets' if man.assets else ''})",
+        f"patches    {patches or '-'}",
         f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
         f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
     ]
@@ -213,6 +216,7 @@ def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.du()
     text = (f"{r['versions']} versions, {r['objects']} objects\n"
             f"logical  {_human(r['logical_bytes'])}\nstored   {_human(r['stored_bytes'])}\n"
+            f"patches  {_human(r['patch_bytes'])} in {r['patch_objects']} objects (of the stored)\n"
             f"temp     {_human(r['temporary_bytes'])}\ndedup    {r['dedup_ratio']:.2f}x")
     return r, text, 0
 

@@ -376,17 +376,21 @@ def remove_version(root: StoreRoot, step: int) -> Version:
 
 
 def du(root: StoreRoot) -> dict[str, Any]:
-    """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio."""
+    """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio; of the
+    bytes stored, those of patch objects (:mod:`paramstore.delta`)."""
     versions = list(root.registry.versions())
     logical = sum(v.nbytes for v in versions)
-    objects = list(root.tier.list())
-    stored = sum(root.tier.size(o) for o in objects)
+    sizes = {o: _size(root.tier.object_path(o)) for o in root.tier.list()}
+    stored = sum(sizes.values())
+    patches = {p for pairs in root.registry.patches().values() for p in pairs.values() if p in sizes}
     tmp = sum(_size(os.path.join(root.tier.tmp_dir, f)) for f in root.tier.leftovers())
     return {
         "versions": len(versions),
-        "objects": len(objects),
+        "objects": len(sizes),
         "logical_bytes": logical,
         "stored_bytes": stored,
+        "patch_objects": len(patches),
+        "patch_bytes": sum(sizes[p] for p in patches),
         "temporary_bytes": tmp,
         "dedup_ratio": (logical / stored) if stored else 0.0,
     }

@@ -1162,8 +1162,23 @@ class ParamStore:
         self._check_open()
         return ops.remove_version(self._root, self._root.resolve(version))
 
+    def patches(self, version: VersionSpec | None = None) -> dict[tuple[int, int], dict[str, int]]:
+        """The patches recorded (of ``version`` as their target, when given): ``(base, target) ->
+        {"objects": patch objects, "bytes": their size, "changed": objects of the target they
+        rebuild}`` (see :mod:`paramstore.delta` and ``ParamStore(patches=)``).
+
+        Example:
+            >>> store.patches()  # a single-host store makes none unless patches=True
+            {}
+        """
+        self._check_open()
+        from .delta import patch_summary
+
+        return patch_summary(self._root, None if version is None else self._root.resolve(version))
+
     def du(self) -> dict[str, Any]:
-        """Logical bytes (every version's tensors) against bytes stored, and the dedup ratio.
+        """Logical bytes (every version's tensors) against bytes stored (of which ``patch_bytes``
+        in ``patch_objects`` patch objects), and the dedup ratio.
 
         Example:
             >>> _ = store.commit(2, model).result()  # unchanged tensors: stored once

@@ -180,3 +180,26 @@ def test_a_patch_for_another_object_or_a_damaged_base_is_refused(store_root):
         leftovers = [f for f in store._root.tier.leftovers() if f.startswith("slab-")]
         free = {s.path for v in store._pool._free.values() for s in v}
         assert all(os.path.join(store._root.tier.tmp_dir, f) in free for f in leftovers)  # nothing half-built left
+
+
+def test_du_show_and_patches_report_patch_bytes(store_root):
+    import json
+    import subprocess
+    import sys
+
+    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
+        for s in (1, 2):
+            store.commit(s, weights(s))
+        store.flush()
+        made = store._patcher.last.bytes
+        assert store.patches() == store.patches(2) == {(1, 2): {"objects": 1, "bytes": made, "changed": 1}}
+        assert store.patches(1) == {}
+        du = store.du()
+        assert du["patch_objects"] == 1 and du["patch_bytes"] == made and du["stored_bytes"] > made
+    cli = [sys.executable, "-m", "paramstore", "--root", store_root]
+    show = json.loads(subprocess.run([*cli, "show", "2", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert show["patches"] == [{"base": 1, "objects": 1, "bytes": made, "changed": 1}]
+    text = subprocess.run([*cli, "show", "2"], capture_output=True, text=True, check=True).stdout
+    assert "patches    from 1: " in text
+    text = subprocess.run([*cli, "du"], capture_output=True, text=True, check=True).stdout
+    assert "patches " in text and "in 1 objects" in text
