@@ -182,12 +182,15 @@ class Fetcher:
             missing = [o for o in missing if not tier.exists(o)]
         if missing and self._remote is not None:
             try:
-                got_remote = self._remote.fetch(self._root, step)
+                got = self._remote.fetch(self._root, step)
             except VersionNotFoundError:
-                got_remote = []
-            report.from_remote = got_remote
-            if got_remote:
-                report.bytes_from[self._remote.url] += sum(tier.sizes(got_remote).values())
+                got = None
+            if got is not None:
+                report.from_remote = list(got.moved)
+                report.from_patches += got.from_patches
+                report.patch_bytes += got.patch_bytes
+                if got.bytes:
+                    report.bytes_from[self._remote.url] += got.bytes
             missing = [o for o in missing if not tier.exists(o)]
         report.seconds = time.monotonic() - t0
         if missing:
@@ -275,7 +278,9 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
             report = fetcher.fetch(step, manifest)
             if pulled is not None and pulled.step == step:  # the pull placed some objects already
                 report.from_remote[:0] = pulled.moved
-                report.local -= len(pulled.moved)
+                report.from_patches[:0] = pulled.from_patches
+                report.patch_bytes += pulled.patch_bytes
+                report.local -= len(pulled.moved) + len(pulled.from_patches)
                 report.bytes_from[pulled.url] += pulled.bytes
                 report.seconds += pulled.seconds
             snap = Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report,

@@ -385,6 +385,7 @@ class Patcher:
         self._prev: int | None = None
         self._lock = threading.Condition()
         self._done = -1  # the newest step handled (an older one still waiting is skipped)
+        self._asked = -1  # the newest step submitted
         self.last: PatchReport | None = None
         self._thread = threading.Thread(target=self._loop, name="paramstore-patcher", daemon=True)
         self._thread.start()
@@ -393,12 +394,15 @@ class Patcher:
         """Make the patches of ``step`` (just committed) when the thread gets to it."""
         with self._lock:
             self._pending = step
+            self._asked = max(self._asked, step)
             self._lock.notify_all()
 
-    def wait(self, step: int, timeout: float | None = None) -> bool:
-        """Block until the patches of ``step`` (or of a newer version) are made; False on timeout."""
+    def wait(self, step: int, timeout: float | None = None, *, submitted: bool = True) -> bool:
+        """Block until the patches of ``step`` (or of a newer version) are made; False on timeout.
+        ``submitted=False``: return at once unless ``step`` (or a newer one) was submitted already
+        (a version committed before this process started, say)."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._done >= step, timeout)
+            return self._lock.wait_for(lambda: self._done >= step or (not submitted and self._asked < step), timeout)
 
     def close(self) -> None:
         with self._lock:

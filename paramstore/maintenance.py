@@ -55,7 +55,8 @@ class PruneReport:
     removed: list[int]
     dry_run: bool
     policy: str
-    #: versions the policy dropped but a lease taken meanwhile (or a newer latest) saved
+    #: versions the policy dropped but a lease taken meanwhile (or a newer latest) saved, or (remote)
+    #: that a kept version stored as patches is rebuilt from
     spared: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -143,14 +144,19 @@ def prune_remote(remote: "Remote", policy: Policy, *, dry_run: bool = False,
                  now: float | None = None) -> PruneReport:
     """Remove the remote versions ``policy`` does not keep (never the remote's latest).
 
-    Only records and manifests go; :func:`gc_remote` reclaims the objects.
+    Only records and manifests go; :func:`gc_remote` reclaims the objects. A version kept whose
+    objects are stored as patches keeps its base versions (transitively) too: they are listed as
+    ``spared``.
     """
     if not isinstance(policy, Policy):
         raise InvalidArgumentError(f"prune needs a retention policy, got {policy!r}")
     decision = decide(policy, remote.versions(), [], time.time() if now is None else now)
+    bases = remote.bases(list(decision.keep))
+    remove = [s for s in decision.remove if s not in bases]
     if not dry_run:
-        remote.remove(decision.remove)
-    return PruneReport(decision.keep, decision.remove, dry_run, str(policy))
+        remote.remove(remove)
+    kept = {**decision.keep, **{b: ["base of a patched version"] for b in bases if b not in decision.keep}}
+    return PruneReport(kept, remove, dry_run, str(policy), sorted(set(decision.remove) & bases))
 
 
 def gc_remote(remote: "Remote", *, dry_run: bool = False, grace: float | None = None,

@@ -24,6 +24,13 @@ at push time, and the objects it references). Rules:
   :mod:`paramstore.liveness`, as for leases) is stale at once, and whoever sees it deletes it;
   locks of other nodes keep the TTL rule. As a second line, GC spares unreferenced objects
   younger than ``grace`` seconds.
+* **Patches** (see :mod:`paramstore.delta`). A version whose objects have patches against a
+  version the remote already holds is pushed as those patch objects instead of the whole objects
+  (its record, format 2, maps each such object to ``[patch object, base step, patch size]``),
+  unless the chain of patched versions behind it would reach ``full_every``: then it is pushed
+  whole, a full base. A pull rebuilds such objects from the base's objects (pulling the base first
+  when this host lacks it) and checks each one's digest. Remote retention keeps the bases of every
+  version it keeps, and GC the patch objects they reference.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Any, Iterator, Mapping
 
 from . import liveness
 from .errors import (
-    CorruptObjectError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
+    CorruptObjectError, InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
 from .format import rehash, tensor_digest
 from .manifest import Chunk, Manifest, Version, check_manifest
@@ -68,7 +75,9 @@ _MAX_LOCK_BYTES = 64 << 10  # a lock body is a few hundred bytes of JSON
 
 DEFAULT_LOCK_TTL = 600.0  # seconds without refresh after which a lock is stale
 _EXCLUSIVE = "locks/exclusive.json"
-_RECORD_FORMAT = 1
+_RECORD_FORMATS = (1, 2)  # 2: with patches
+#: By default a remote version is pushed whole once this many patched versions precede it.
+DEFAULT_FULL_EVERY = 8
 
 
 def _record_key(step: int) -> str:
@@ -88,18 +97,27 @@ class TransferReport:
     bytes: int  # bytes moved
     skipped: int  # objects the other side already had
     seconds: float
-    moved: tuple[str, ...] = ()  # digests of the objects moved (pull only)
+    moved: tuple[str, ...] = ()  # digests of the objects moved whole (pull only)
     url: str = ""  # the remote's URL
+    from_patches: tuple[str, ...] = ()  # objects that moved as patches (pushed as / rebuilt from)
+    patch_bytes: int = 0  # bytes of patch objects moved (counted in ``bytes`` too)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "objects": self.objects, "bytes": self.bytes, "skipped": self.skipped,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "from_patches": len(self.from_patches), "patch_bytes": self.patch_bytes}
 
 
 @dataclass(frozen=True)
 class _Record:
     version: Version
     objects: dict[str, int]  # digest -> size
+    patches: dict[str, tuple[str, int, int]]  # object stored as a patch -> (patch object, base step, patch size)
+
+    def stored(self) -> dict[str, int]:
+        """What the remote holds for this version: its objects not patched, and the patch objects."""
+        out = {o: n for o, n in self.objects.items() if o not in self.patches}
+        out.update({p: n for p, _, n in self.patches.values()})
+        return out
 
 
 class Remote:
@@ -111,13 +129,19 @@ class Remote:
         lock_ttl: seconds after which a lock whose holder stopped refreshing it is stale.
         grace: remote GC spares unreferenced objects younger than this (default ``lock_ttl``).
         concurrency: objects moved at once (each large one also moves in parallel parts).
+        full_every: push a version whole (a full base) rather than as patches once this many
+            versions behind it were pushed as patches (1: never push patches).
 
     Raises:
         RemoteError: bad URL, missing bucket, access denied, unreachable endpoint.
     """
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *,
-                 lock_ttl: float = DEFAULT_LOCK_TTL, grace: float | None = None, concurrency: int = 4) -> None:
+                 lock_ttl: float = DEFAULT_LOCK_TTL, grace: float | None = None, concurrency: int = 4,
+                 full_every: int = DEFAULT_FULL_EVERY) -> None:
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise InvalidArgumentError(f"full_every must be an int >= 1, got {full_every!r}")
+        self.full_every = full_every
         self.tier = RemoteTier(url, options)
         self.url = self.tier.url
         self.lock_ttl = lock_ttl
@@ -138,7 +162,7 @@ class Remote:
             raw = _parse(self.tier.get_record(key, max_bytes=MAX_RECORD_BYTES), f"{self.url}/{key}")
         except FileNotFoundError:
             raise VersionNotFoundError(f"no version at step {step} in {self.url}") from None
-        if raw.get("format") != _RECORD_FORMAT:
+        if raw.get("format") not in _RECORD_FORMATS:
             raise RemoteError(f"version record {step} in {self.url} has format {raw.get('format')!r}")
         rec = _check_record(raw, step, f"{self.url}/{key}")
         with self._lock:
@@ -201,8 +225,33 @@ class Remote:
         return tagged[-1]
 
     def referenced(self) -> set[str]:
-        """Objects any complete version references."""
-        return {o for s in self.steps() for o in self._record(s).objects}
+        """Objects any complete version needs: its objects stored whole, and its patch objects."""
+        return {o for s in self.steps() for o in self._record(s).stored()}
+
+    def bases(self, steps: list[int]) -> set[int]:
+        """The versions that versions ``steps`` are rebuilt from (patch bases, transitively; those
+        the remote lacks left out): what retention must keep with them."""
+        out: set[int] = set()
+        todo = list(steps)
+        while todo:
+            try:
+                record = self._record(todo.pop())
+            except VersionNotFoundError:
+                continue
+            for _, base, _ in record.patches.values():
+                if base not in out:
+                    out.add(base)
+                    todo.append(base)
+        return out
+
+    def _depth(self, step: int) -> int:
+        """How many patched versions lead from ``step`` back to a version stored whole."""
+        depth = 0
+        while True:
+            bases = {b for _, b, _ in self._record(step).patches.values()}
+            if not bases:
+                return depth
+            depth, step = depth + 1, min(bases)
 
     def remove(self, steps: list[int]) -> None:
         """Delete versions: the record first (the version disappears), then the manifest."""
@@ -235,7 +284,11 @@ class Remote:
             sizes = {o: root.tier.size(o) for o in objects}
             with ThreadPoolExecutor(self._concurrency) as pool:
                 present = dict(zip(objects, pool.map(self.tier.exists, objects)))
-                todo = [o for o in objects if not present[o]]
+                absent = [o for o in objects if not present[o]]
+                patches = self._patches_to_push(root, step, absent)
+                todo = [o for o in absent if o not in patches]  # whole, and the patch objects the remote lacks
+                todo += [p for p in sorted({patches[o][0] for o in patches}) if not self.tier.exists(p)]
+                sizes.update({p: n for p, _, n in patches.values()})
                 with progress(sum(sizes[o] for o in todo), f"push {step}", enabled=show_progress) as bar:
                     def up(o: str) -> None:
                         self.tier.put(o, root.tier.object_path(o))
@@ -243,15 +296,36 @@ class Remote:
                     list(pool.map(up, sorted(todo, key=lambda o: -sizes[o])))
             self.tier.put_record(_manifest_key(step), json.dumps(manifest.to_json()).encode())
             lock.check()  # a lock lost while we were stalled: GC may have run; push again
-            record = {"format": _RECORD_FORMAT, "version": version.to_json(), "tags": list(version.tags),
-                      "objects": sizes}
+            record = {"format": 2 if patches else 1, "version": version.to_json(), "tags": list(version.tags),
+                      "objects": {o: sizes[o] for o in objects}}
+            if patches:
+                record["patches"] = {o: list(p) for o, p in patches.items()}
             try:
                 self.tier.put_record(_record_key(step), json.dumps(record).encode(), create=True)
             except FileExistsError:
                 if not self._same_version_exists(version):
                     raise StepOrderError(f"{self.url} already holds another version at step {step}") from None
-            return TransferReport(step, len(todo), sum(sizes[o] for o in todo), len(objects) - len(todo),
-                                  time.monotonic() - t0)
+            return TransferReport(step, len(todo), sum(sizes[o] for o in todo), len(objects) - len(absent),
+                                  time.monotonic() - t0, from_patches=tuple(sorted(patches)),
+                                  patch_bytes=sum(sizes[p] for p in {p for p, _, _ in patches.values()} if p in todo))
+
+    def _patches_to_push(self, root: StoreRoot, step: int, absent: list[str]) -> dict[str, tuple[str, int, int]]:
+        """The objects of ``step`` (among ``absent``, those the remote lacks) to push as patches:
+        ``{object: (patch object, base, patch size)}``, against the newest base the remote holds
+        whose chain of patched versions is shorter than ``full_every - 1`` (else none: pushed whole)."""
+        if self.full_every <= 1 or not absent:
+            return {}
+        for (base, _), pairs in sorted(root.registry.patches(step).items(), reverse=True):
+            try:
+                if self._depth(base) + 1 >= self.full_every:
+                    continue
+            except VersionNotFoundError:
+                continue  # the base is not in the remote
+            chosen = {o: pairs[o] for o in absent if o in pairs and root.tier.exists(pairs[o])}
+            if chosen:
+                sizes = {p: root.tier.size(p) for p in set(chosen.values())}
+                return {o: (p, base, sizes[p]) for o, p in chosen.items()}
+        return {}
 
     def _same_version_exists(self, version: Version) -> bool:
         try:
@@ -280,7 +354,7 @@ class Remote:
         record, manifest = self._record(step), self.get_manifest(step)
         # Shared GC lock on the local host for the whole pull: the objects we rely on stay put.
         with self.shared_lock("pull"), root.gc_lock():
-            moved = self._fetch(root, record.objects, f"pull {step}", show_progress, manifest)
+            moved, rebuilt, patch_bytes = self._obtain(root, record, manifest, f"pull {step}", show_progress)
             try:
                 root.registry.get_version(step)  # registered already (pulled meanwhile, or a shared registry)
             except VersionNotFoundError:
@@ -291,24 +365,67 @@ class Remote:
                 except StepOrderError:
                     pass  # pulled meanwhile by another process of this host
                 root.registry.set_persisted(step, self.url)
-        nbytes = sum(record.objects[o] for o in moved)
-        return TransferReport(step, len(moved), nbytes, len(record.objects) - len(moved), time.monotonic() - t0,
-                              tuple(moved), self.url)
+        nbytes = sum(record.objects[o] for o in moved) + patch_bytes
+        return TransferReport(step, len(moved), nbytes, len(record.objects) - len(moved) - len(rebuilt),
+                              time.monotonic() - t0, tuple(moved), self.url, tuple(rebuilt), patch_bytes)
 
-    def fetch(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> list[str]:
-        """Download the objects of remote version ``step`` the local tier lacks (verified).
+    def fetch(self, root: StoreRoot, step: int, *, show_progress: bool | None = None) -> TransferReport:
+        """Download the objects of remote version ``step`` the local tier lacks (verified; objects
+        stored as patches are rebuilt, see :meth:`pull`).
 
         For a version already registered (a registry shared by several hosts) whose bytes are not
-        on this host. The caller holds a lease on the version. Returns the digests downloaded.
-        Raises CorruptObjectError if the remote's version at ``step`` is not the registered one.
+        on this host. The caller holds a lease on the version. Raises CorruptObjectError if the
+        remote's version at ``step`` is not the registered one.
         """
+        t0 = time.monotonic()
         record = self._record(step)
         ours = root.registry.get_version(step).digest
         if record.version.digest != ours:
             raise CorruptObjectError(f"{self.url}/{_record_key(step)} names version digest "
                                      f"{record.version.digest[:16]}…, the registry {ours[:16]}…: another version")
         with self.shared_lock("pull"):
-            return self._fetch(root, record.objects, f"fetch {step}", show_progress)
+            moved, rebuilt, patch_bytes = self._obtain(root, record, None, f"fetch {step}", show_progress)
+        return TransferReport(step, len(moved), sum(record.objects[o] for o in moved) + patch_bytes,
+                              len(record.objects) - len(moved) - len(rebuilt), time.monotonic() - t0, tuple(moved),
+                              self.url, tuple(rebuilt), patch_bytes)
+
+    def _obtain(self, root: StoreRoot, record: _Record, manifest: Manifest | None, what: str,
+                show_progress: bool | None) -> tuple[list[str], list[str], int]:
+        """Make every object of ``record`` present here: download those stored whole, rebuild those
+        stored as patches (pulling their base version first when this host lacks its objects).
+        Returns the objects downloaded, those rebuilt, and the bytes of patch objects downloaded.
+        A patch that does not rebuild its object raises CorruptObjectError (nothing placed)."""
+        moved = self._fetch(root, {o: n for o, n in record.objects.items() if o not in record.patches}, what,
+                            show_progress, manifest)
+        lacking = sorted(o for o in record.patches if not root.tier.exists(o))
+        if not lacking:
+            return moved, [], 0
+        for base in sorted({record.patches[o][1] for o in lacking}):
+            if not all(root.tier.exists(o) for o in self.get_manifest(base).objects()):
+                self.pull(root, base, show_progress=show_progress)  # the base first, verified and registered
+        wanted = {record.patches[o][0]: record.patches[o][2] for o in lacking}
+        got = self._fetch(root, wanted, f"{what} (patches)", show_progress)
+        from .delta import rebuild
+        from .staging import SlabPool
+
+        pool = SlabPool(root.tier.tmp_dir, pin=False)
+        try:
+            for o in lacking:
+                patch = record.patches[o][0]
+                if root.tier.exists(o):
+                    continue
+                try:
+                    rebuild(root, pool, patch, o)
+                except CorruptObjectError:
+                    if patch in got:
+                        raise
+                    # the copy this host had is damaged: set it aside, download the remote's, once
+                    root.tier.quarantine(patch)
+                    got += self._fetch(root, {patch: wanted[patch]}, f"{what} (patches)", show_progress)
+                    rebuild(root, pool, patch, o)
+        finally:
+            pool.close()
+        return moved, lacking, sum(wanted[p] for p in got)
 
     def _fetch(self, root: StoreRoot, objects: Mapping[str, int], what: str, show_progress: bool | None,
                manifest: Manifest | None = None) -> list[str]:
@@ -617,11 +734,21 @@ def _parse(data: bytes, where: str) -> dict[str, Any]:
 def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
     """The version record ``raw`` read from ``where`` (the key of ``step``), checked: its version
     is well-formed and at ``step``, its tags are tags, its objects 64-hex digests with positive
-    sizes. Else CorruptObjectError."""
+    sizes; format 2 adds ``patches``: objects of the version, each with a patch object, a base step
+    below ``step`` and a positive size. Else CorruptObjectError."""
     try:
-        if set(raw) != {"format", "version", "tags", "objects"}:
-            raise CorruptObjectError(f"fields {sorted(raw)}, expected format, version, tags and objects")
+        fields = {"format", "version", "tags", "objects"} | ({"patches"} if raw.get("format") == 2 else set())
+        if set(raw) != fields:
+            raise CorruptObjectError(f"fields {sorted(raw)}, expected {', '.join(sorted(fields))}")
         tags, objects = raw["tags"], raw["objects"]
+        patches = {o: tuple(p) for o, p in raw.get("patches", {}).items()} \
+            if isinstance(raw.get("patches", {}), dict) else None
+        if patches is None or any(len(p) != 3 for p in patches.values()):
+            raise CorruptObjectError("patches must map objects to [patch object, base step, size]")
+        check_digests([*patches, *(p for p, _, _ in patches.values())])
+        if not set(patches) <= set(objects) or any(
+                not (_count(b) and b < step and _count(n) and n > 0) for _, b, n in patches.values()):
+            raise CorruptObjectError("a patch names an object the version lacks, a base not below it, or a bad size")
         if not isinstance(tags, list) or not isinstance(objects, dict):
             raise CorruptObjectError("tags must be a JSON list and objects a JSON object")
         version = Version.from_json(raw["version"], tuple(check_tag(t) for t in tags))
@@ -633,7 +760,11 @@ def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
         raise CorruptObjectError(f"version record {where} is malformed: {e}") from None
     if version.step != step:
         raise CorruptObjectError(f"{where} holds the record of step {version.step}, not {step}: tampered or moved")
-    return _Record(version, dict(objects))
+    return _Record(version, dict(objects), patches)  # type: ignore[arg-type]
+
+
+def _count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, Chunk]]]:

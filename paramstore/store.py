@@ -56,6 +56,10 @@ __all__ = ["ParamStore"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+#: How long a push waits for the patches of its version before it uploads whole objects.
+PATCH_WAIT_S = 60.0
+
+
 def _keyword_timeout(positional: int) -> Callable[[_F], _F]:
     """``timeout`` is keyword-only; passing it positionally still works, with a DeprecationWarning."""
     def wrap(fn: _F) -> _F:
@@ -279,7 +283,6 @@ class ParamStore:
             root = open_root(self.root, create=create, **self._open_args)
             try:
                 local_policy = self._policies.get("local")  # recycling needs GC in this process
-                registry_shared = self._open_args["registry"] is not None
                 # Versions retention keeps (up to 3): published buffers stay mapped one commit longer (GC
                 # sweeps a version once that many newer ones exist), and prepare() faults that many more.
                 kept = min(maintenance.versions_kept(local_policy), 3)
@@ -291,7 +294,7 @@ class ParamStore:
                     root, self._remote, retry_for=self._persist_retry_for, backlog=self._persist_backlog, resume=False,
                     on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None,
                     on_released=self._maintainer.poke if self._maintainer is not None else None,
-                    gather=self._gather if registry_shared else None)
+                    gather=self._before_push)
                 if self._scrub_rate is not None:
                     self._scrubber = Scrubber(root, self._scrub_rate)
                 self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
@@ -620,6 +623,15 @@ class ParamStore:
             raise WaitTimeoutError(f"the patches of step {version.step} were not made within {timeout} s")
         return version
 
+    def _before_push(self, step: int) -> None:
+        """On the persister's thread, before a push: the objects other hosts hold come here (a shared
+        registry), and the version's patches are made first (for up to a minute), so the remote can
+        get them instead of whole objects."""
+        if self._open_args["registry"] is not None:
+            self._gather(step)
+        if self._patches and self._patcher is not None:
+            self._patcher.wait(step, PATCH_WAIT_S, submitted=False)
+
     def _patcher_for(self) -> Patcher:
         with self._patcher_lock:
             if self._patcher is None:
@@ -639,14 +651,15 @@ class ParamStore:
 
     def _after_commit(self, version: Version, handle: CommitHandle) -> None:
         # On the publisher thread, before retention runs: the push's lease keeps the version
-        # from being pruned locally until it is durable in the remote.
+        # from being pruned locally until it is durable in the remote. Patches are asked for
+        # first: the push waits for them.
+        if self._patches:
+            self._patcher_for().submit(version.step)
         if self._persister is not None and handle.persisted is not None:
             try:
                 self._persister.submit(version.step, handle.persisted)
             except BaseException as e:  # noqa: BLE001 - reported through the future
                 handle.persisted.set_exception(e)
-        if self._patches:
-            self._patcher_for().submit(version.step)
         if self._maintainer is not None:
             self._maintainer.poke()
 
