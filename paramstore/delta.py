@@ -85,6 +85,9 @@ PATCH_OBJECT_FORMAT = "1"
 DEFAULT_MAX_RATIO = 0.5
 #: The longest chain of patches a checkout follows (versions rebuilt on the way, the last included).
 MAX_CHAIN = 8
+#: How long a checkout waits for the patches of a version whose writer makes patches (the version
+#: before it has them) before it moves whole objects.
+WAIT_FOR_PATCHES_S = 10.0
 
 _Key = tuple[str, tuple[int, ...]]  # (tensor name, block offsets): a tensor's identity across versions
 
@@ -115,6 +118,7 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
             if patch is not None:
                 made[obj] = patch
     if not made:
+        reg.add_patches(base, target, {})  # made, none worth keeping: readers waiting for them go on
         return {}
     with (root.gc_lock() if lock else _nothing()):
         out = {obj: _write(root, *patch) for obj, patch in made.items()}
@@ -314,6 +318,7 @@ def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "
     tier, reg = root.tier, root.registry
     missing = {o for o in manifest.objects() if not tier.exists(o)}
     try:
+        await_patches(root, step, WAIT_FOR_PATCHES_S)
         chain = plan_chain(root, step, missing)
     except VersionNotFoundError:
         return
@@ -338,6 +343,25 @@ def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "
             report.from_patches.append(obj)
         if target != step and not all(tier.exists(o) for o in objects):
             return  # an intermediate version is incomplete: the rest moves whole
+
+
+def await_patches(root: "StoreRoot", step: int, timeout: float) -> bool:
+    """Wait (up to ``timeout`` seconds) for the patches of ``step`` when its writer makes patches
+    (the registry's ``"patches"`` value names the writer's run id: :class:`Patcher` sets it) and an
+    older version exists. The writer records even an empty set, so this returns as soon as they are
+    made. True if ``step`` has a patch record now."""
+    reg = root.registry
+    writer = reg.get_version(step).writer
+    if not writer or reg.get_meta("patches") != writer or not any(v.step < step for v in reg.versions()):
+        return bool(reg.patches(step))
+    deadline = time.monotonic() + timeout
+    with reg.watch() as watch:
+        while not reg.patches(step):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            watch.wait(min(left, 1.0))
+    return True
 
 
 def patch_summary(root: "StoreRoot", target: int | None = None) -> dict[tuple[int, int], dict[str, int]]:
@@ -375,17 +399,24 @@ class Patcher:
 
     Args:
         root: the store.
+        writer: the committing process's run id, recorded in the registry as the writer that
+            makes patches (so that readers of its versions wait for them: :func:`await_patches`).
         max_ratio: see :data:`DEFAULT_MAX_RATIO`.
     """
 
-    def __init__(self, root: "StoreRoot", *, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
+    def __init__(self, root: "StoreRoot", writer: str, *, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
         self._root, self._max_ratio = root, max_ratio
+        reg = root.registry
+        current = reg.get_meta("patches")
+        if current != writer:
+            reg.swap_meta("patches", current, writer)
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._pending: int | None = None
         self._prev: int | None = None
         self._lock = threading.Condition()
         self._done = -1  # the newest step handled (an older one still waiting is skipped)
         self._asked = -1  # the newest step submitted
+        self._submitted: list[int] = []  # steps submitted and not yet handled
         self.last: PatchReport | None = None
         self._thread = threading.Thread(target=self._loop, name="paramstore-patcher", daemon=True)
         self._thread.start()
@@ -394,6 +425,7 @@ class Patcher:
         """Make the patches of ``step`` (just committed) when the thread gets to it."""
         with self._lock:
             self._pending = step
+            self._submitted.append(step)
             self._asked = max(self._asked, step)
             self._lock.notify_all()
 
@@ -417,12 +449,26 @@ class Patcher:
                 step, self._pending = self._pending, None
                 if step == -1:
                     return
+                skipped = [s for s in self._submitted if s < step]
+                self._submitted = [s for s in self._submitted if s > step]
+            self._skip(skipped)
             try:
                 self.last = self._make(step)  # type: ignore[arg-type]
             finally:
                 with self._lock:
                     self._done = max(self._done, step)  # type: ignore[type-var]
                     self._lock.notify_all()
+
+    def _skip(self, steps: list[int]) -> None:
+        """Record that no patches will come for versions a newer commit overtook (readers waiting
+        for them go on with whole objects)."""
+        for s in steps:
+            base = self._base(s)
+            if base is not None:
+                try:
+                    self._root.registry.add_patches(base, s, {})
+                except ParamStoreError:
+                    pass
 
     def _base(self, step: int) -> int | None:
         """The newest version before ``step``."""

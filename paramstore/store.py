@@ -635,7 +635,7 @@ class ParamStore:
     def _patcher_for(self) -> Patcher:
         with self._patcher_lock:
             if self._patcher is None:
-                self._patcher = Patcher(self._root)
+                self._patcher = Patcher(self._root, self._run_id)
             return self._patcher
 
     def _get_committer(self) -> Committer:

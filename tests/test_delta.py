@@ -72,7 +72,7 @@ def test_patches_are_kept_only_when_smaller(store_root):
         store.commit(2, weights(2, fraction=0.9))  # most elements changed: a patch would not pay
         store.flush()
         assert store._patcher.last.patches == {}
-        assert store._root.registry.patches() == {}
+        assert store._root.registry.patches() == {(1, 2): {}}  # made, none kept: readers stop waiting
 
 
 def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp_path):

@@ -146,11 +146,13 @@ def test_hosts_holding_a_version_move_patches_not_objects(hosts):
     trainer.ask("commit 1 1 16")
     for r in (a, b):
         assert r.ask("checkout 1 1 16")["ok"]
-    trainer.ask("commit 2 2 16 0.01")
+    trainer.ask("commit 2 2 16 0.01")  # visible now; its patches are being made
+    for r in (a, b):
+        r.send("checkout 2 2 16 0.01")  # at once: each waits for the patches (the writer makes them)
+    replies = [r.expect() for r in (a, b)]
     made = trainer.ask("patches")["patches"]
     assert 0 < made < 0.05 * MODEL_BYTES
-    for r in (a, b):
-        rep = r.ask("checkout 2 2 16 0.01")
+    for rep in replies:
         assert rep["ok"] and rep["from_patches"] == 2 and rep["fetched"] == 0 and rep["rejected"] == {}, rep
         assert sum(rep["bytes_from"].values()) == rep["patch_bytes"] == made, rep  # the patches, once each
     print(f"patches: {made / MODEL_BYTES:.2%} of the model moved per host")

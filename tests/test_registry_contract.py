@@ -219,11 +219,15 @@ def test_patch_records_live_as_long_as_both_versions(reg):
     assert reg.patches(3) == {(2, 3): {D("o3"): p23}, (1, 3): {D("o3"): p13}}
     assert reg.patches(4) == {(3, 4): {D("o4"): p34, D("x4"): D("px")}}
     assert reg.patches(7) == {}
-    assert set(reg.patches()) == {(1, 2), (2, 3), (1, 3), (3, 4)}
+    with reg.watch() as w:
+        assert reg.add_patches(2, 4, {})  # made, none worth keeping: an empty record
+        assert w.wait(5)  # and it wakes watchers
+    assert reg.patches(4) == {(3, 4): {D("o4"): p34, D("x4"): D("px")}, (2, 4): {}}
+    assert set(reg.patches()) == {(1, 2), (2, 3), (1, 3), (3, 4), (2, 4)}
     assert reg.object_sizes([p12, p23, D("px")]) == {p12: 100, p23: 50, D("px"): 40}  # registered as objects
     assert {p12, p23, p13, p34, D("px")} <= reg.referenced_objects()  # kept by GC while recorded
     lease = reg.acquire_lease(3, "reader")
-    assert reg.remove_versions([2]) == [2]  # 1->2 and 2->3 lose a version; 1->3 and 3->4 stay
+    assert reg.remove_versions([2]) == [2]  # 1->2, 2->3 and 2->4 lose a version; 1->3 and 3->4 stay
     assert set(reg.patches()) == {(1, 3), (3, 4)}
     assert p12 not in reg.referenced_objects() and p13 in reg.referenced_objects()
     assert not reg.add_patches(2, 4, {D("o4"): (D("p24"), 10)})  # base gone: nothing recorded

@@ -45,8 +45,9 @@ from paramstore.manifest import Manifest, Version
 __all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
 
 #: Store-level values a registry keeps (:meth:`Registry.get_meta`): the store's identity, written
-#: when it is created and checked by every open, and the current writer (see ``paramstore.writer``).
-META_KEYS = ("store_id", "writer")
+#: when it is created and checked by every open, the current writer (see ``paramstore.writer``),
+#: and the run id of the writer that makes patches (see ``paramstore.delta``).
+META_KEYS = ("store_id", "writer", "patches")
 
 
 def check_meta_key(key: object) -> str:
@@ -260,7 +261,7 @@ class Registry(abc.ABC):
 
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None:
-        """The store-level value ``key`` (``"store_id"``, ``"writer"``), or None if it was never set."""
+        """The store-level value ``key`` (one of :data:`META_KEYS`), or None if it was never set."""
 
     @abc.abstractmethod
     def swap_meta(self, key: str, expected: str | None, value: str) -> str | None:
@@ -304,7 +305,9 @@ class Registry(abc.ABC):
     def add_patches(self, base: int, target: int, patches: Mapping[str, tuple[str, int]]) -> bool:
         """Record patches that rebuild objects of version ``target`` from the objects of version
         ``base``: ``{target object: (patch object, patch size)}``, merged with those already
-        recorded for the pair. The patch objects are registered as objects (no tensors).
+        recorded for the pair. The patch objects are registered as objects (no tensors). An empty
+        mapping records that the pair's patches were made and none was worth keeping (a reader
+        waiting for them stops waiting). Wakes watchers of ``"versions"``.
 
         Called only after the patch objects are durable in the tier. Returns False, recording
         nothing, when either version is gone (a prune won); raises InvalidArgumentError for bad

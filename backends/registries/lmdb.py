@@ -439,6 +439,7 @@ class LmdbRegistry(Registry):
                     db=self._dbs["patches"])
             for patch, size in patches.values():
                 txn.put(bytes.fromhex(patch), _STEP.pack(size), db=self._dbs["objects"], overwrite=False)
+        self._notify()
         return True
 
     @_guarded

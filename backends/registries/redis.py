@@ -245,7 +245,7 @@ return removed
 """)
 
 # KEYS: steps patches objects. ARGV: base, target, field, JSON {target object: patch object},
-# JSON flat list [patch object, record, ...]. Returns 0 when either version is gone, else 1.
+# JSON flat list [patch object, record, ...], events channel. Returns 0 when either version is gone, else 1.
 _ADD_PATCHES = _script("""
 if not redis.call('zscore', KEYS[1], ARGV[1]) or not redis.call('zscore', KEYS[1], ARGV[2]) then return 0 end
 local pairs_ = {}
@@ -255,6 +255,7 @@ for k, v in pairs(cjson.decode(ARGV[4])) do pairs_[k] = v end
 redis.call('hset', KEYS[2], ARGV[3], cjson.encode(pairs_))
 local objects = cjson.decode(ARGV[5])
 for i = 1, #objects, 2 do redis.call('hsetnx', KEYS[3], objects[i], objects[i + 1]) end
+redis.call('publish', ARGV[6], ARGV[2])
 return 1
 """)
 
@@ -697,7 +698,8 @@ class RedisRegistry(Registry):
         patches = check_patches(base, target, patches)
         pairs = {obj: patch for obj, (patch, _) in patches.items()}
         objects = [x for patch, size in patches.values() for x in (patch, json.dumps({"size": size, "tensors": []}))]
-        args = [_key(base), _key(target), f"{_key(target)}:{_key(base)}", json.dumps(pairs), json.dumps(objects)]
+        args = [_key(base), _key(target), f"{_key(target)}:{_key(base)}", json.dumps(pairs), json.dumps(objects),
+                self._k["events"]]
         return bool(self._run(_ADD_PATCHES, self._keys("steps", "patches", "objects"), args))
 
     @_translated
