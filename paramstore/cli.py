@@ -126,16 +126,23 @@ def _push(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         done = {s for s, u in store.persisted().items() if u == url}
         steps = [v.step for v in store.versions() if v.step not in done]
     reports = [store.push(s, show_progress=None) for s in steps]
-    lines = [f"pushed step {r.step}: {r.objects} objects ({_human(r.bytes)}) uploaded, {r.skipped} already there, "
-             f"{r.seconds:.1f} s" for r in reports]
+    lines = [f"pushed step {r.step}: {r.objects} objects ({_human(r.bytes)}) uploaded{_patched(r)}, {r.skipped} already "
+             f"there, {r.seconds:.1f} s" for r in reports]
     return [r.as_dict() for r in reports], "\n".join(lines) or "nothing to push", 0
 
 
 def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.pull(args.version, show_progress=None)
-    text = (f"pulled step {r.step}: {r.objects} objects ({_human(r.bytes)}) downloaded and verified, "
+    text = (f"pulled step {r.step}: {r.objects} objects ({_human(r.bytes)}) downloaded and verified{_patched(r)}, "
             f"{r.skipped} already here, {r.seconds:.1f} s")
     return r.as_dict(), text, 0
+
+
+def _patched(r: Any) -> str:
+    """`` (N of them as patches, X)`` for a transfer that moved patches instead of objects."""
+    if not r.from_patches:
+        return ""
+    return f" ({len(r.from_patches)} objects as patches: {_human(r.patch_bytes)})"
 
 
 def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
