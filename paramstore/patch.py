@@ -3,15 +3,24 @@
 In RL post-training most bf16 weights are bit-identical from one step to the next (updates below
 bf16 resolution), so a tensor that "changed" usually changed in a few percent of its elements. A
 *patch* records those elements: their positions (delta-coded: the gaps between them, which are
-small) and their new bit patterns, compressed with zstd. Elements are compared as bit patterns of
-their item size, never as numbers, so NaN payloads, -0.0 against +0.0 and float8 encodings round
-trip exactly.
+small) and how their bit patterns changed (the difference target − base of the bit patterns as
+unsigned integers, wrapping, zigzag-coded: a weight that moved by a unit or two in the last place
+costs a small number), compressed with zstd. Elements are compared as bit patterns of their item
+size, never as numbers, so NaN payloads, -0.0 against +0.0 and float8 encodings round trip exactly.
 
-A patch is a safetensors file (no pickle anywhere): one ``U8`` tensor ``"data"`` holding the zstd
-frame of ``gaps ‖ values``, and ``__metadata__`` saying what it patches (the dtype, the tensor's
-byte length, how many elements changed, the gap width, and the base and target tensor digests).
-:func:`apply_patch` rebuilds the target into a new buffer and checks its blake3 digest against the
-target's: a wrong patch (or a wrong base) is an error, never wrong weights.
+:func:`encode` makes the compressed *frame* of those changes and :func:`decode_into` applies one
+into a caller's buffer (an mmap view, say); both work in fixed chunks of 2 MiB, on a pool of
+threads for large tensors, and the frame does not depend on the number of threads. The frame is an
+8-byte head (``b"psp\\x02"``, log2 of the elements per chunk, the gap width, 0), a ``<u4`` table of
+each chunk's segment length (0: nothing changed there), then the segments: per chunk a zstd frame
+of its byte-shuffled gaps (``<u4``; the first counted from the chunk's start) then its
+byte-shuffled zigzag differences.
+
+A patch is a safetensors file (no pickle anywhere): one ``U8`` tensor ``"data"`` holding the frame,
+and ``__metadata__`` saying what it patches (the format, the dtype, the tensor's byte length, how
+many elements changed, the gap width, and the base and target tensor digests). :func:`apply_patch`
+rebuilds the target into a new buffer and checks its blake3 digest against the target's: a wrong
+patch (or a wrong base) is an error, never wrong weights.
 
 Example:
     >>> import numpy as np
@@ -29,8 +38,12 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import struct
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -41,11 +54,22 @@ __all__ = ["make_patch", "apply_patch", "patch_info", "encode", "decode_into", "
            "DEFAULT_MAX_RATIO"]
 
 #: The patch format this paramstore writes and reads.
-PATCH_FORMAT = "1"
+PATCH_FORMAT = "2"
 #: A patch is kept only when it is at most this fraction of the tensor's bytes.
 DEFAULT_MAX_RATIO = 0.5
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_ZSTD_LEVEL = 3
+# Bit patterns as little-endian unsigned ints (safetensors' byte order): frames are the same on any machine.
+_BITS = {n: np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
+_SIGNED = {n: np.dtype(f"<i{n}") for n in (1, 2, 4, 8)}
+_WORD = _BITS[8]
+_GAP_WIDTH = 4
+#: zstd level 1: on byte-shuffled gaps and differences about as small as level 3, and several times faster.
+_ZSTD_LEVEL = 1
+#: Tensors are coded in chunks of 2**this bytes, each on its own (in parallel; positions restart at
+#: each chunk). A frame records its chunk length, so this may change without a new format.
+_CHUNK_LOG2_BYTES = 21
+_MAGIC = b"psp\x02"
+_HEAD = struct.Struct("<4sBBH")  # magic, log2 of the elements per chunk, gap width, 0
+_T = TypeVar("_T")
 
 
 class Encoded(NamedTuple):
@@ -56,7 +80,8 @@ class Encoded(NamedTuple):
     changed: int
     """The number of elements that differ."""
     gap_width: int
-    """4 or 8: the bytes per delta-coded position."""
+    """4 or 8: the bytes per delta-coded position (this version writes 4, as positions are coded
+    within chunks of fewer than 2**32 elements; it reads both)."""
 
 
 def encode(base: Any, target: Any, dtype: str, *, max_bytes: int | None = None) -> Encoded | None:
@@ -65,8 +90,9 @@ def encode(base: Any, target: Any, dtype: str, *, max_bytes: int | None = None) 
     ``max_bytes`` (None: no limit).
 
     Deterministic: the same inputs give the same frame bytes on any machine, whatever its number of
-    cores. Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a
-    whole number of elements.
+    cores (the chunks are fixed, and joined in order). A tensor of several chunks is encoded on a
+    pool of ``os.cpu_count()`` threads. Raises InvalidArgumentError for an unknown dtype or buffers
+    of other lengths or not a whole number of elements.
 
     >>> e = encode(bytes(8), bytes([0, 0, 7, 0, 0, 0, 0, 0]), "BF16")
     >>> e.changed, e.gap_width
@@ -80,53 +106,61 @@ def encode(base: Any, target: Any, dtype: str, *, max_bytes: int | None = None) 
     a, b = _elements(base, dtype), _elements(target, dtype)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
-    changed = _changed(a, b)
-    gaps = np.diff(changed, prepend=0)
-    if gaps.size and int(gaps.max()) >= 1 << 32:
-        width, gaps = 8, gaps.astype(np.uint64)
-    else:
-        width, gaps = 4, gaps.astype(np.uint32)
-    if max_bytes is not None and changed.size * (width + b.itemsize) > 4 * max_bytes:
-        return None  # hopeless even at 4:1 compression
-    import zstandard
-
-    frame = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(gaps.tobytes() + b[changed].tobytes())
-    if max_bytes is not None and len(frame) > max_bytes:
+    log2 = _CHUNK_LOG2_BYTES - (a.itemsize.bit_length() - 1)
+    bounds = _chunks(a.size, log2)
+    head = _HEAD.pack(_MAGIC, log2, _GAP_WIDTH, 0)
+    size = len(head) + 4 * len(bounds)
+    if max_bytes is not None and size > max_bytes:
         return None
-    return Encoded(frame, int(changed.size), width)
+    segments: list[bytes] = []
+    changed = 0
+    for seg, count in _map(_encode_chunk, [(a, b, lo, hi) for lo, hi in bounds]):
+        size += len(seg)
+        if max_bytes is not None and size > max_bytes:
+            return None  # (chunks already started finish on the pool, unused)
+        segments.append(seg)
+        changed += count
+    table = np.array([len(seg) for seg in segments], dtype="<u4").tobytes()
+    return Encoded(b"".join([head, table, *segments]), changed, _GAP_WIDTH)
 
 
 def decode_into(out: Any, base: Any, frame: Any, dtype: str, changed: int, gap_width: int) -> None:
     """Write ``base`` with the changes of ``frame`` (an :attr:`Encoded.frame`) applied into ``out``:
     a writable buffer of ``base``'s length (a ``bytearray``, a memoryview into an mmap, ...), never
-    the same memory as ``base``, which is only read.
+    the same memory as ``base``, which is only read. A tensor of several chunks is decoded on a pool
+    of threads.
 
     Raises CorruptObjectError for a frame that does not decode to ``changed`` positions and values
-    of that ``gap_width``, or changes positions out of range; InvalidArgumentError for an unknown
-    dtype or an ``out`` of another length. Checks no digest: callers check the result's.
+    of that ``gap_width``, or changes positions out of range (``out`` then holds no particular
+    bytes); InvalidArgumentError for an unknown dtype or an ``out`` that is read-only or of another
+    length. Checks no digest: callers check the result's.
     """
     a = _elements(base, dtype)
     o = _elements(out, dtype, writable=True)
     if o.shape != a.shape:
         raise InvalidArgumentError(f"out is {o.nbytes} bytes, the base {a.nbytes}")
-    if gap_width not in (4, 8) or changed < 0:
-        raise CorruptObjectError(f"bad patch sizes: {changed} changes of gap width {gap_width}")
-    if changed > a.size:
-        raise CorruptObjectError(f"patch changes {changed} elements of a tensor of {a.size}")
-    import zstandard
-
-    expect = changed * (gap_width + a.itemsize)
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expect)
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"patch data does not decompress: {e}") from None
-    if len(raw) != expect:
-        raise CorruptObjectError(f"patch data is {len(raw)} bytes, expected {expect}")
-    gaps = np.frombuffer(raw, dtype=np.uint32 if gap_width == 4 else np.uint64, count=changed)
-    values = np.frombuffer(raw, dtype=a.dtype, offset=changed * gap_width)
-    positions = _positions(gaps, a.size)
-    np.copyto(o, a)
-    o[positions] = values
+    mv = memoryview(frame).cast("B")
+    if mv.nbytes < _HEAD.size:
+        raise CorruptObjectError(f"patch data is {mv.nbytes} bytes: too short to be a frame")
+    magic, log2, width, reserved = _HEAD.unpack_from(mv, 0)
+    if magic != _MAGIC or reserved or not 0 < log2 <= 30 or width not in (4, 8):
+        raise CorruptObjectError("patch data is not a frame of this patch format")
+    if width != gap_width:
+        raise CorruptObjectError(f"patch data has gaps of {width} bytes, not {gap_width}")
+    bounds = _chunks(a.size, log2)
+    start = _HEAD.size + 4 * len(bounds)
+    if start > mv.nbytes:
+        raise CorruptObjectError(f"patch data is {mv.nbytes} bytes, too short for {len(bounds)} chunks")
+    lengths = np.frombuffer(mv, dtype="<u4", count=len(bounds), offset=_HEAD.size).tolist()
+    if start + sum(lengths) != mv.nbytes:
+        raise CorruptObjectError(f"patch data is {mv.nbytes} bytes, its chunks say {start + sum(lengths)}")
+    jobs = []
+    for (lo, hi), n in zip(bounds, lengths):
+        jobs.append((o, a, mv[start : start + n], lo, hi, width))
+        start += n
+    count = sum(_map(_decode_chunk, jobs))
+    if count != changed:
+        raise CorruptObjectError(f"patch data changes {count} elements, expected {changed}")
 
 
 def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO,
@@ -187,31 +221,126 @@ def patch_info(patch: bytes) -> dict[str, Any]:
             "base": meta["base"], "target": meta["target"], "size": len(patch)}
 
 
-def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Positions where ``a`` and ``b`` differ, ascending. Compared 8 bytes at a time first, then
-    element by element inside the words that differ (few, when little changed)."""
-    per = 8 // a.itemsize
-    if per == 1 or a.nbytes % 8:
-        return np.flatnonzero(a != b)
-    words = np.flatnonzero(a.view(np.uint64) != b.view(np.uint64))
-    if not words.size:
-        return words
-    cand = (words[:, None] * per + np.arange(per)).ravel()
-    return cand[a[cand] != b[cand]]
+def _chunks(n: int, log2: int) -> list[tuple[int, int]]:
+    """The chunks ``[lo, hi)`` of ``n`` elements, ``2**log2`` elements each (the last one fewer)."""
+    step = 1 << log2
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
-def _positions(gaps: np.ndarray, size: int) -> np.ndarray:
-    """The positions that delta-coded ``gaps`` name; CorruptObjectError if one is outside
-    ``range(size)`` (a sum that would wrap around 2**64 included)."""
-    if not gaps.size:
-        return gaps.astype(np.intp)
-    if gaps.dtype == np.uint64 and int(gaps.max()) >= size:
-        raise CorruptObjectError(f"patch skips {int(gaps.max())} elements of a tensor of {size}")
-    positions = np.cumsum(gaps, dtype=np.uint64)  # gaps < size <= 2**63 each: no wrap below 2**64 * ...
-    last = int(positions[-1])
-    if last >= size:
-        raise CorruptObjectError(f"patch changes element {last} of a tensor of {size}")
-    return positions.view(np.int64)
+def _encode_chunk(a: np.ndarray, b: np.ndarray, lo: int, hi: int) -> tuple[bytes, int]:
+    """One chunk's segment (b"" when nothing in it changed) and its number of changes.
+
+    Compared 8 bytes at a time first, then element by element inside the words that differ (few,
+    when little changed). Byte-shuffled (all first bytes, then all second bytes...), gaps and
+    differences compress far better and faster than as whole integers."""
+    ca, cb = a[lo:hi], b[lo:hi]
+    size = ca.itemsize
+    per = 8 // size
+    whole = (hi - lo) // per * per
+    wa, wb = ca[:whole].view(_WORD), cb[:whole].view(_WORD)
+    words = np.flatnonzero(wa != wb)
+    if per == 1:
+        pos, d = words, wb[words] - wa[words]
+    else:  # the elements of the words that differ: their differences, 0 where equal
+        dw = wb[words].view(cb.dtype) - wa[words].view(ca.dtype)  # wraps: bit patterns, not numbers
+        idx = np.flatnonzero(dw != 0)  # (faster than on the integers)
+        pos = words[idx >> (per.bit_length() - 1)] * per + (idx & (per - 1))
+        d = dw[idx]
+    if whole < hi - lo:  # the tensor's last elements, fewer than a word's worth
+        dt = cb[whole:] - ca[whole:]
+        tail = np.flatnonzero(dt)
+        if tail.size:
+            pos, d = np.concatenate([pos, tail + whole]), np.concatenate([d, dt[tail]])
+    n = pos.size
+    if not n:
+        return b"", 0
+    buf = np.empty(n * (_GAP_WIDTH + size), dtype=np.uint8)
+    gaps = np.empty(n, dtype=_BITS[_GAP_WIDTH])
+    gaps[0] = pos[0]
+    np.subtract(pos[1:], pos[:-1], out=gaps[1:], casting="unsafe")
+    buf[: n * _GAP_WIDTH].reshape(_GAP_WIDTH, n)[...] = gaps.view(np.uint8).reshape(n, _GAP_WIDTH).T
+    d = d.view(_SIGNED[size])
+    zz = (d << 1) ^ (d >> (8 * size - 1))  # zigzag: 0, -1, 1, -2, ... as 0, 1, 2, 3, ...
+    buf[n * _GAP_WIDTH :].reshape(size, n)[...] = zz.view(np.uint8).reshape(n, size).T
+    return _compressor().compress(buf), n
+
+
+def _decode_chunk(o: np.ndarray, a: np.ndarray, seg: memoryview, lo: int, hi: int, width: int) -> int:
+    """Write one chunk of ``o``: the base's elements with the changes of segment ``seg`` applied.
+    Returns the number of changes; CorruptObjectError for a segment that is not one."""
+    ca, co = a[lo:hi], o[lo:hi]
+    np.copyto(co, ca)
+    if not seg.nbytes:
+        return 0
+    import zstandard
+
+    size, limit = ca.itemsize, (hi - lo) * (width + ca.itemsize)
+    try:
+        expect = zstandard.frame_content_size(seg)
+        if not 0 < expect <= limit or expect % (width + size):
+            raise CorruptObjectError(f"patch data has a chunk of {expect} bytes, not whole changes within "
+                                     f"{hi - lo} elements")
+        raw = _decompressor().decompress(seg)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(f"patch data does not decompress: {e}") from None
+    if len(raw) != expect:
+        raise CorruptObjectError(f"patch data has a chunk of {len(raw)} bytes, its frame says {expect}")
+    n = expect // (width + size)
+    arr = np.frombuffer(raw, dtype=np.uint8)
+    gaps = np.empty((n, width), dtype=np.uint8)
+    gaps[...] = arr[: n * width].reshape(width, n).T
+    gaps = gaps.view(_BITS[width]).reshape(n)
+    if width == 8 and int(gaps.max()) >= hi - lo:
+        raise CorruptObjectError(f"patch data skips {int(gaps.max())} elements of a chunk of {hi - lo}")
+    pos = np.cumsum(gaps, dtype=np.int64)  # no overflow: under 2**30 gaps, each under 2**32
+    if int(pos[-1]) >= hi - lo:
+        raise CorruptObjectError(f"patch changes element {lo + int(pos[-1])} of a chunk ending at {hi}")
+    zz = np.empty((n, size), dtype=np.uint8)
+    zz[...] = arr[n * width :].reshape(size, n).T
+    zz = zz.view(ca.dtype).reshape(n)
+    co[pos] = ca[pos] + ((zz >> 1) ^ (0 - (zz & 1)).astype(ca.dtype))  # un-zigzag, add (wrapping)
+    return n
+
+
+def _map(fn: Callable[..., _T], jobs: list[tuple]) -> Iterator[_T]:
+    """``fn(*job)`` for each job, in order: on the pool's threads when there are several."""
+    if len(jobs) < 2:
+        return (fn(*job) for job in jobs)
+    return _pool().map(lambda job: fn(*job), jobs)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_LOCAL = threading.local()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that encode and decode chunks (one per core), started on first use."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="paramstore-patch")
+        return _POOL
+
+
+def _compressor() -> Any:
+    """This thread's zstd compressor (a context is not safe to share between threads)."""
+    c = getattr(_LOCAL, "cctx", None)
+    if c is None:
+        import zstandard
+
+        c = _LOCAL.cctx = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return c
+
+
+def _decompressor() -> Any:
+    """This thread's zstd decompressor."""
+    d = getattr(_LOCAL, "dctx", None)
+    if d is None:
+        import zstandard
+
+        d = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return d
 
 
 def _elements(buf: Any, dtype: str, *, writable: bool = False) -> np.ndarray:
@@ -219,6 +348,8 @@ def _elements(buf: Any, dtype: str, *, writable: bool = False) -> np.ndarray:
     if dtype not in ITEMSIZE or ITEMSIZE[dtype] not in _BITS:
         raise InvalidArgumentError(f"cannot patch tensors of dtype {dtype!r}")
     if isinstance(buf, np.ndarray):
+        if writable and not buf.flags.c_contiguous:
+            raise InvalidArgumentError("out must be a contiguous buffer")
         buf = buf.reshape(-1).view(np.uint8)
     mv = memoryview(buf).cast("B")
     if writable and mv.readonly:

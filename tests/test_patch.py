@@ -3,16 +3,23 @@ changed, refused when damaged or applied to the wrong base."""
 
 from __future__ import annotations
 
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+
+import blake3
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import paramstore.patch as patch_module
 from paramstore.errors import CorruptObjectError, InvalidArgumentError
-from paramstore.patch import apply_patch, make_patch, patch_info
+from paramstore.patch import Encoded, apply_patch, decode_into, encode, make_patch, patch_info
+from paramstore.format import ITEMSIZE
 from paramstore.tensors import TORCH_TO_ST
 
+PINNED_CONTENT = "60a7a79b7fee7d05"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.int64, torch.uint8, torch.bool, torch.complex64]
 
@@ -109,3 +116,173 @@ def test_bad_arguments_are_refused():
         make_patch(b"\0" * 6, b"\0" * 6, "F32")
     with pytest.raises(InvalidArgumentError, match="dtype"):
         make_patch(b"", b"", "Q7")
+
+
+def sparse_pair(n: int, fraction: float, seed: int = 0, dtype=torch.bfloat16) -> tuple[bytes, bytes]:
+    rng = np.random.default_rng(seed)
+    base = random_bits(dtype, n, rng)
+    target = base.clone()
+    k = int(n * fraction)
+    if k:
+        target[torch.from_numpy(rng.choice(n, size=k, replace=False))] = random_bits(dtype, k, rng)
+    return raw(base), raw(target)
+
+
+def test_encode_and_decode_into_a_bytearray_or_an_mmap():
+    base, target = sparse_pair(100_003, 0.02)
+    enc = encode(base, target, "BF16")
+    assert isinstance(enc, Encoded) and enc.gap_width == 4
+    assert enc.changed == int((np.frombuffer(base, np.uint16) != np.frombuffer(target, np.uint16)).sum())
+    assert encode(np.frombuffer(base, np.uint8), memoryview(target), "BF16") == enc  # any buffer, same frame
+    out = bytearray(len(base))
+    decode_into(out, base, enc.frame, "BF16", enc.changed, enc.gap_width)
+    assert out == target
+    with mmap.mmap(-1, len(base) + 4096) as m:  # a view into a mapping, base read-only from another one
+        with mmap.mmap(-1, len(base)) as src:
+            src[:] = base
+            view = memoryview(m)[4096:]
+            decode_into(view, memoryview(src).toreadonly(), memoryview(enc.frame), "BF16", enc.changed, enc.gap_width)
+            assert m[4096:] == target and m[:4096] == bytes(4096)  # nothing written outside out
+            view.release()
+
+
+def test_encode_is_deterministic_and_independent_of_threads(monkeypatch):
+    base, target = sparse_pair(3_000_001, 0.015, seed=3)  # 3 chunks, the last partial, an odd tail
+    first = encode(base, target, "BF16")
+    out = bytearray(len(base))
+    decode_into(out, base, first.frame, "BF16", first.changed, first.gap_width)
+    assert out == target
+    for threads in (1, 3, 8):
+        monkeypatch.setattr(patch_module, "_POOL", ThreadPoolExecutor(threads))
+        assert encode(base, target, "BF16") == first
+        out = bytearray(len(base))
+        decode_into(out, base, first.frame, "BF16", first.changed, first.gap_width)
+        assert out == target
+    monkeypatch.setattr(patch_module, "_map", lambda fn, jobs: (fn(*job) for job in jobs))  # no pool at all
+    assert encode(base, target, "BF16") == first
+    # the same bytes on any machine: what a frame of fixed inputs holds is pinned (a change here is a format
+    # change); its zstd bytes are left out, as another libzstd may compress the same content otherwise
+    assert content_digest(first.frame, len(base) // 2) == PINNED_CONTENT and first.changed == 45_000
+
+
+def content_digest(frame: bytes, n: int) -> str:
+    """blake3 of a frame's head and table and its chunks decompressed."""
+    import zstandard
+
+    log2 = frame[4]
+    chunks = -(-n // (1 << log2))
+    table = np.frombuffer(frame, "<u4", count=chunks, offset=8).tolist()
+    h, at = blake3.blake3(frame[: 8 + 4 * chunks]), 8 + 4 * chunks
+    for length in table:
+        if length:
+            h.update(zstandard.ZstdDecompressor().decompress(frame[at : at + length]))
+        at += length
+    return h.hexdigest()[:16]
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 700), fraction=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
+       seed=st.integers(0, 2**32 - 1))
+def test_many_small_chunks_round_trip(dtype, n, fraction, seed):
+    """Chunks of 64 bytes (a frame says its chunk length): chunk edges, empty chunks, partial tails."""
+    old = patch_module._CHUNK_LOG2_BYTES
+    patch_module._CHUNK_LOG2_BYTES = 6
+    try:
+        base, target = sparse_pair(n, fraction, seed=seed, dtype=dtype)
+        st_dtype = TORCH_TO_ST[dtype]
+        enc = encode(base, target, st_dtype)
+        bits = f"<u{ITEMSIZE[st_dtype]}"
+        assert enc.changed == int((np.frombuffer(base, bits) != np.frombuffer(target, bits)).sum())
+    finally:
+        patch_module._CHUNK_LOG2_BYTES = old
+    out = bytearray(len(base))
+    decode_into(out, base, enc.frame, st_dtype, enc.changed, enc.gap_width)
+    assert out == target
+
+
+def frame_of(chunks: list[bytes], log2: int, width: int) -> bytes:
+    """A frame built by hand from its chunks' payloads (byte-shuffled already; b"": nothing changed)."""
+    import zstandard
+
+    segs = [zstandard.ZstdCompressor().compress(c) if c else b"" for c in chunks]
+    return (b"psp\x02" + bytes([log2, width, 0, 0]) + np.array([len(x) for x in segs], "<u4").tobytes()
+            + b"".join(segs))
+
+
+def shuffled(gaps: np.ndarray, deltas: np.ndarray) -> bytes:
+    return (np.ascontiguousarray(gaps.view(np.uint8).reshape(len(gaps), -1).T).tobytes()
+            + np.ascontiguousarray(deltas.view(np.uint8).reshape(len(deltas), -1).T).tobytes())
+
+
+def test_8_byte_gaps_are_read_and_checked():
+    base = bytes(64)  # 32 BF16 elements, one chunk of 2**5
+    ok = frame_of([shuffled(np.array([3, 5], "<u8"), np.array([2, 1], "<u2"))], 5, 8)  # +1 at 3, -1 at 8
+    out = bytearray(64)
+    decode_into(out, base, ok, "BF16", 2, 8)
+    assert np.frombuffer(out, "<u2")[[3, 8]].tolist() == [1, 0xFFFF] and np.frombuffer(out, "<u2").sum() == 0x10000
+    with pytest.raises(CorruptObjectError, match="gaps of 8 bytes"):
+        decode_into(out, base, ok, "BF16", 2, 4)
+    for gaps in ([3, 2**64 - 1], [40], [31, 1]):  # wraps around 2**64; past the chunk
+        bad = frame_of([shuffled(np.array(gaps, "<u8"), np.zeros(len(gaps), "<u2"))], 5, 8)
+        with pytest.raises(CorruptObjectError, match="skips|element"):
+            decode_into(out, base, bad, "BF16", len(gaps), 8)
+    with pytest.raises(CorruptObjectError, match="whole changes"):  # a segment of 1.5 changes
+        decode_into(out, base, frame_of([bytes(15)], 5, 8), "BF16", 1, 8)
+    with pytest.raises(CorruptObjectError, match="not a frame"):
+        decode_into(out, base, b"psp\x01" + ok[4:], "BF16", 2, 8)
+    with pytest.raises(CorruptObjectError, match="its chunks say"):
+        decode_into(out, base, ok + b"\0", "BF16", 2, 8)
+
+
+def test_max_bytes_refuses_a_large_frame():
+    base, target = sparse_pair(50_000, 0.3, seed=1)
+    enc = encode(base, target, "BF16")
+    assert encode(base, target, "BF16", max_bytes=len(enc.frame)) == enc
+    assert encode(base, target, "BF16", max_bytes=len(enc.frame) - 1) is None
+    assert encode(base, target, "BF16", max_bytes=10) is None
+    same = encode(base, base, "BF16", max_bytes=100)
+    assert same is not None and same.changed == 0
+
+
+def test_empty_tensors_encode_to_no_changes():
+    enc = encode(b"", b"", "F32")
+    assert enc.changed == 0
+    out = bytearray()
+    decode_into(out, b"", enc.frame, "F32", 0, enc.gap_width)
+    assert out == b""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_round_trips_every_dtype(dtype):
+    base, target = sparse_pair(10_007, 0.05, seed=7, dtype=dtype)
+    st_dtype = TORCH_TO_ST[dtype]
+    enc = encode(base, target, st_dtype)
+    out = bytearray(len(base))
+    decode_into(out, base, enc.frame, st_dtype, enc.changed, enc.gap_width)
+    assert out == target
+
+
+def test_a_corrupt_frame_is_refused():
+    base, target = sparse_pair(20_000, 0.02, seed=2)
+    enc = encode(base, target, "BF16")
+    out = bytearray(len(base))
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, enc.frame[:-5], "BF16", enc.changed, enc.gap_width)  # truncated
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, b"not a frame at all", "BF16", enc.changed, enc.gap_width)
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, enc.frame, "BF16", enc.changed + 1, enc.gap_width)  # count disagrees
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, enc.frame, "BF16", enc.changed - 1, enc.gap_width)
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, enc.frame, "BF16", enc.changed, 8)  # width disagrees
+    with pytest.raises(CorruptObjectError):
+        decode_into(out, base, enc.frame, "BF16", enc.changed, 3)
+    # a frame whose positions run past the end of a (smaller) tensor
+    small = base[: len(base) // 2]
+    with pytest.raises(CorruptObjectError, match="element|beyond|range"):
+        decode_into(bytearray(len(small)), small, enc.frame, "BF16", enc.changed, enc.gap_width)
+    with pytest.raises(InvalidArgumentError):
+        decode_into(bytearray(len(base) - 2), base, enc.frame, "BF16", enc.changed, enc.gap_width)
+    with pytest.raises(InvalidArgumentError):
+        decode_into(bytes(len(base)), base, enc.frame, "BF16", enc.changed, enc.gap_width)  # read-only out

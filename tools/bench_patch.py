@@ -10,6 +10,13 @@ time to make them against a bare copy of the same bytes, and checks every patch 
 for bit. Goals (issue 16): patches ≤ ~2% of the model when ~1% of elements change; patch time ≤ 1×
 a bare copy.
 
+Then one large bf16 tensor (``--tensor-mib``, 0 to skip) of which a fraction (``--tensor-changed``)
+of the elements moved by one or two units in the last place, as the GPT-2's do: ``--repeats``
+rounds, each timing side by side :func:`~paramstore.patch.make_patch` (digests given),
+:func:`~paramstore.patch.decode_into` into a buffer of the tensor's size, and the bare copies of
+the same bytes (``np.copyto`` into a new ``np.empty_like``, as above, and
+``torch.empty_like(x).copy_(x)``); also the share of the machine's CPU other processes used.
+
     .venv/bin/python tools/bench_patch.py --json out/bench_patch.json --markdown out/bench_patch.md
     .venv/bin/python tools/docgen.py patch out/bench_patch.md --json out/bench_patch.json
 """
@@ -17,8 +24,10 @@ a bare copy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import struct
 import sys
 import time
 
@@ -27,9 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import machine, write_outputs
+from benchlib import CpuMeter, machine, write_outputs
 
-from paramstore.patch import apply_patch, make_patch
+from paramstore.patch import apply_patch, decode_into, make_patch, patch_info
 
 
 def _bf16(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -83,6 +92,62 @@ def run(lr: float, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def run_tensor(args: argparse.Namespace) -> dict:
+    """One large bf16 tensor: make_patch and decode_into against bare copies, round by round."""
+    rng = np.random.default_rng(0)
+    n = args.tensor_mib << 19  # bf16 elements
+    base = (torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) * 0.02).to(torch.bfloat16)
+    k = int(n * args.tensor_changed)
+    where = torch.from_numpy(np.sort(rng.choice(n, size=k, replace=False)))
+    step = torch.from_numpy(rng.choice(np.array([-2, -1, 1, 2], dtype=np.int16), size=k))
+    target = base.clone()
+    target.view(torch.int16)[where] += step  # a unit or two in the last place
+    a, b = base.view(torch.uint8).numpy(), target.view(torch.uint8).numpy()
+    digests = blake3.blake3(a).hexdigest(), blake3.blake3(b).hexdigest()
+    changed = int((base.view(torch.int16) != target.view(torch.int16)).sum())
+    out = np.empty_like(b)
+    rounds = []
+    meter = CpuMeter()
+    for _ in range(args.repeats):
+        row = {}
+        t0 = time.perf_counter()
+        patch = make_patch(a, b, "BF16", base_digest=digests[0], target_digest=digests[1])
+        row["make_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        copy = np.empty_like(b)
+        np.copyto(copy, b)
+        row["np_copy_s"] = time.perf_counter() - t0
+        del copy
+        t0 = time.perf_counter()
+        copy = torch.empty_like(target).copy_(target)
+        row["torch_copy_s"] = time.perf_counter() - t0
+        del copy
+        frame, width = _frame(patch)
+        t0 = time.perf_counter()
+        decode_into(out, a, frame, "BF16", patch_info(patch)["changed"], width)
+        row["decode_s"] = time.perf_counter() - t0
+        rounds.append(row)
+    noise = meter.stop()
+    assert np.array_equal(out, b) and apply_patch(a, patch, base_digest=digests[0]) == b.tobytes()
+    res = {"mib": args.tensor_mib, "changed_frac": changed / n, "patch_bytes": len(patch), "rounds": rounds, **noise}
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    res["median"] = med
+    print(f"{args.tensor_mib} MiB bf16, {changed / n * 100:.2f}% changed: patch {len(patch) / 2**20:.2f} MiB "
+          f"({len(patch) / b.nbytes * 100:.2f}%); medians of {args.repeats}: make_patch {med['make_s'] * 1e3:.0f} ms, "
+          f"decode_into {med['decode_s'] * 1e3:.0f} ms, np copy {med['np_copy_s'] * 1e3:.0f} ms, "
+          f"torch copy {med['torch_copy_s'] * 1e3:.0f} ms; other processes used {noise['foreign_pct']}% of the CPU",
+          flush=True)
+    return res
+
+
+def _frame(patch: bytes) -> tuple[memoryview, int]:
+    """The frame a patch carries (its one tensor's bytes) and its gap width."""
+    (n,) = struct.unpack_from("<Q", patch, 0)
+    header = json.loads(patch[8 : 8 + n])
+    begin, end = header["data"]["data_offsets"]
+    return memoryview(patch)[8 + n + begin : 8 + n + end], int(header["__metadata__"]["gap_width"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lrs", default="1e-6,1e-5")
@@ -92,13 +157,17 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tensor-mib", type=int, default=128, help="the large tensor's size (0: skip it)")
+    ap.add_argument("--tensor-changed", type=float, default=0.02, help="the fraction of its elements that change")
+    ap.add_argument("--repeats", type=int, default=7, help="rounds of the large tensor's timings")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
     res = {"argv": ["tools/bench_patch.py", *sys.argv[1:]], "machine": machine()}
     t0 = time.monotonic()
     rows = [r for lr in (float(x) for x in args.lrs.split(",")) for r in run(lr, args)]
-    res.update(rows=rows, total_seconds=time.monotonic() - t0)
+    big = run_tensor(args) if args.tensor_mib else None
+    res.update(rows=rows, tensor=big, total_seconds=time.monotonic() - t0)
     md = [f"GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}), fp32 master weights, AdamW, "
           f"{args.steps} steps per learning rate, committed as bf16; medians over the steps (min–max):", "",
           "| lr | elements changed | patches / model bytes | patch time / bare copy |", "|---|---|---|---|"]
@@ -112,6 +181,22 @@ def main() -> int:
         ratio = [r["make_s"] / r["copy_s"] for r in rs]
         md.append(f"| {lr:g} | {span('changed_frac')} | {span('patch_frac')} | "
                   f"{statistics.median(ratio):.1f}× ({min(ratio):.1f}–{max(ratio):.1f}) |")
+    if big:
+        m, r = big["median"], big["rounds"]
+
+        def ratio(key: str, copy: str) -> str:
+            xs = [x[key] / x[copy] for x in r]
+            return f"{m[key] / m[copy]:.2f}× ({min(xs):.2f}–{max(xs):.2f})"
+
+        md += ["", f"One {big['mib']} MiB bf16 tensor, {big['changed_frac'] * 100:.2f}% of its elements changed by one or "
+               f"two units in the last place; {len(r)} rounds, medians (per-round min–max); other processes used "
+               f"{big['foreign_pct']}% of the machine's CPU meanwhile:", "",
+               "| patch / tensor bytes | make_patch | decode_into | bare copy (`np.copyto` into `np.empty_like`) | "
+               "bare copy (`torch.empty_like(x).copy_(x)`) | make_patch / np copy | make_patch / torch copy | "
+               "decode_into / np copy |", "|---|---|---|---|---|---|---|---|",
+               f"| {big['patch_bytes'] / (big['mib'] << 20) * 100:.2f}% | {m['make_s'] * 1e3:.0f} ms | "
+               f"{m['decode_s'] * 1e3:.0f} ms | {m['np_copy_s'] * 1e3:.0f} ms | {m['torch_copy_s'] * 1e3:.0f} ms | "
+               f"{ratio('make_s', 'np_copy_s')} | {ratio('make_s', 'torch_copy_s')} | {ratio('decode_s', 'np_copy_s')} |"]
     write_outputs(args.json, res, args.markdown, "\n".join(md))
     print("\n".join(md))
     return 0
