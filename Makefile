@@ -7,8 +7,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: install sysdeps demo test test-integrations bench clean
 
 # Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
-# tests start their own) and libibverbs1 (Mooncake's wheels link it even for TCP).
-SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-gnu/libibverbs.so.1
+# tests start their own), libibverbs1 (Mooncake's wheels link it even for TCP) and iproute2
+# (`ip netns`, `tc`: the simulated cluster of tools/netcluster.py).
+SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-gnu/libibverbs.so.1 \
+           iproute2:/usr/sbin/tc
 
 # torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
 # several GB of CUDA packages); the package's own range is then already satisfied.
@@ -84,6 +86,7 @@ bench: install
 	$(BIN)/python tools/bench_peers.py
 	$(BIN)/python tools/bench_sharded.py
 	$(BIN)/python tools/bench_patch.py
+	$(BIN)/python tools/bench_cluster.py  # needs root (network namespaces)
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache

@@ -176,10 +176,10 @@ class Fetcher:
                 peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=report, server=self._server())
             except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
                 peer_error = e
-            else:
-                if self._prepare:  # destinations for the next version (same layout), faulted in the background
-                    self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
             missing = [o for o in missing if not tier.exists(o)]
+        if self._prepare and (report.from_peers or report.from_patches):
+            # destinations for the next version (same layout), faulted in the background
+            self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
         if missing and self._remote is not None:
             try:
                 got = self._remote.fetch(self._root, step)

@@ -1,0 +1,459 @@
+"""Simulated cluster: weights from 1 trainer to N rollout hosts over rate-limited links, 4 strategies.
+
+The hosts are network namespaces on this machine (tools/netcluster.py): each has its own address
+and a link to a switch limited by ``tc tbf`` (``--rate``, each direction); this kernel has no
+``sch_netem``, so there is **no latency emulation** (the round trip is a veth's, microseconds).
+redis-server (the shared registry) runs in the trainer's namespace on the trainer's address; each
+host runs a process of tools/cluster_host.py with its own store root on /dev/shm and its own
+Mooncake transfer engine (TCP). The trainer commits a synthetic model of bf16 tensors (``--mib``,
+``--tensors``). Strategies, each on the same links in the same run:
+
+1. **swarm**: paramstore as it is; every rollout host checks version 0 out at once (they fetch
+   slices from the trainer and from each other, coordinated through the registry). Measured twice
+   per round (the first version of the ``patches=False`` store and of the ``patches=True`` one).
+2. **chain**: a chain broadcast trainer → 1 → 2 → … (as verl's Mooncake checkpoint backend does):
+   each host reads the model from its predecessor with raw Mooncake reads in ``--slice-mib`` (1 MiB)
+   slices, each as soon as the predecessor has it (a TCP side channel says how far it has got).
+3. **star**: every host reads the whole model straight from the trainer with raw Mooncake reads,
+   all at once.
+4. **update** at each fraction of ``--fraction``: every host holds version v; the trainer commits
+   v+1 with that fraction of every tensor's elements changed (bit patterns), then all hosts check
+   v+1 out: with ``ParamStore(patches=False)`` (whole objects, nearly the whole model moves) and,
+   when the store has the option, ``patches=True`` (sparse patches; "not run" otherwise).
+
+Per strategy: time until all N hosts hold the model (the driver's clock from the moment it sends
+the command; the hosts' clocks are the same machine's), over ideal = model bytes / link rate; the
+time to reach k hosts, taken from the same all-at-once run (the k-th host to finish; no separate
+runs with k hosts); the trainer's egress from its namespace's eth0 ``tx_bytes`` counter (every
+byte it sent, headers and registry traffic included) over the model bytes; CPU: the machine's busy
+share (every core, softirq included) during the transfer. All N + 1 hosts and redis share this
+machine's cores: where the busy share is near 100% the run was CPU-bound, not link-bound.
+This machine is shared: before each measurement the driver waits (up to ``--quiet-wait`` s) for
+processes other than the benchmark's to use < 10% of it, and reports their share during the
+measurement. Before each checkout every host waits (up to 10 s) for its store's slab pool to have
+prepared its destinations (a host's idle time between versions); ``--kick-pool`` is an experiment
+that wakes the pool's fill thread where it is not ready (see the flag's help).
+Goals (issue): swarm ≤ 1.5× ideal; patches ≤ 0.1× the whole-object time at 1% changed; trainer
+egress ≤ 1.2× the model on every store run.
+
+Everything (namespaces, processes, /dev/shm roots) is removed at the end, also on an error, Ctrl-C,
+SIGTERM or ``--timeout``. Needs root.
+
+    .venv/bin/python tools/bench_cluster.py --quick                       # 3 hosts, 16 MiB, < 1 min
+    .venv/bin/python tools/bench_cluster.py --fraction 0.001,0.01,0.05 --json out/bench_cluster.json --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import CpuMeter, log, machine, wait_quiet, write_outputs
+from cluster_host import ClusterRun, MiB, running_cluster
+from netcluster import _bits_per_s
+from svgplot import line_plot
+
+DOCS = os.path.join(os.path.dirname(HERE), "docs")
+TIME_SVG, BYTES_SVG = "bench_cluster_time.svg", "bench_cluster_bytes.svg"
+STRATEGIES = ("swarm", "chain", "star")
+
+
+def store_has_patches() -> bool:
+    import inspect
+
+    from paramstore import ParamStore
+
+    return "patches" in inspect.signature(ParamStore).parameters
+
+
+def _cpu_s(pids: list[int]) -> list[float]:
+    """User + system CPU seconds of each process (every thread; 0 if gone)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):
+            out.append(0.0)
+    return out
+
+
+def _cpu_times() -> list[int]:
+    """The machine's /proc/stat cpu line: user nice system idle iowait irq softirq steal (ticks)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+class Meter:
+    """Wall time, CPU and eth0 counters of every host around one all-at-once operation."""
+
+    def __init__(self, run: ClusterRun, quiet_wait: float) -> None:
+        self.run, self.quiet_wait = run, quiet_wait
+
+    def __call__(self, fn: Callable[[], list[dict[str, Any]]], settle: bool | None = None) -> dict[str, Any]:
+        """``fn()`` measured; ``settle`` not None: first let every rollout's slab pool get ready
+        (True: kick it if it is not; see ``--kick-pool``), outside the measurement."""
+        settled = None if settle is None else self.run.settle_all(kick=settle)
+        pids = self.run.pids()
+        quiet = None
+        if self.quiet_wait > 0:  # other processes on this machine (tests...) take the cores the hosts share
+            quiet = wait_quiet(CpuMeter(lambda: pids), self.quiet_wait, 10.0, window_s=0.5)
+            if quiet["foreign_pct"] >= 10:
+                log(f"  (machine not quiet: other processes use {quiet['foreign_pct']:.0f}% after "
+                    f"{quiet['waited_s']:.0f} s)")
+        c0 = self.run.counters()
+        cpu, p0, m0 = CpuMeter(lambda: pids), _cpu_s(pids), _cpu_times()
+        t0 = time.perf_counter()
+        reps = fn()
+        wall = time.perf_counter() - t0
+        use, p1, m1 = cpu.stop(), _cpu_s(pids), _cpu_times()
+        dm = [b - a for a, b in zip(m0, m1)]
+        per = [b - a for a, b in zip(p0, p1)]  # trainer, rollouts..., redis
+        c1 = self.run.counters()
+        tx = [b["tx"] - a["tx"] for a, b in zip(c0, c1)]
+        rx = [b["rx"] - a["rx"] for a, b in zip(c0, c1)]
+        done = [r["done_s"] for r in reps]
+        for r, st in zip(reps, settled or []):
+            r["settled"] = st
+        unsettled = sum(not r.get("settled", {"settled": True})["settled"] for r in reps)
+        kicked = sum(bool(r.get("settled", {}).get("kicked")) for r in reps)
+        return {"time_all_s": max(done), "done_s": done, "wall_s": wall, "trainer_tx": tx[0],
+                "rollout_rx": sum(rx[1:]), "tx": tx, "rx": rx, "busy_pct": use["busy_pct"],
+                "ours_pct": round(use["busy_pct"] - use["foreign_pct"], 1), "unsettled": unsettled, "kicked": kicked,
+                "softirq_pct": round(100.0 * dm[6] / max(1, sum(dm)), 1), "quiet": quiet,
+                "cpu_s": {"trainer": per[0], "rollouts": per[1:-1], "redis": per[-1]}, "replies": reps}
+
+
+def _raw(run: ClusterRun, meter: Meter, objects: list[list[Any]], a: argparse.Namespace,
+         timeout: float) -> dict[str, Any]:
+    """chain and star with raw Mooncake reads of the trainer's objects (version 0)."""
+    segments, off = [], 0
+    for _, addr, n in objects:
+        segments.append([off, addr, n])
+        off += n
+    total = off
+    rs = run.rollouts
+    prep = run.all(rs, "raw_prepare", 60, total=total)
+    # connect every engine to the peers it will read from (the trainer; its chain predecessor)
+    run.all(rs, "raw_warm", 60, peer=run.trainer.session, remote=objects[0][1])
+    for i, h in enumerate(rs[1:], 1):
+        h.ask("raw_warm", 60, peer=rs[i - 1].session, remote=prep[i - 1]["addr"])
+    slice_b, window = int(a.slice_mib * MiB), a.window
+    out = {}
+    for how in ("chain", "star"):
+        def go(how: str = how) -> list[dict[str, Any]]:
+            t0 = time.time()
+            for i, h in enumerate(rs):
+                if how == "star" or i == 0:
+                    h.send(how, peer=run.trainer.session, segments=segments, slice=slice_b, window=window,
+                           timeout=timeout, successor=how == "chain" and len(rs) > 1)
+                else:
+                    h.send(how, peer=rs[i - 1].session, segments=[[0, prep[i - 1]["addr"], total]], slice=slice_b,
+                           window=window, timeout=timeout, successor=i < len(rs) - 1,
+                           notify=[rs[i - 1].address, prep[i - 1]["port"]])
+            reps = [h.expect(timeout + 30) for h in rs]
+            for r in reps:
+                r["done_s"] = r["end"] - t0
+            return reps
+
+        out[how] = meter(go)
+        check = rs[-1].ask("raw_check", 120, objects=objects, segments=segments)  # the bytes that arrived
+        if not check["ok"]:
+            raise RuntimeError(f"{how}: the last host's bytes differ from the trainer's objects")
+        log(f"  {how}: all {len(rs)} hosts in {out[how]['time_all_s']:.2f} s")
+    run.all(rs, "raw_free", 60)
+    return out
+
+
+def one_round(run: ClusterRun, r: int, a: argparse.Namespace, patches: bool, fractions: list[float]) -> dict[str, Any]:
+    meter = Meter(run, a.quiet_wait)
+    seed = 100 * r + 1
+    timeout = a.op_timeout
+    row: dict[str, Any] = {"round": r, "updates": {}}
+    for mode in (["full", "patches"] if patches else ["full"]):
+        name = f"r{r}-{mode}"
+        run.open_all(name, patches=(mode == "patches") if patches else None, shard_mib=a.shard_mib)
+        v0 = run.commit(0, seed)
+        row.setdefault("model_bytes", v0["model_bytes"])
+        row.setdefault("objects", len(v0["objects"]))
+        key = "swarm" if mode == "full" else "swarm_b"
+        # checkouts: the slab pools get ready first (settle), outside the measurement
+        row[key] = meter(lambda: run.checkout_all(0, timeout=timeout, settle=0), settle=a.kick_pool)
+        log(f"round {r} ({mode}): swarm: all {len(run.rollouts)} hosts in {row[key]['time_all_s']:.2f} s, "
+            f"trainer egress {row[key]['trainer_tx'] / v0['model_bytes']:.2f}x model")
+        if mode == "full":
+            row.update(_raw(run, meter, v0["objects"], a, timeout))
+        for j, f in enumerate(fractions, 1):
+            v = run.commit(j, seed + j, f, digests=a.check)
+            m = meter(lambda j=j, v=v: run.checkout_all(j, check=v["tensor_digests"], timeout=timeout, settle=0),
+                      settle=a.kick_pool)
+            if a.check and not all(x["ok"] for x in m["replies"]):
+                raise RuntimeError(f"{mode} update to {f}: a host's tensors differ from the trainer's")
+            m.update(fraction=f, changed=v["changed"] / v["elements"], patch_s=v["patch_s"], commit_s=v["commit_s"],
+                     patch_bytes=v["patch_bytes"],
+                     moved=statistics.mean(x["fetch"]["bytes"] for x in m["replies"]),
+                     from_patches=sum(x["fetch"].get("from_patches", 0) for x in m["replies"]))
+            row["updates"].setdefault(mode, {})[str(f)] = m
+            log(f"  update {f:g} ({mode}): all in {m['time_all_s']:.2f} s, {m['moved'] / MiB:.2f} MiB per host, "
+                f"trainer egress {m['trainer_tx'] / MiB:.1f} MiB (patches made in {v['patch_s']:.2f} s)")
+        run.close_all()
+    return row
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """Medians over rounds, per strategy: time to all, ratios, time to k hosts, egress, CPU."""
+    rows, model, n = res["rounds"], res["model_bytes"], res["hosts"]
+    ideal = res["ideal_s"]
+    med = statistics.median
+
+    def agg(ms: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        ks = [sorted(m["done_s"]) for m in ms]
+        return {"time_all_s": med(m["time_all_s"] for m in ms),
+                "vs_ideal": med(m["time_all_s"] for m in ms) / ideal,
+                "time_to_k": [med(k[i] for k in ks) for i in range(n)],
+                "egress_vs_model": med(m["trainer_tx"] for m in ms) / model,
+                "egress_max_vs_model": max(m["trainer_tx"] for m in ms) / model,
+                "rx_per_host": med(m["rollout_rx"] for m in ms) / n,
+                "busy_pct": med(m["busy_pct"] for m in ms), "ours_pct": med(m["ours_pct"] for m in ms),
+                "softirq_pct": med(m.get("softirq_pct", 0.0) for m in ms),
+                "others_pct": med(max(0.0, m["busy_pct"] - m["ours_pct"] - m.get("softirq_pct", 0.0)) for m in ms),
+                "unsettled": sum(m["unsettled"] for m in ms), "kicked": sum(m["kicked"] for m in ms),
+                "cpu_rollout_s": med(statistics.mean(m["cpu_s"]["rollouts"]) for m in ms),
+                "cpu_trainer_s": med(m["cpu_s"]["trainer"] for m in ms),
+                "cpu_redis_s": med(m["cpu_s"]["redis"] for m in ms),
+                "runs": len(ms), **(extra or {})}
+
+    out: dict[str, Any] = {"swarm": agg([x["swarm"] for x in rows] + [x["swarm_b"] for x in rows if "swarm_b" in x]),
+                           "chain": agg([x["chain"] for x in rows]), "star": agg([x["star"] for x in rows])}
+    for mode in ("full", "patches"):
+        for f in res["fractions"]:
+            ms = [x["updates"][mode][str(f)] for x in rows if mode in x["updates"]]
+            if ms:
+                out[f"{mode}@{f}"] = agg(ms, {
+                    "fraction": f, "moved_per_host": med(m["moved"] for m in ms),
+                    "patch_bytes": med(m["patch_bytes"] or 0 for m in ms), "patch_s": med(m["patch_s"] for m in ms),
+                    "from_patches": med(m["from_patches"] for m in ms)})
+    return out
+
+
+def goals(res: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    s, f1 = res["summary"], res["goal_fraction"]
+    rows: list[tuple[str, str, str, bool | None]] = [
+        ("swarm: time to all / ideal", f"{s['swarm']['vs_ideal']:.2f}×", "≤ 1.5×", s["swarm"]["vs_ideal"] <= 1.5)]
+    full, patch = s.get(f"full@{f1}"), s.get(f"patches@{f1}")
+    if patch:
+        ratio = patch["time_all_s"] / full["time_all_s"]
+        rows.append((f"patches: time to all / whole objects, {f1 * 100:g}% changed", f"{ratio:.3f}×", "≤ 0.1×", ratio <= 0.1))
+    else:
+        rows.append((f"patches at {f1 * 100:g}% changed", "not run: store has no patches option", "≤ 0.1×", None))
+    store_runs = {k: v for k, v in s.items() if k == "swarm" or k.startswith(("full@", "patches@"))}
+    worst = max(v["egress_max_vs_model"] for v in store_runs.values())
+    rows.append(("trainer egress / model bytes, worst store run", f"{worst:.2f}×", "≤ 1.2×", worst <= 1.2))
+    return rows
+
+
+def report(res: dict[str, Any]) -> str:
+    s, n, model = res["summary"], res["hosts"], res["model_bytes"]
+    ideal = res["ideal_s"]
+    ks = [k for k in (1, 2, 4, 8, 16, 32) if k < n] + [n]
+    lines = [
+        (f"1 trainer + {n} rollout hosts (network namespaces on one machine, {res['cpus']} CPUs shared by all), "
+        f"links {res['rate']} each direction (`tc tbf`; no latency emulation: this kernel has no `sch_netem`); "
+        f"model {model / MiB:.0f} MiB of bf16 in {res['tensors']} tensors ({res['objects']} objects); ideal = model / "
+        f"link rate = {ideal:.2f} s; medians of {len(res['rounds'])} round(s). Time to k hosts: the k-th host to "
+        f"finish in the all-at-once run. Trainer egress: its eth0 `tx_bytes` (headers and registry traffic "
+        f"included). CPU busy: the whole machine during the transfer (100% = every core; in parentheses, the "
+        f"share of processes not of this benchmark, softirq excluded: each measurement first waits up to "
+        f"{res['quiet_wait']:g} s for them to use < 10%); CPU-s: user + system "
+        f"seconds of the host processes and redis-server (the kernel's network work done in softirq "
+        f"context is not always charged to them)."),
+        "",
+        "| strategy | time to all | / ideal | " + " | ".join(f"k={k}" for k in ks)
+        + " | trainer egress / model | CPU busy (others) | CPU-s: per rollout / trainer / redis |",
+        "|---|---|---|" + "---|" * len(ks) + "---|---|---|",
+    ]
+    names = {"swarm": "swarm (paramstore checkout)", "chain": "chain (raw Mooncake, pipelined)",
+             "star": "star (raw Mooncake, all from trainer)"}
+    keys = ["swarm", "chain", "star"] + [k for k in s if k.startswith(("full@", "patches@"))]
+    for k in keys:
+        v = s[k]
+        if k in names:
+            label = names[k]
+        else:
+            mode, f = k.split("@")
+            label = f"update, {float(f) * 100:g}% changed: " + ("whole objects (patches=False)" if mode == "full"
+                                                                  else "patches=True")
+        lines.append(f"| {label} | {v['time_all_s']:.2f} s | {v['vs_ideal']:.2f}× | "
+                     + " | ".join(f"{v['time_to_k'][k_ - 1]:.2f}" for k_ in ks)
+                     + f" | {v['egress_vs_model']:.2f}× | {v['busy_pct']:.0f}% ({v['others_pct']:.0f}%) | "
+                     f"{v['cpu_rollout_s']:.2f} / "
+                     f"{v['cpu_trainer_s']:.2f} / {v['cpu_redis_s']:.2f} |")
+    if not res["patches_supported"]:
+        lines.append("| update: patches=True | not run: store has no patches option | | " + " | " * len(ks) + " | |")
+    upd = [(k, s[k]) for k in keys if k.startswith(("full@", "patches@"))]
+    if upd:
+        lines += ["", ("| update | fraction changed | moved per host | patches made (trainer) | objects rebuilt from "
+                       "patches (all hosts) | trainer egress |"), "|---|---|---|---|---|---|"]
+        for k, v in upd:
+            mode = "whole objects" if k.startswith("full@") else "patches"
+            made = (f"{v['patch_bytes'] / MiB:.2f} MiB in {v['patch_s']:.2f} s" if k.startswith("patches@")
+                    else "—")
+            lines.append(f"| {mode} | {v['fraction'] * 100:g}% | {v['moved_per_host'] / MiB:.2f} MiB | {made} | "
+                         f"{v['from_patches']:.0f} | {v['egress_vs_model'] * model / MiB:.2f} MiB |")
+    lines += ["", "| goal | measured | target | |", "|---|---|---|---|"]
+    for what, value, target, ok in goals(res):
+        lines.append(f"| {what} | {value} | {target} | {'' if ok is None else 'PASS' if ok else 'MISS'} |")
+    cpu_bound = [k for k in keys if s[k]["busy_pct"] >= 90]
+    foreign = statistics.median(s[k]["busy_pct"] - s[k]["ours_pct"] for k in keys)
+    softirq = statistics.median(s[k]["softirq_pct"] for k in keys)
+    lines += ["", f"Star's own floor is {n}× ideal ({n * ideal:.2f} s: the trainer's link carries {n} copies). "
+              + (f"CPU-bound (machine ≥ 90% busy during the transfer): {', '.join(cpu_bound)}." if cpu_bound
+                 else "No run kept the machine ≥ 90% busy.")
+              + f" Busy time not charged to the benchmark's processes (kernel network work in softirq, other "
+              f"processes on the machine): median {foreign:.0f}% of the machine, of which softirq {softirq:.0f}%."]
+    unsettled = {k: s[k]["unsettled"] for k in keys if s[k]["unsettled"]}
+    if unsettled:
+        lines += ["", "Slab pool not ready after 10 s of idle time before the checkout (the store's pool wanted "
+                  "slabs its fill thread was not making; checkouts then create destinations on the spot), "
+                  "host-runs: " + ", ".join(f"{k} {v}" for k, v in unsettled.items()) + "."]
+    kicked = {k: s[k]["kicked"] for k in keys if s[k]["kicked"]}
+    if kicked:
+        lines += ["", "Experiment `--kick-pool`: where the slab pool was not ready after 10 s, the host called "
+                  "`pool.prepare` again (waking its fill thread) and waited once more; host-runs: "
+                  + ", ".join(f"{k} {v}" for k, v in kicked.items()) + "."]
+    if res.get("svg"):
+        lines += ["", f"![time to reach k hosts]({res['svg']['time']})", "",
+                  f"![bytes moved per host vs fraction changed]({res['svg']['bytes']})"]
+    return "\n".join(lines)
+
+
+def plots(res: dict[str, Any]) -> tuple[str, str]:
+    s, n = res["summary"], res["hosts"]
+    f1 = res["goal_fraction"]
+    series = {k: [(i + 1, t) for i, t in enumerate(s[k]["time_to_k"])] for k in STRATEGIES}
+    for mode, label in (("full", "update, whole objects"), ("patches", "update, patches")):
+        if f"{mode}@{f1}" in s:
+            series[f"{label} ({f1 * 100:g}%)"] = [(i + 1, t) for i, t in enumerate(s[f"{mode}@{f1}"]["time_to_k"])]
+    time_svg = line_plot(series, title=f"Time to reach k of {n} hosts ({res['model_bytes'] / MiB:.0f} MiB, {res['rate']})",
+                         xlabel="hosts holding the version (k)", ylabel="seconds", xticks=list(range(1, n + 1)),
+                         hlines={"ideal: model / link": res["ideal_s"]}, width=760,
+                         note=f"k-th host to finish in one all-at-once run; {res['cpus']} CPUs shared by all hosts")
+    by = {}
+    for mode, label in (("full", "whole objects (patches=False)"), ("patches", "patches=True")):
+        pts = [(f, s[f"{mode}@{f}"]["moved_per_host"] / MiB) for f in res["fractions"] if f"{mode}@{f}" in s]
+        if pts:
+            by[label] = pts
+    bytes_svg = line_plot(by, title="Bytes moved per host for one update", xlabel="fraction of elements changed",
+                          ylabel="MiB per host", logx=True, logy=True,
+                          hlines={"model": res["model_bytes"] / MiB}, width=760,
+                          note=f"{res['model_bytes'] / MiB:.0f} MiB bf16 model; every tensor changed")
+    return time_svg, bytes_svg
+
+
+def write_docs(res: dict[str, Any], markdown: str, doc: str) -> None:
+    """Replace the ``cluster`` block of docs/benchmarks.md (appended with a heading if absent)."""
+    import docgen
+
+    content = docgen.provenance(res, time.time()) + "\n\n" + markdown
+    with open(doc) as f:
+        text = f.read()
+    try:
+        text = docgen.replace_block(text, "cluster", content)
+    except KeyError:
+        text = (text.rstrip("\n") + "\n\n# Simulated cluster: `tools/bench_cluster.py`\n\n"
+                "<!-- BEGIN generated:cluster -->\n" + content.strip() + "\n<!-- END generated:cluster -->\n")
+    with open(doc, "w") as f:
+        f.write(text)
+    log(f"wrote the cluster block of {doc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, default=8, help="rollout hosts (default 8)")
+    p.add_argument("--rate", default="1gbit", help="each link's rate, each direction (default 1gbit; 10gbit, 100mbit)")
+    p.add_argument("--mib", type=float, default=256, help="model size in MiB (default 256)")
+    p.add_argument("--tensors", type=int, default=32, help="tensors in the model (default 32)")
+    p.add_argument("--shard-mib", type=float, default=None, help="store shard size in MiB (default: the store's)")
+    p.add_argument("--fraction", default="0.01",
+                   help="fraction(s) of elements changed per update, comma-separated (default 0.01)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every strategy (medians; default 1)")
+    p.add_argument("--slice-mib", type=float, default=1,
+                   help="chain/star raw read slice, MiB (default 1: a chain host lags its predecessor by about "
+                   "--window slices)")
+    p.add_argument("--window", type=int, default=4, help="chain/star raw slices in flight per host (default 4)")
+    p.add_argument("--quiet-wait", type=float, default=None,
+                   help="before each measurement, wait up to this many s for other processes to use < 10%% of the "
+                   "machine (default 60; 2 with --quick; 0: don't wait)")
+    p.add_argument("--kick-pool", action="store_true",
+                   help="experiment: where the store's slab pool is not ready before a checkout, call its prepare() "
+                   "again (SlabPool.take does not wake the fill thread after a patch rebuild)")
+    p.add_argument("--check", action="store_true", help="compare every host's tensors with the trainer's after "
+                   "each update (blake3 of each tensor; on by default with --quick)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds after which everything is torn down (default 1800; 120 with --quick)")
+    p.add_argument("--quick", action="store_true", help="16 MiB, 8 tensors, 3 hosts, checks on: under a minute")
+    p.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
+    p.add_argument("--markdown", metavar="OUT", help="write the report as Markdown (for tools/docgen.py cluster)")
+    p.add_argument("--write", action="store_true",
+                   help=f"write the cluster block of docs/benchmarks.md and the plots docs/{TIME_SVG}, docs/{BYTES_SVG}")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.hosts, a.mib, a.tensors, a.check = 3, 16, 8, True
+    a.timeout = a.timeout or (120 if a.quick else 1800)
+    if a.quiet_wait is None:
+        a.quiet_wait = 2 if a.quick else 60
+    fractions = [float(x) for x in a.fraction.split(",") if x.strip()]
+    if a.hosts < 1 or a.rounds < 1 or not fractions or not all(0 < f <= 1 for f in fractions):
+        p.error("--hosts, --rounds >= 1; fractions in (0, 1]")
+    import netcluster
+
+    why = netcluster.available()
+    if why:
+        print(f"bench_cluster: cannot run: {why}", file=sys.stderr)
+        return 2
+    patches = store_has_patches()
+    if not patches:
+        print("patches=True: not run: store has no patches option", flush=True)
+    rate_bits = _bits_per_s(a.rate)
+    a.op_timeout = max(60.0, 40 * a.mib * MiB * 8 / rate_bits * max(1, a.hosts) / 4)
+    res: dict[str, Any] = {"argv": ["tools/bench_cluster.py", *(argv if argv is not None else sys.argv[1:])],
+                           "machine": machine(), "hosts": a.hosts, "rate": a.rate, "tensors": a.tensors,
+                           "fractions": fractions, "patches_supported": patches, "cpus": os.cpu_count(), "quiet_wait": a.quiet_wait,
+                           "goal_fraction": min(fractions, key=lambda f: abs(f - 0.01)), "rounds": []}
+    t0 = time.monotonic()
+    log(f"cluster: 1 trainer + {a.hosts} hosts at {a.rate}, {a.mib:g} MiB model, fractions {fractions}")
+    with running_cluster(a.hosts, rate=a.rate, mib=a.mib, tensors=a.tensors, timeout=a.timeout) as run:
+        log(f"hosts up in {time.monotonic() - t0:.1f} s")
+        for r in range(a.rounds):
+            res["rounds"].append(one_round(run, r, a, patches, fractions))
+    res["model_bytes"] = res["rounds"][0]["model_bytes"]
+    res["objects"] = res["rounds"][0]["objects"]
+    res["ideal_s"] = res["model_bytes"] * 8 / rate_bits
+    res["summary"] = summarize(res)
+    res["total_seconds"] = time.monotonic() - t0
+    if a.write:
+        res["svg"] = {"time": TIME_SVG, "bytes": BYTES_SVG}
+    md = report(res)
+    print()
+    print(md)
+    print(f"\n(total {res['total_seconds']:.0f} s)")
+    write_outputs(a.json, res, a.markdown, md)
+    if a.write:
+        for name, svg in zip((TIME_SVG, BYTES_SVG), plots(res)):
+            with open(os.path.join(DOCS, name), "w") as f:
+                f.write(svg)
+        write_docs(res, md, os.path.join(DOCS, "benchmarks.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
