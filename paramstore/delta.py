@@ -57,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import threading
 import time
 import warnings
@@ -399,18 +398,16 @@ class Patcher:
 
     Args:
         root: the store.
-        writer: the committing process's run id, recorded in the registry as the writer that
-            makes patches (so that readers of its versions wait for them: :func:`await_patches`).
+        writer: the committing process's run id. When it is the writer of a version it submits
+            (a sharded commit's lead; every other committer), it is recorded in the registry as
+            the writer that makes patches, so readers of its versions wait for them
+            (:func:`await_patches`).
         max_ratio: see :data:`DEFAULT_MAX_RATIO`.
     """
 
     def __init__(self, root: "StoreRoot", writer: str, *, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
-        self._root, self._max_ratio = root, max_ratio
-        reg = root.registry
-        current = reg.get_meta("patches")
-        if current != writer:
-            reg.swap_meta("patches", current, writer)
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._root, self._max_ratio, self._writer = root, max_ratio, writer
+        self._announced = False
         self._pending: int | None = None
         self._prev: int | None = None
         self._lock = threading.Condition()
@@ -421,8 +418,14 @@ class Patcher:
         self._thread = threading.Thread(target=self._loop, name="paramstore-patcher", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int) -> None:
-        """Make the patches of ``step`` (just committed) when the thread gets to it."""
+    def submit(self, step: int, writer: str | None = None) -> None:
+        """Make the patches of ``step`` (just committed, by ``writer``) when the thread gets to it."""
+        if writer == self._writer and not self._announced:
+            reg = self._root.registry
+            current = reg.get_meta("patches")
+            if current != writer:
+                reg.swap_meta("patches", current, writer)
+            self._announced = True
         with self._lock:
             self._pending = step
             self._submitted.append(step)

@@ -654,7 +654,7 @@ class ParamStore:
         # from being pruned locally until it is durable in the remote. Patches are asked for
         # first: the push waits for them.
         if self._patches:
-            self._patcher_for().submit(version.step)
+            self._patcher_for().submit(version.step, version.writer)
         if self._persister is not None and handle.persisted is not None:
             try:
                 self._persister.submit(version.step, handle.persisted)
