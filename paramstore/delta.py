@@ -64,7 +64,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptObjectError, ParamStoreError, VersionNotFoundError
+from .errors import CorruptObjectError, VersionNotFoundError
 from .format import TensorSpec, layout, object_digest, parse_header, rehash, tensor_digest, tensor_spans
 from .patch import decode_into, encode
 from .staging import tmp_name
@@ -466,12 +466,12 @@ class Patcher:
         """Record that no patches will come for versions a newer commit overtook (readers waiting
         for them go on with whole objects)."""
         for s in steps:
-            base = self._base(s)
-            if base is not None:
-                try:
+            try:
+                base = self._base(s)
+                if base is not None:
                     self._root.registry.add_patches(base, s, {})
-                except ParamStoreError:
-                    pass
+            except Exception:  # noqa: BLE001 - readers then wait their bounded time, nothing worse
+                pass
 
     def _base(self, step: int) -> int | None:
         """The newest version before ``step``."""
@@ -497,7 +497,7 @@ class Patcher:
                 report.patches = make_patches(self._root, report.base, step, max_ratio=self._max_ratio)
         except VersionNotFoundError as e:
             report.error = str(e)  # pruned before its patches were made: nothing to do
-        except (ParamStoreError, OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - the thread must live on: a patch is never needed
             report.error = f"{type(e).__name__}: {e}"
             warnings.warn(f"paramstore: the patches of step {step} were not made: {report.error}", RuntimeWarning,
                           stacklevel=1)
