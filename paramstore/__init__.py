@@ -42,6 +42,8 @@ from .errors import (
     WaitTimeoutError,
     WriterConflictError,
     CommitGroupError,
+    DeviceError,
+    BroadcastError,
 )
 from .manifest import Chunk, Manifest, TensorEntry, Version
 
@@ -68,6 +70,7 @@ __all__ = [
     "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
     "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning",
     "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "CommitGroupError", "FetchReport",
+    "DeviceError", "BroadcastError",
 ]
 
 

@@ -119,7 +119,7 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
     if not made:
         reg.add_patches(base, target, {})  # made, none worth keeping: readers waiting for them go on
         return {}
-    with (root.gc_lock() if lock else _nothing()):
+    with (root.gc_lock() if lock else contextlib.nullcontext()):
         out = {obj: _write(root, *patch) for obj, patch in made.items()}
         return out if reg.add_patches(base, target, out) else {}
 
@@ -539,11 +539,3 @@ class _Maps:
                 m.close()
             except BufferError:  # a view of it is still referenced: unmapped when that goes
                 pass
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -171,3 +171,21 @@ class TransferError(ParamStoreError, ConnectionError):
         super().__init__(message)
         self.peer = peer
         self.code = code
+
+
+class DeviceError(ParamStoreError, RuntimeError):
+    """A device path failed or cannot be taken: the device named is not available in this process
+    (no CUDA/NPU, a bad index), host memory could not be pinned where pinning was required, or a
+    colocated reader could not open the owner's device buffers (CUDA IPC). The message names the
+    device and says what to do (e.g. check ``out of the owner's process``)."""
+
+
+class BroadcastError(TransferError):
+    """A collective checkout (``checkout(..., group=pg, src=r)``) failed on some member: a member
+    died or left the group, the source could not resolve the version, or a member received bytes
+    that do not match the manifest. Raised on every member of the group, naming the rank that
+    failed and why; nothing that failed verification was placed in any store."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank

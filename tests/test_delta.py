@@ -42,6 +42,15 @@ def drop(store: ParamStore, objects: list[str]) -> None:
         os.unlink(store._root.tier.object_path(o))
 
 
+def flip(path: str, from_end: int, mask: int) -> None:
+    """XOR the byte ``from_end`` bytes before the end of the file at ``path`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - from_end)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def equal(snap, want: dict[str, torch.Tensor]) -> bool:
     return set(snap) == set(want) and all(torch.equal(snap[k], v) for k, v in want.items())
 
@@ -85,12 +94,7 @@ def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp
         [(pair, pairs)] = store._root.registry.patches().items()
         assert pair == (1, 2)
         for patch in set(pairs.values()):  # flip a byte of every patch's data
-            path = store._root.tier.object_path(patch)
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) - 3)
-                b = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([b[0] ^ 0x40]))
+            flip(store._root.tier.object_path(patch), 3, 0x40)
         targets = new_objects(store, 2, 1)
         drop(store, targets)
         with pytest.warns(RuntimeWarning, match="fetched whole"):
@@ -173,12 +177,7 @@ def test_a_patch_for_another_object_or_a_damaged_base_is_refused(store_root):
         with pytest.raises(CorruptObjectError, match="rebuilds"):
             rebuild(store._root, store._pool, pairs[a], b)
         for base in store.manifest(1).objects():  # flip a byte of each tensor of version 1 here
-            path = store._root.tier.object_path(base)
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) - 100)
-                byte = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([byte[0] ^ 0xFF]))
+            flip(store._root.tier.object_path(base), 100, 0xFF)
         with pytest.raises(CorruptObjectError, match="damaged patch or base"):
             rebuild(store._root, store._pool, pairs[a], a)
         assert not store._root.tier.exists(a) and not store._root.tier.exists(b)
