@@ -215,17 +215,24 @@ def _safe_bool(f: Any) -> bool:
         return False
 
 
-def bind_thread(device: Any) -> None:
+def bind_thread(device: Any) -> bool:
     """Make ``device`` current on the calling helper thread (once per thread and device), so that
-    its device calls do not create a context on device 0. Never call it on a thread that is not
-    paramstore's own (it changes the thread's current device)."""
-    if getattr(_bound, "device", None) == str(device) or not can_pin(device):
-        return
-    rt = runtime(_device_type(device))
+    its device calls do not create a context on device 0; returns whether it is (False: do not
+    pin on this thread). Never call it on a thread that is not paramstore's own (it changes the
+    thread's current device)."""
+    if getattr(_bound, "device", None) == str(device):
+        return True
+    rt = runtime(_device_type(device)) if can_pin(device) else None
     if rt is None:
-        return
-    rt.set_device(device)
+        return False
+    try:
+        rt.set_device(device)
+    except Exception as e:  # noqa: BLE001
+        _warn_once(f"set_device:{_device_type(device)}", f"paramstore: cannot make {device} current on a "
+                   f"staging thread ({e!r}): its buffers stay unpinned")
+        return False
     _bound.device = str(device)
+    return True
 
 
 def register(addr: int, nbytes: int, device: Any) -> bool:

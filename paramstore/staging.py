@@ -38,8 +38,15 @@ mappings:
    After a commit the pool waits :data:`RECYCLE_GRACE_S` for GC to hand slabs back before it
    faults new ones for what is still missing.
 
-With CUDA present, slabs are registered as pinned host memory (``cudaHostRegister``) so a
-device-to-host copy runs asynchronously.
+Pinning (:mod:`paramstore.pinning`): in a process that stages accelerator tensors (the committer
+calls :meth:`SlabPool.pin_for` when a commit holds one), commit slabs are registered as page-locked
+host memory (``cudaHostRegister``, portable) so that a device-to-host copy runs asynchronously:
+lazily when a commit takes an unpinned slab, and in the background thread (its device set first)
+for the slabs prepared after that. A slab is registered once for as long as it is mapped: retired,
+recycled and reused slabs keep their registration, so steady-state commits pin nothing;
+:meth:`Slab.close` (reached by pool close, trimming, discarding, and a dropped slab's garbage
+collection) unregisters it. Fetch slabs (taken without ``pinned=True``) and the pools of processes
+that only read are never pinned: those processes never initialise a device runtime.
 """
 
 from __future__ import annotations
@@ -56,9 +63,10 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from paramstore import liveness
+from paramstore import liveness, pinning
 from paramstore.errors import StorageError, StorageFullError
 from paramstore.liveness import libc
 
@@ -69,7 +77,9 @@ _counter = itertools.count()
 
 @dataclass
 class Slab:
-    """A writable buffer backed by a file in the tier's ``tmp/`` directory."""
+    """A writable buffer backed by a file in the tier's ``tmp/`` directory.
+
+    ``pinned``: registered as page-locked memory (:meth:`pin`) until :meth:`close`."""
 
     path: str
     size: int
@@ -80,12 +90,43 @@ class Slab:
     fd: int = -1
     #: whether ``fd`` is the slab's to close (else the mapping object's own: see :func:`_map_fd`)
     owns_fd: bool = False
+    #: unregisters the pinned mapping if the slab is garbage-collected without close()
+    _unpin_at_gc: Any = field(default=None, repr=False, compare=False)
+
+    def pin(self, device: Any) -> bool:
+        """Register the mapping as page-locked memory for copies with ``device`` (an accelerator),
+        once: True if it is pinned (now or already). False (unpinned, still usable): a CPU device,
+        an empty slab, a forked child, no runtime, or the runtime refused (one warning)."""
+        if self.pinned:
+            return True
+        if self.size == 0 or self.map.closed:
+            return False
+        addr = address(self.map)
+        if not pinning.register(addr, self.size, device):
+            return False
+        self.pinned = True
+        self._unpin_at_gc = weakref.finalize(self, pinning.unregister, addr)
+        self._unpin_at_gc.atexit = False  # at exit the process unmaps and unpins everything anyway
+        return True
+
+    def _unpin(self) -> None:
+        # Before the mapping goes (or shrinks): a registration must never outlive its pages.
+        if self.pinned:
+            self._unpin_at_gc.detach()
+            self._unpin_at_gc = None
+            pinning.unregister(address(self.map))
+            self.pinned = False
 
     def truncate(self, size: int) -> None:
-        """Shrink the file (and the usable buffer) to ``size`` bytes."""
+        """Shrink the file (and the usable buffer) to ``size`` bytes.
+
+        The file is unmapped and mapped again at the new size, so a pinned slab is unregistered
+        first and the new mapping is unpinned: a truncated slab is one compacted for publishing,
+        never staged into again (if recycling brings it back for a commit of its new size, that
+        commit pins it again when it takes it)."""
         if size == self.size:
             return
-        _unpin(self)
+        self._unpin()
         os.truncate(self.path, size)
         self.close()
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
@@ -93,8 +134,8 @@ class Slab:
         self.size = size
 
     def close(self) -> None:
-        """Unmap (the file stays)."""
-        _unpin(self)
+        """Unmap (the file stays); a pinned slab is unregistered first."""
+        self._unpin()
         self.map.close()
         if self.owns_fd:
             os.close(self.fd)
@@ -181,44 +222,6 @@ def _populate(m: mmap.mmap) -> None:
 _POPULATE_CHUNK = 32 << 20
 
 
-_pin_warned = False
-
-
-def _pin(slab: Slab) -> None:
-    """Register the slab as page-locked memory with CUDA, once; warn once if refused.
-
-    Pinned host memory lets a device-to-host copy run asynchronously at full PCIe bandwidth.
-    Skipped without CUDA. (Not exercised on the CPU-only hosts this was developed on.)
-    """
-    global _pin_warned
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return
-    if not torch.cuda.is_available() or slab.size == 0:
-        return
-    addr = address(slab.map)
-    err = torch.cuda.cudart().cudaHostRegister(addr, slab.size, 0)
-    if int(err) == 0:
-        slab.pinned = True
-    elif not _pin_warned:
-        _pin_warned = True
-        warnings.warn(
-            f"cudaHostRegister refused {slab.size} bytes (error {int(err)}; memlock limit?); "
-            "staging into unpinned shared memory",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-def _unpin(slab: Slab) -> None:
-    if slab.pinned:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(address(slab.map))
-        slab.pinned = False
-
-
 def tmp_name() -> str:
     """A fresh name for a file in ``tmp/``: ``slab-<pid>-<start time>-<n>``; GC deletes the files
     of owners that are no longer alive."""
@@ -248,7 +251,8 @@ class SlabPool:
 
     def __init__(self, tmp_dir: str, *, pin: bool = True, recycle: bool = False, keep_mapped: int = 4) -> None:
         self._tmp = tmp_dir
-        self._pin = pin
+        self._pin = pin  # False: never pin (ParamStore(pin_memory=False))
+        self._pin_device: Any = None  # set by pin_for(): commit slabs are pinned for this device
         self._free: dict[int, list[Slab]] = {}
         self._lock = threading.Lock()
         self._want: dict[str, list[int]] = {}  # purpose ("commit", "fetch") -> sizes to have ready
@@ -303,12 +307,51 @@ class SlabPool:
             raise
         _populate(m)
         slab = Slab(path, size, m, fd=mfd, owns_fd=owned)
-        if self._pin:
-            _pin(slab)
         self.stats["created"] += 1
         return slab
 
-    def take(self, size: int) -> Slab:
+    # -- pinning -----------------------------------------------------------------------------
+    def pin_for(self, device: Any) -> bool:
+        """This process stages tensors of ``device`` (an accelerator): from now on commit slabs are
+        pinned for it (see the module docstring). Returns whether pinning is on: False when the
+        pool was made with ``pin=False``, for the CPU, or in a forked child of a process that used
+        a device runtime. Loads nothing: the first registration does.
+
+        Example:
+            >>> import tempfile
+            >>> pool = SlabPool(tempfile.mkdtemp(), pin=False)
+            >>> pool.pin_for("cuda:0"), pool.pin_for("cpu")
+            (False, False)
+            >>> pool.close()
+        """
+        if not self._pin or os.getpid() != self._owner or not pinning.can_pin(device):
+            return False
+        self._pin_device = device
+        return True
+
+    @property
+    def pin_device(self) -> Any:
+        """The device commit slabs are pinned for (None: this pool pins nothing)."""
+        return self._pin_device
+
+    def pin(self, slab: Slab) -> bool:
+        """Pin ``slab`` for :meth:`pin_for`'s device if it is not yet (on the calling thread: a
+        commit's); returns whether it is pinned."""
+        device = self._pin_device
+        if device is None or os.getpid() != self._owner:
+            return slab.pinned
+        return slab.pin(device)
+
+    def take(self, size: int, *, pinned: bool = False) -> Slab:
+        """A slab of ``size`` bytes: a prepared (or recycled) one if there is one, else a new one
+        made on the spot. ``pinned=True`` (a commit of accelerator tensors): pinned for
+        :meth:`pin_for`'s device before it is returned (a no-op for one that already is)."""
+        slab = self._take(size)
+        if pinned:
+            self.pin(slab)
+        return slab
+
+    def _take(self, size: int) -> Slab:
         while True:
             with self._lock:
                 free = self._free.get(size)
@@ -323,6 +366,18 @@ class SlabPool:
                 return slab
         self.stats["on_the_spot"] += 1
         return self.new(size)
+
+    def _pin_prepared(self, slab: Slab) -> None:
+        """The background thread: pin a slab prepared for the next commits, if this process stages
+        accelerator tensors and the slab's size is one of the commit layout's (never a fetch's
+        only). The thread's current device is set first (no context on device 0)."""
+        device = self._pin_device
+        if device is None or slab.pinned:
+            return
+        with self._lock:
+            for_commit = slab.size in self._want.get("commit", ())
+        if for_commit and pinning.bind_thread(device):
+            slab.pin(device)
 
     def give_back(self, slab: Slab) -> None:
         """Return an unused slab for a later commit."""
@@ -474,7 +529,13 @@ class SlabPool:
                 if recycled is not None:
                     self._check_recycled(recycled)
                 else:
-                    self._add(self.new(missing[0], what="preparing the next commits' buffers"))
+                    slab = self.new(missing[0], what="preparing the next commits' buffers")
+                    try:
+                        self._pin_prepared(slab)
+                    except BaseException:
+                        slab.discard()
+                        raise
+                    self._add(slab)
                     self._fill_error = None
             except Exception as e:  # noqa: BLE001 - kept for the caller; the thread must live on
                 if recycled is not None and not recycled.map.closed:
@@ -497,6 +558,7 @@ class SlabPool:
             self.stats["unwanted"] += 1
             slab.discard()
         elif self._reusable(slab):
+            self._pin_prepared(slab)  # a no-op for a recycled slab: it kept its registration
             self._add(slab)
 
     def _fill_failed(self, e: Exception) -> None:
