@@ -38,6 +38,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
+from . import accel
 from .errors import CommitGroupError, StorageFullError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version
@@ -141,7 +142,8 @@ class _Job:
     slabs: list[Slab] = field(default_factory=list)  # staged, not yet published or pooled
     published: list[Slab] = field(default_factory=list)  # renamed into objects, still mapped
     created_at: float = 0.0
-    ready_events: dict = field(default_factory=dict)  # device -> CUDA event recorded at commit()
+    ready_events: dict = field(default_factory=dict)  # device -> event recorded on the caller's stream at commit()
+    device: Any = None  # an accelerator this commit copies from (a streaming commit: once one arrives)
     early: dict = field(default_factory=dict)  # (shard, placement) -> Future of the digest, hashed while staging
     group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
     error: BaseException | None = None  # a group job's staging error: it still takes part in the group
@@ -188,8 +190,11 @@ class Committer:
                metadata: dict[str, Any], *, persist: bool = False, group: CommitGroup | None = None) -> CommitHandle:
         """Queue a commit of ``collected``: staged on the stager thread, then published."""
         handle = CommitHandle(step, persist=persist)
+        ready = _ready_events(collected.sources)
         job = _Job(handle, collected, tags, metrics, metadata, created_at=time.time(),
-                   ready_events=_ready_events(collected.sources), group=group)
+                   ready_events=ready, group=group, device=next(iter(ready), None))
+        if job.device is not None:  # this process stages accelerator tensors: pin its commit slabs
+            self._pool.pin_for(job.device)
         self._stage_q.put(job)
         return handle
 
@@ -266,6 +271,10 @@ class Committer:
                 job.plans = self._plan(job.collected.specs)
                 job.layout_sizes = [p.size for p in job.plans]
                 sources = dict(zip((s.name for s in job.collected.specs), job.collected.sources))
+                if job.device is not None:
+                    # Before this thread's first device call (a slab's registration, a stream):
+                    # otherwise it would create a context on device 0, on every rank.
+                    accel.set_device(job.device)
                 # Device copies are still in flight when a shard's loop ends: those are hashed later.
                 early = self._hash_early if self._early is not None and not job.ready_events else None
                 _copy_into_slabs(job, sources, lambda size: self._take(job, size), on_shard=early)
@@ -315,6 +324,10 @@ class Committer:
         def place(spec: TensorSpec, src: torch.Tensor) -> None:
             """Copy ``src`` to its place in the previous layout, or into an object of its own."""
             specs.append(spec)
+            if job.device is None and accel.is_accelerator(src.device):
+                # On the caller's thread, whose current device is its own: no set_device here.
+                job.device = src.device
+                self._pool.pin_for(job.device)
             i, p = where.pop(spec.name, (None, None))
             if p is not None and p.spec == spec:
                 if i not in taken:
@@ -326,7 +339,9 @@ class Committer:
                 slab = self._take_shard(job, plan)
                 extras.append((plan, slab))
                 p = plan.placements[0]
-            copier.copy(_slab_view(slab, p), src, follow=True)
+            if job.device is not None and not slab.pinned:  # taken before the first device tensor came
+                self._pool.pin(slab)
+            copier.copy(_slab_view(slab, p), src, follow=True, pinned=slab.pinned)
 
         try:
             for item in pairs:
@@ -376,7 +391,7 @@ class Committer:
         reclaimed = False
         for attempt in range(RECLAIM_ATTEMPTS + 1):
             try:
-                return self._pool.take(size)
+                return self._pool.take(size, pinned=job.device is not None)
             except StorageFullError as e:
                 if attempt == RECLAIM_ATTEMPTS:
                     need = sum(p.size for p in job.plans[len(job.slabs):])
@@ -659,10 +674,10 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
     """Take a slab per shard (``take(size)``), write its header and copy every tensor into place;
     then ``on_shard(job, i, plan, slab)`` for each shard as soon as its copies are done.
 
-    Device tensors are copied with ``non_blocking=True`` on one side stream per device, ordered
-    after the work the caller had queued when it called ``commit`` (``job.ready_events``), and all
-    streams are synchronized before returning, also on error (the slabs must not be unmapped under
-    a running DMA). Not exercised on a GPU yet.
+    Device tensors are copied on one side stream per device (``non_blocking=True`` into a pinned
+    slab), ordered after the work the caller had queued when it called ``commit``
+    (``job.ready_events``), and all streams are synchronized before returning, also on error (the
+    slabs must not be unmapped under a running DMA). Not exercised on a GPU yet.
     """
     copier = _Copier(job.ready_events)
     try:
@@ -672,7 +687,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
             slab.map[: len(plan.header)] = plan.header
             for p in plan.placements:
                 if p.nbytes:
-                    copier.copy(_slab_view(slab, p), sources[p.spec.name])
+                    copier.copy(_slab_view(slab, p), sources[p.spec.name], pinned=slab.pinned)
             if on_shard is not None:
                 on_shard(job, i, plan, slab)
     finally:
@@ -687,12 +702,22 @@ def _slab_view(slab: Slab, p: Placement) -> torch.Tensor:
 
 
 class _Copier:
-    """Copies tensors into staging: CPU tensors at once; CUDA tensors with ``non_blocking=True`` on
-    one side stream per device, ordered after ``ready`` (device -> event recorded when ``commit``
-    was called) or, with ``follow=True``, after the work queued on the caller's current stream so
-    far (a streaming commit: each tensor is made just before it is copied; ``record_stream`` keeps
-    its memory from being reused before the copy has run). :meth:`synchronize` before the slabs
-    are read or unmapped."""
+    """Copies tensors into staging, on any accelerator (:mod:`paramstore.accel`: CUDA, NPU...).
+
+    CPU tensors are copied at once. An accelerator's tensors are copied on one side stream per
+    device, ordered after ``ready`` (device -> event recorded on the caller's current stream when
+    ``commit`` was called) or, with ``follow=True``, after the work queued on the caller's current
+    stream so far (a streaming commit: each tensor is made just before it is copied;
+    ``record_stream`` keeps its memory from being reused before the copy has run).
+    :meth:`synchronize` before the slabs are read or unmapped (also on error).
+
+    ``non_blocking=True`` only into pinned memory (``pinned``): only there is a device-to-host
+    copy a true asynchronous DMA. Into pageable memory an asynchronous copy gains nothing (the
+    driver stages it through a bounce buffer) and when its bytes may be read is up to the backend
+    (CUDA returns once they are there; an NPU backend may not), so the copy is blocking there;
+    it still runs on the side stream, so it stays ordered after ``ready``. Every stream is
+    synchronized before ``staged`` completes either way.
+    """
 
     def __init__(self, ready: Mapping[torch.device, Any]) -> None:
         self._streams: dict[torch.device, Any] = {}
@@ -701,34 +726,34 @@ class _Copier:
 
     def _stream(self, dev: torch.device) -> Any:
         if dev not in self._streams:
-            self._streams[dev] = torch.cuda.Stream(device=dev)
+            self._streams[dev] = accel.new_stream(dev)
         return self._streams[dev]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, follow: bool = False) -> None:
-        if not src.is_cuda:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, follow: bool = False, pinned: bool = False) -> None:
+        if not accel.is_accelerator(src.device):
             dst.copy_(src)
             return
         stream = self._stream(src.device)
         if follow:
-            stream.wait_stream(torch.cuda.current_stream(src.device))
+            stream.wait_stream(accel.current_stream(src.device))
             src.record_stream(stream)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        with accel.on_stream(stream):
+            dst.copy_(src, non_blocking=pinned)
 
     def synchronize(self) -> None:
         for stream in self._streams.values():
             stream.synchronize()
 
 
-def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:
-    """On the caller's thread: an event per device marking the work queued so far (e.g. the
-    optimizer step that produced the weights), so the copy cannot read them early."""
-    events = {}
+def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, Any]:
+    """On the caller's thread: an event per accelerator, recorded on its current stream (the work
+    queued so far, e.g. the optimizer step that produced the weights), so that the copy cannot
+    read them early. Empty for CPU tensors (no device call at all)."""
+    events: dict[torch.device, Any] = {}
     for t in sources:
-        if t.is_cuda and t.device not in events:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(t.device))
-            events[t.device] = event
+        dev = t.device
+        if dev not in events and accel.is_accelerator(dev):
+            events[dev] = accel.record_event(accel.current_stream(dev))
     return events
 
 
