@@ -72,6 +72,8 @@ class FetchReport:
         from_patches: objects rebuilt here from patches against a version this host holds
             (verified; see :mod:`paramstore.delta`).
         patch_bytes: bytes of patch objects moved to this host (also counted in ``bytes_from``).
+        from_group: objects received over a collective group (``checkout(group=pg, src=r)``;
+            verified), counted in ``bytes_from`` under ``"group:<src rank>"``.
         bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
         rejected: per peer session, objects whose bytes from that peer failed verification
             (``"patch"``: patches that did not rebuild their object, which then moved whole).
@@ -84,7 +86,7 @@ class FetchReport:
         (1, 1, False, 0)
         >>> report.as_dict()
         {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'from_patches': 0, 'patch_bytes': 0,
-         'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ...}
+         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ...}
     """
 
     step: int
@@ -93,6 +95,7 @@ class FetchReport:
     from_remote: list[str] = field(default_factory=list)
     from_patches: list[str] = field(default_factory=list)
     patch_bytes: int = 0
+    from_group: list[str] = field(default_factory=list)
     bytes_from: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
@@ -108,7 +111,7 @@ class FetchReport:
 
         (Before 0.2 ``store.last_fetch.fetched`` listed the objects read from peers.)
         """
-        return [*self.from_peers, *self.from_remote, *self.from_patches]
+        return [*self.from_peers, *self.from_remote, *self.from_patches, *self.from_group]
 
     @property
     def missing(self) -> list[str]:
@@ -119,12 +122,12 @@ class FetchReport:
     @property
     def moved(self) -> bool:
         """Whether any byte had to move."""
-        return bool(self.from_peers or self.from_remote or self.from_patches)
+        return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
                 "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),
-                "patch_bytes": self.patch_bytes, "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
+                "patch_bytes": self.patch_bytes, "from_group": len(self.from_group), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
                 "rejected": dict(self.rejected), "seconds": self.seconds}
 
 
@@ -239,21 +242,30 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
 def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, min_step: int | None,
                   timeout: float | None, holder: str, resolve: Callable[[VersionSpec], int],
                   wait_for: Callable[[int, float | None], Any],
-                  pull: Callable[[int], "TransferReport | None"], verify: bool = False) -> "Snapshot":
+                  pull: Callable[[int], "TransferReport | None"], verify: bool = False,
+                  collective: "Callable[[], FetchReport] | None" = None,
+                  place: "Callable[[Snapshot], Snapshot] | None" = None) -> "Snapshot":
     """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
 
     ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). ``verify``:
     re-hash what was mapped; damaged objects are quarantined (:func:`paramstore.ops.quarantine`)
-    and CorruptObjectError names them and the version. See
-    :meth:`paramstore.ParamStore.checkout` for the arguments and errors.
+    and CorruptObjectError names them and the version. ``collective``: obtain the bytes with
+    every member of a process group instead (:func:`paramstore.collective.broadcast_version`: it
+    resolves the version on the source, and returns with the version registered and its objects
+    here). ``place``: turn the mapped snapshot into a device one
+    (:meth:`paramstore.device.DeviceCache.place`). See :meth:`paramstore.ParamStore.checkout` for
+    the arguments and errors.
     """
     from .snapshot import Snapshot
 
     reg = root.registry
     deadline = None if timeout is None else time.monotonic() + timeout
     pulled: TransferReport | None = None
+    given: FetchReport | None = collective() if collective is not None else None
     while True:
-        if min_step is not None:
+        if given is not None:
+            step = given.step
+        elif min_step is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             step = wait_for(min_step, left).step
         else:
@@ -261,6 +273,8 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
         try:
             lease = reg.acquire_lease(step, holder)
         except VersionNotFoundError:
+            if given is not None:  # pruned here right after the group delivered it
+                raise
             if min_step is None:
                 pulled = pull(step)
                 if pulled is not None:
@@ -275,7 +289,7 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
         release = functools.partial(release_lease, reg, lease.id, os.getpid())
         try:
             manifest = read_manifest(root, step)
-            report = fetcher.fetch(step, manifest)
+            report = given if given is not None else fetcher.fetch(step, manifest)
             if pulled is not None and pulled.step == step:  # the pull placed some objects already
                 report.from_remote[:0] = pulled.moved
                 report.from_patches[:0] = pulled.from_patches
@@ -287,7 +301,7 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
                             sizes=reg.object_sizes(manifest.objects()))
             if verify:
                 _verify_or_quarantine(root, snap)
-            return snap
+            return snap if place is None else place(snap)
         except ObjectUnavailableError:
             release()
             raise

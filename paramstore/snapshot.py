@@ -60,8 +60,9 @@ class LoadResult(NamedTuple):
 class Snapshot(Mapping[str, torch.Tensor]):
     """A checked-out version: a mapping of names to tensors (the mapping itself is immutable).
 
-    Tensors are views of the store's shared memory (CPU); a chunked tensor is assembled once into a
-    fresh CPU tensor (:meth:`read` copies part of one). Names tied at commit time return the very
+    Tensors are views of the store's shared memory (CPU) or, for ``checkout(v, device=...)``, of
+    the version's objects in that device's memory (:attr:`device`); a chunked tensor is assembled
+    once into a fresh tensor on the same device (:meth:`read` copies part of one). Names tied at commit time return the very
     same tensor. The snapshot holds a lease on its version: the version is not pruned until the
     snapshot is closed (or garbage collected, or its process dies). Close it, or use it as a context
     manager, when done; tensors already taken stay valid after close.
@@ -98,10 +99,30 @@ class Snapshot(Mapping[str, torch.Tensor]):
         except BaseException:
             self.close()  # releases the lease too
             raise
-        self._bufs: dict[str, torch.Tensor] | None = {
-            o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()
-        }
+        self._host: dict[str, torch.Tensor] = {o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()}
+        # what tensor views are made of: the shared-memory pages, or (a device checkout) the
+        # objects' buffers on a device (see :meth:`_on_device`)
+        self._bufs: dict[str, torch.Tensor] | None = dict(self._host)
         self._views: dict[str, torch.Tensor] = {}
+        #: where the tensors live: the CPU (views of shared memory), or the device of a device checkout
+        self.device = torch.device("cpu")
+        #: how a device checkout got its buffers: ``"ipc"`` (the owner's device memory, mapped),
+        #: ``"copy"`` (copied from shared memory), or None (a CPU checkout)
+        self.device_source: str | None = None
+        #: bytes copied to the device by this checkout (0 for objects already there, or mapped)
+        self.device_bytes = 0
+
+    def _on_device(self, buffers: Mapping[str, torch.Tensor], source: str, nbytes: int) -> "Snapshot":
+        """Make the tensor views views of ``buffers`` (object -> its bytes on one device) instead
+        of the shared-memory pages (which stay mapped, for :attr:`assets` and :meth:`verify`)."""
+        devices = {b.device for b in buffers.values()}
+        if len(devices) > 1 or set(buffers) != set(self._host):
+            raise ValueError(f"device buffers must cover the snapshot's objects on one device, got {devices}")
+        self._bufs = dict(buffers)
+        self._views = {}
+        self.device = devices.pop() if devices else self.device
+        self.device_source, self.device_bytes = source, nbytes
+        return self
 
     @property
     def step(self) -> int:
@@ -155,7 +176,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
             name: a tensor name (or an alias).
             offsets: where the box starts, one int per dimension.
             sizes: the box's extent, one int per dimension (0 gives an empty box).
-            out: the destination, of shape ``sizes``; a new CPU tensor of the stored dtype if
+            out: the destination, of shape ``sizes``; a new tensor of the stored dtype on the
+                snapshot's :attr:`device` if
                 None. Copied into with ``copy_`` semantics: another dtype is cast to, another
                 device is copied to.
 
@@ -180,7 +202,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         e = self._entry(name)
         lo, n = _check_box(name, e.shape, offsets, sizes)
         if out is None:
-            out = torch.empty(n, dtype=ST_TO_TORCH[e.dtype])
+            out = torch.empty(n, dtype=ST_TO_TORCH[e.dtype], device=self.device)
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != n:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InvalidArgumentError(f"read({name!r}): out is {got}, the box is of shape {n}")
@@ -243,7 +265,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         """
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
-        for buf in list(self._bufs.values()):
+        for buf in list(self._host.values()):
             libc().madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), _MADV_POPULATE_READ)
 
     def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> LoadResult:
@@ -333,6 +355,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         """
         self._bufs = None
         self._views = {}
+        self._host = {}
         self._maps = {}
         if self._finalizer is not None:
             self._finalizer()
@@ -344,7 +367,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self.close()
 
     def __repr__(self) -> str:
-        return f"Snapshot(step={self.version.step}, tensors={len(self)}, digest={self.version.digest[:12]})"
+        where = "" if self.device.type == "cpu" else f", device={self.device}"
+        return f"Snapshot(step={self.version.step}, tensors={len(self)}, digest={self.version.digest[:12]}{where})"
 
     def verify(self) -> dict[str, str]:
         """Re-hash every byte this snapshot maps; returns ``{object: why}`` for each damaged one.

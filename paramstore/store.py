@@ -47,6 +47,8 @@ from paramstore.backends.transports.base import Transport
 if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands start fast
     import torch
 
+    from .device import DeviceCache, LatestExporter
+
     from .commit import CommitHandle, Committer
     from .peer import PeerServer
     from .snapshot import Snapshot
@@ -125,7 +127,17 @@ class ParamStore:
             the tmpfs are invisible to that scan, so turn this off there if leases are
             unavailable. Published buffers stay mapped in this process until GC
             sweeps them (at most 4 commits' worth). Default True.
-        pin_memory: register staging buffers with CUDA as pinned memory (only when CUDA is present).
+        pin_memory: page-lock the staging buffers of commits of accelerator tensors (CUDA,
+            Ascend), once per buffer for its lifetime, so device-to-host copies are asynchronous
+            (see :mod:`paramstore.pinning`). Processes that only read never pin.
+        device_latest: keep the latest version this process commits in a GPU's memory as well and
+            share it with the node's other processes through CUDA IPC: their
+            ``checkout(..., device=<that GPU>)`` of that version maps the buffers instead of
+            copying (see :mod:`paramstore.device`). True: this process's current CUDA device; or a
+            device such as ``"cuda:0"``; None/False (default): off. Costs one model's worth of
+            device memory per version a reader still holds. Raises DeviceError without CUDA.
+        device_bucket_bytes: size of one host-to-device copy of a device checkout (None: 64 MiB;
+            two pinned bounce buffers of this size per device).
         retention: a policy (for the shared-memory tier) or ``{"local": policy, "remote": policy}``;
             when given, prune and GC run in the background after each commit (and, for the remote,
             after each version persisted), off the training thread.
@@ -200,6 +212,8 @@ class ParamStore:
         scrub_rate: float | None = None,
         group_timeout: float = 600.0,
         patches: bool | None = None,
+        device_latest: "bool | str | torch.device | None" = None,
+        device_bucket_bytes: int | None = None,
     ) -> None:
         if isinstance(shard_size_bytes, bool) or not isinstance(shard_size_bytes, int) or shard_size_bytes <= 0:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
@@ -221,6 +235,17 @@ class ParamStore:
         if patches is not None and not isinstance(patches, bool):
             raise InvalidArgumentError(f"patches must be True, False or None, got {patches!r}")
         self._patches = patches if patches is not None else (registry is not None or remote is not None)
+        self._device_latest: torch.device | None = None
+        if device_latest is not None and device_latest is not False:
+            from .device import check_device_latest
+
+            self._device_latest = check_device_latest(device_latest)
+        if device_bucket_bytes is not None and (isinstance(device_bucket_bytes, bool) or not isinstance(
+                device_bucket_bytes, int) or device_bucket_bytes <= 0):
+            raise InvalidArgumentError(f"device_bucket_bytes must be a positive int, got {device_bucket_bytes!r}")
+        self._device_bucket = device_bucket_bytes
+        self._devices: DeviceCache | None = None  # made by the first device checkout
+        self._exporter: LatestExporter | None = None
         self._patcher: Patcher | None = None
         self._patcher_lock = threading.Lock()
         self._run_id = new_run_id() if run_id is None else check_run_id(run_id)
@@ -632,6 +657,22 @@ class ParamStore:
         if self._patches and self._patcher is not None:
             self._patcher.wait(step, PATCH_WAIT_S, submitted=False)
 
+    def _exporter_for(self) -> LatestExporter:
+        with self._patcher_lock:
+            if self._exporter is None:
+                from .device import LatestExporter
+
+                assert self._device_latest is not None
+                self._exporter = LatestExporter(self._root, self._device_latest, self._device_cache())
+            return self._exporter
+
+    def _device_cache(self) -> DeviceCache:
+        if self._devices is None:
+            from .device import DeviceCache
+
+            self._devices = DeviceCache(self._device_bucket)
+        return self._devices
+
     def _patcher_for(self) -> Patcher:
         with self._patcher_lock:
             if self._patcher is None:
@@ -655,6 +696,8 @@ class ParamStore:
         # first: the push waits for them.
         if self._patches:
             self._patcher_for().submit(version.step, version.writer)
+        if self._device_latest is not None and version.writer == self._run_id:
+            self._exporter_for().submit(version.step)
         if self._persister is not None and handle.persisted is not None:
             try:
                 self._persister.submit(version.step, handle.persisted)
@@ -672,6 +715,10 @@ class ParamStore:
         timeout: float | None = None,
         holder: str | None = None,
         verify: bool = False,
+        device: "str | torch.device | None" = None,
+        group: Any = None,
+        src: int = 0,
+        bucket_bytes: int | None = None,
     ) -> Snapshot:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
 
@@ -694,6 +741,22 @@ class ParamStore:
             verify: re-hash every byte mapped (the pages the tensors view) against the object
                 digests and the manifest's tensor digests. A damaged object is moved to
                 ``<root>/quarantine/`` (kept, and no longer used for dedup) before the error.
+            device: where the snapshot's tensors live. None or ``"cpu"``: zero-copy views of
+                shared memory. Any torch device (``"cuda:0"``, ``"npu:0"``): the version's objects
+                in that device's memory, mapped from a colocated process that exports this version
+                on this GPU (``ParamStore(device_latest=...)``, CUDA IPC: no copy), else copied from
+                shared memory in buckets on a side stream; objects already on the device from an
+                earlier checkout of this store are not copied again (``snap.device_source``,
+                ``snap.device_bytes`` say which happened). Same lease and staleness rules.
+            group: a ``torch.distributed`` process group: every member calls ``checkout`` with the
+                same ``group``, ``src`` and ``version`` (or ``min_step``), and the version moves
+                from the member ``src`` to the others over the group (NCCL, HCCL or gloo) in
+                buckets, only the objects some member lacks, each checked against the manifest's
+                digests before it is placed in that member's store (``snap.fetch.from_group``).
+                An error on any member (a dead member, a digest mismatch, an unknown version on
+                ``src``) raises BroadcastError on every member; nothing unverified is placed.
+            src: with ``group``, the rank (in ``group``) of the member whose store holds the version.
+            bucket_bytes: with ``group``, the size of one broadcast (default 64 MiB).
 
         Returns:
             A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``, ``.step``,
@@ -706,6 +769,8 @@ class ParamStore:
                 match; the message names the object and the version, and says to run
                 ``paramstore verify --repair``.
             CorruptStoreError: the version's manifest in this host's registry cannot be parsed.
+            DeviceError: ``device`` is not available in this process.
+            BroadcastError: (``group``) the collective checkout failed on some member.
 
         Example:
             >>> with store.checkout("latest") as snap:
@@ -720,14 +785,47 @@ class ParamStore:
         """
         self._check_open()
         check_checkout_args(version, min_step, timeout)
+        place = self._device_placer(device)
         if min_step is not None:
             timeout = self._await_root(timeout)
-        snap = open_snapshot(self._root, self._fetcher, version, min_step=min_step, timeout=timeout,
-                             holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
+        collective = None if group is None else self._collective(group, src, version, min_step, timeout, bucket_bytes)
+        snap = open_snapshot(self._root, self._fetcher, version, min_step=None if group else min_step,
+                             timeout=timeout, holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
                              wait_for=lambda step, left: self.wait_for(step, timeout=left),
-                             pull=self._pull_if_remote, verify=verify)
+                             pull=self._pull_if_remote, verify=verify, collective=collective, place=place)
         self._last_fetch = snap.fetch
         return snap
+
+    def _device_placer(self, device: Any) -> "Callable[[Snapshot], Snapshot] | None":
+        """What turns a checked-out snapshot into one on ``device`` (None: stay a CPU snapshot)."""
+        if device is None:
+            return None
+        from . import accel
+
+        dev = accel.as_device(device)
+        if dev.type == "cpu":
+            return None
+        return lambda snap: self._device_cache().place(snap, dev, self._root)
+
+    def _collective(self, group: Any, src: int, version: VersionSpec, min_step: int | None,
+                    timeout: float | None, bucket_bytes: int | None) -> Callable[[], FetchReport]:
+        """The broadcast of a collective checkout (run by ``open_snapshot`` before it leases)."""
+        from paramstore.backends.transports.collective import TorchCollective
+
+        from .collective import broadcast_version
+
+        if isinstance(src, bool) or not isinstance(src, int) or src < 0:
+            raise InvalidArgumentError(f"src must be a rank (an int >= 0) in the group, got {src!r}")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                         or bucket_bytes <= 0):
+            raise InvalidArgumentError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+
+        def resolve(v: VersionSpec) -> int:  # called on src only
+            return self.wait_for(min_step, timeout=timeout).step if min_step is not None else self._resolve(v)
+
+        extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        return lambda: broadcast_version(self._root, self._pool, TorchCollective(group), src, version,
+                                         resolve=resolve, **extra)
 
     @property
     def last_fetch(self) -> FetchReport | None:
@@ -1380,6 +1478,10 @@ class ParamStore:
             self._committer.close()
         if self._patcher is not None:
             self._patcher.close()
+        if self._exporter is not None:
+            self._exporter.close()
+        if self._devices is not None:
+            self._devices.close()
         if self._claimed:
             try:
                 release(self._opened.registry, self._run_id)  # the next trainer starts without a warning

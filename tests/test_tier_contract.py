@@ -32,3 +32,28 @@ class TestS3RemoteTier(TierTests):
         bucket = s3_server.new_bucket()
         with RemoteTier(f"s3://{bucket}/{uuid.uuid4().hex[:8]}", s3_server.options()) as t:
             yield t
+
+
+class TestDeviceTierOnCpu(TierTests):
+    """The device tier's bookkeeping and copies, on the CPU (its CUDA copies: the class below)."""
+
+    @pytest.fixture
+    def tier(self):
+        from paramstore.backends.tiers.device import DeviceTier
+
+        with DeviceTier("cpu", bucket_bytes=4096) as t:  # objects of several buckets
+            yield t
+
+
+@pytest.mark.gpu
+class TestDeviceTierOnCuda(TierTests):
+    @pytest.fixture
+    def tier(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device in this process")
+        from paramstore.backends.tiers.device import DeviceTier
+
+        with DeviceTier("cuda", bucket_bytes=4096) as t:  # bounce buffers reused many times per object
+            yield t
