@@ -1,0 +1,282 @@
+"""The device path, side by side with what users would otherwise run (issue 15's goals).
+
+Rows, each measured with its baseline in the same run (medians of ``--rounds``):
+
+1. **D2H staging** of ``--gib`` GiB of bf16 on a GPU (default 1,4,16): ``store.commit`` until
+   ``staged`` (slabs page-locked once, by :mod:`paramstore.pinning`) vs ``copy_(non_blocking=True)``
+   into ``torch.empty(pin_memory=True)`` buffers made beforehand + a sync (goal ≥ 0.8×: the copy's
+   time / ours); and the slowdown of a concurrent "training step" (a matmul loop on the default
+   stream) while staging runs.
+2. **Commit stall** on a GPU: how long the training thread is held before it may change the
+   weights (``commit()`` returning, then ``wait_staged``, which is what ``store.guard(optimizer)``
+   waits for) vs DCP ``async_save`` with pinned staging (the call, then ``staging_completion``)
+   (goal ≤ 0.2×).
+3. **checkout(device=)** H2D of a version vs a pinned ``copy_`` of the same bytes (goal ≥ 0.8×).
+4. **IPC checkout** of the latest in another process, at 100 and 10,000 tensors (goal ≤ 1 ms).
+5. **Broadcast** of a version from 1 source to ``--receivers`` over a gloo group vs a raw
+   ``dist.broadcast`` of the same bytes with the same bucket size (goal ≥ 0.9×; see
+   ``tools/bench_broadcast.py``); on NCCL only with ≥ 2 GPUs.
+
+Rows 1–4 need a CUDA GPU: without one they are reported as "not run" (never estimated).
+
+    .venv/bin/python tools/bench_device.py --json out/bench_device.json --markdown out/bench_device.md
+    .venv/bin/python tools/docgen.py device out/bench_device.md --json out/bench_device.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import log, machine, write_outputs  # noqa: E402
+
+SHM = "/dev/shm"
+NOT_RUN = "not run (no CUDA GPU on this machine)"
+
+
+def _model(nbytes: int, n: int, device: str) -> dict[str, torch.Tensor]:
+    """``n`` bf16 tensors of ``nbytes`` in all on ``device``."""
+    per = max(1, nbytes // n // 2)
+    return {f"layer{i}.weight": torch.randn(per, device=device, dtype=torch.float32).to(torch.bfloat16) for i in range(n)}
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def staging(gib: float, rounds: int) -> dict[str, Any]:
+    """Row 1: commit → staged vs a pinned copy_, and a concurrent matmul's slowdown."""
+    from paramstore import ParamStore, KeepLast
+
+    nbytes = int(gib * (1 << 30))
+    model = _model(nbytes, 64, "cuda")
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in model.items()}
+    root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def train_step() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    try:
+        with ParamStore(os.path.join(root, "s"), create=True, retention=KeepLast(2)) as store:
+            store.prepare(model, wait=True)
+            ours, base, alone, during = [], [], [], []
+            for r in range(rounds + 1):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for k, v in model.items():
+                    pinned[k].copy_(v, non_blocking=True)
+                torch.cuda.synchronize()
+                copy_s = time.perf_counter() - t
+                t = time.perf_counter()
+                handle = store.commit(r + 1, model)
+                handle.staged.result()
+                staged_s = time.perf_counter() - t
+                alone_s = train_step()
+                handle = store.commit(r + 1000, model)
+                during_s = train_step()  # runs while the stager's D2H copies run
+                handle.staged.result()
+                store.flush()
+                if r:  # the first round pins and faults
+                    ours.append(staged_s), base.append(copy_s), alone.append(alone_s), during.append(during_s)
+        return {"gib": gib, "staged_s": _median(ours), "pinned_copy_s": _median(base),
+                "ratio": _median(base) / _median(ours), "step_alone_s": _median(alone),
+                "step_during_s": _median(during), "slowdown": _median(during) / _median(alone)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stall(gib: float, rounds: int) -> dict[str, Any]:
+    """Row 2: the training thread's wait for a commit vs DCP async_save with pinned staging."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from paramstore import KeepLast, ParamStore
+
+    model = _model(int(gib * (1 << 30)), 64, "cuda")
+    root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
+    try:
+        ours, theirs = [], []
+        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                              use_async_staging=True, use_non_blocking_copy=True))
+        with ParamStore(os.path.join(root, "s"), create=True, retention=KeepLast(2)) as store:
+            store.prepare(model, wait=True)
+            for r in range(rounds + 1):
+                t = time.perf_counter()
+                store.commit(r + 1, model)
+                store.wait_staged()
+                mine = time.perf_counter() - t
+                store.flush()
+                t = time.perf_counter()
+                resp = dcp.async_save(model, checkpoint_id=os.path.join(root, f"dcp{r}"), async_stager=stager)
+                resp.staging_completion.result()
+                dcp_s = time.perf_counter() - t
+                resp.upload_completion.result()
+                if r:
+                    ours.append(mine), theirs.append(dcp_s)
+        return {"gib": gib, "ours_s": _median(ours), "dcp_s": _median(theirs), "ratio": _median(ours) / _median(theirs)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def h2d(gib: float, rounds: int) -> dict[str, Any]:
+    """Row 3: checkout(device=) vs a pinned copy_ of the same bytes."""
+    from paramstore import ParamStore
+
+    cpu = _model(int(gib * (1 << 30)), 64, "cpu")
+    pinned = {k: v.pin_memory() for k, v in cpu.items()}
+    dst = {k: torch.empty_like(v, device="cuda") for k, v in cpu.items()}
+    root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
+    try:
+        ours, base = [], []
+        with ParamStore(os.path.join(root, "s"), create=True) as store:
+            for r in range(rounds + 1):
+                store.commit(r + 1, {k: v + (r + 1) for k, v in cpu.items()}).result()  # every object new
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with store.checkout(r + 1, device="cuda:0") as snap:
+                    torch.cuda.synchronize()
+                    mine = time.perf_counter() - t
+                    assert snap.device_bytes > 0
+                t = time.perf_counter()
+                for k in cpu:
+                    dst[k].copy_(pinned[k], non_blocking=True)
+                torch.cuda.synchronize()
+                if r:
+                    ours.append(mine), base.append(time.perf_counter() - t)
+        return {"gib": gib, "checkout_s": _median(ours), "pinned_copy_s": _median(base),
+                "ratio": _median(base) / _median(ours)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_READER = r"""
+import json, sys, time, torch
+from paramstore import ParamStore
+root, step, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.cuda.set_device(0)
+times, source = [], None
+with ParamStore(root) as store:
+    for _ in range(rounds + 1):
+        t = time.perf_counter()
+        snap = store.checkout(step, device="cuda:0")
+        times.append(time.perf_counter() - t)
+        source = snap.device_source
+        snap.close()
+print(json.dumps({"times": times[1:], "source": source}))
+"""
+
+
+def ipc(tensors: int, rounds: int) -> dict[str, Any]:
+    """Row 4: a second process's checkout of the latest, mapped through CUDA IPC."""
+    from paramstore import ParamStore
+
+    model = _model(256 << 20, tensors, "cuda")
+    root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
+    try:
+        with ParamStore(os.path.join(root, "s"), create=True, device_latest="cuda:0") as store:
+            store.commit(1, model).result()
+            store._exporter.wait(1, timeout=120)
+            out = subprocess.run([sys.executable, "-c", _READER, os.path.join(root, "s"), "1", str(rounds)],
+                                 capture_output=True, text=True, timeout=600, check=True)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        return {"tensors": tensors, "checkout_s": _median(got["times"]), "source": got["source"]}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def broadcast(mib: int, receivers: int, bucket_mib: int, rounds: int) -> dict[str, Any]:
+    """Row 5 (gloo, CPU): see tools/bench_broadcast.py."""
+    from bench_broadcast import run
+
+    return run(mib, receivers, bucket_mib, rounds)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    gpu = res.get("gpu")
+    md = [f"GPU: {gpu or NOT_RUN}.", "", "| row | paramstore | baseline | ratio | goal |", "|---|---|---|---|---|"]
+    if res.get("staging"):
+        for r in res["staging"]:
+            md.append(f"| D2H staging {r['gib']:g} GiB (commit → staged) | {r['staged_s'] * 1e3:.0f} ms | pinned "
+                      f"`copy_` {r['pinned_copy_s'] * 1e3:.0f} ms | {r['ratio']:.2f}× | ≥ 0.8× |")
+            md.append(f"| concurrent training step during staging {r['gib']:g} GiB | {r['step_during_s'] * 1e3:.1f} ms | "
+                      f"alone {r['step_alone_s'] * 1e3:.1f} ms | {r['slowdown']:.2f}× slower | |")
+    else:
+        md.append(f"| D2H staging 1/4/16 GiB, concurrent step slowdown | {NOT_RUN} | | | ≥ 0.8× |")
+    if res.get("stall"):
+        for r in res["stall"]:
+            md.append(f"| trainer blocked by a commit, {r['gib']:g} GiB | {r['ours_s'] * 1e3:.0f} ms | DCP `async_save` "
+                      f"(pinned) {r['dcp_s'] * 1e3:.0f} ms | {r['ratio']:.2f}× | ≤ 0.2× |")
+    else:
+        md.append(f"| trainer blocked by a commit vs DCP `async_save` | {NOT_RUN} | | | ≤ 0.2× |")
+    if res.get("h2d"):
+        for r in res["h2d"]:
+            md.append(f"| `checkout(device=)` {r['gib']:g} GiB | {r['checkout_s'] * 1e3:.0f} ms | pinned `copy_` "
+                      f"{r['pinned_copy_s'] * 1e3:.0f} ms | {r['ratio']:.2f}× | ≥ 0.8× |")
+    else:
+        md.append(f"| `checkout(device=)` H2D vs pinned `copy_` | {NOT_RUN} | | | ≥ 0.8× |")
+    if res.get("ipc"):
+        for r in res["ipc"]:
+            md.append(f"| IPC checkout of the latest, {r['tensors']} tensors ({r['source']}) | "
+                      f"{r['checkout_s'] * 1e3:.2f} ms | | | ≤ 1 ms |")
+    else:
+        md.append(f"| IPC checkout of the latest, 100 / 10k tensors | {NOT_RUN} | | | ≤ 1 ms |")
+    b = res.get("broadcast")
+    if b:
+        md.append(f"| broadcast {b['mib']} MiB to {b['receivers']} receivers, gloo, {b['bucket_mib']} MiB buckets | "
+                  f"{b['paramstore_s'] * 1e3:.0f} ms | raw `dist.broadcast` {b['raw_s'] * 1e3:.0f} ms | "
+                  f"{b['ratio']:.2f}× | ≥ 0.9× |")
+    md.append("| broadcast over NCCL | not run (needs ≥ 2 GPUs) | | | ≥ 0.9× |")
+    return "\n".join(md)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", default="1,4,16", help="sizes of the staging rows (GPU)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ipc-tensors", default="100,10000")
+    ap.add_argument("--broadcast-mib", type=int, default=256)
+    ap.add_argument("--receivers", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args()
+    res: dict[str, Any] = {"argv": ["tools/bench_device.py", *sys.argv[1:]], "machine": machine()}
+    t0 = time.monotonic()
+    sizes = [float(x) for x in args.gib.split(",")]
+    if torch.cuda.is_available():
+        res["gpu"] = torch.cuda.get_device_name(0)
+        free = torch.cuda.mem_get_info()[0]
+        fits = [g for g in sizes if g * 3 * (1 << 30) < free]  # the model, staging and a matmul
+        log(f"GPU rows on {res['gpu']}: {fits} GiB")
+        res["staging"] = [staging(g, args.rounds) for g in fits]
+        res["stall"] = [stall(g, args.rounds) for g in fits[:2]]
+        res["h2d"] = [h2d(g, args.rounds) for g in fits[:2]]
+        res["ipc"] = [ipc(int(n), args.rounds) for n in args.ipc_tensors.split(",")]
+    log("broadcast over gloo")
+    res["broadcast"] = broadcast(args.broadcast_mib, args.receivers, args.bucket_mib, args.rounds)
+    res["total_seconds"] = time.monotonic() - t0
+    md = markdown(res)
+    write_outputs(args.json, res, args.markdown, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
