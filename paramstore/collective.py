@@ -1,0 +1,513 @@
+"""Collective checkout: one member of a process group sends a version, every member ends up with it.
+
+Every member of a group (NCCL on GPUs, HCCL on Ascend, gloo on CPUs) calls
+``store.checkout(version, group=pg, src=r)``; the store calls :func:`broadcast_version` with a
+:class:`~paramstore.backends.transports.collective.Collective` over ``pg``. Each member has its own
+store root (its host's shared memory); member ``src`` holds the version.
+
+The protocol (every message is JSON as bytes, buffers are ``uint8``; nothing is pickled):
+
+1. **Agree** (``all_gather_bytes``): each member says which rank it takes for the source and the
+   protocol it speaks; members that disagree all fail (no mismatched collective is started).
+2. **Offer** (``broadcast_bytes`` from ``src``): ``src`` resolves the version, leases it for the
+   whole broadcast, and sends the version record, the manifest, the objects' sizes and the bucket
+   size, or why it cannot (an unknown version, objects it lacks): then every member raises.
+3. **Status** (``all_gather_bytes``): each receiver checks the manifest against the version digest
+   and its objects' sizes (:func:`~paramstore.manifest.check_manifest`), checks that its own
+   registry does not hold another version at that step, and says which objects its tier lacks, or
+   its error. The union of what is lacking, sorted by digest, is what moves.
+4. **Buckets** (``broadcast``): those objects' bytes, one after the other, cut into buckets of
+   ``bucket_bytes``; an object larger than a bucket spans several, a bucket may hold the tail of
+   one and the head of the next. A member that lacks an object copies its part of each bucket into
+   a slab of the store's pool (on a CPU group, a bucket inside one object is received straight into
+   the slab, and sent straight from the source's mapping); the others receive into a bounce
+   buffer. Two buckets are in flight at once. An object whose last byte arrived is verified
+   (:func:`~paramstore.ops.check_buffer`: its digest, and each tensor where the manifest places
+   it) on a helper thread while the next buckets arrive; good ones are renamed into the local
+   tier, bad ones are discarded, never placed.
+5. **Outcome** (``all_gather_bytes``): if any member met a bad object or an error, every member
+   raises :class:`~paramstore.errors.BroadcastError` naming the ranks and objects (objects that were
+   verified and placed stay: they are content-addressed).
+6. **Register**: each receiver whose registry lacks the version registers it (as a pull does: the
+   objects and the tensor index, ``require_newest=False``), then a last ``all_gather_bytes`` makes a
+   registration failure on any member fail every member.
+
+Receivers hold their host's GC lock (shared) from the status round until the version is
+registered, so GC cannot sweep objects placed but not yet referenced. A member that dies makes the
+others' collectives fail (:class:`TorchCollective` spreads the failure to every member):
+each raises BroadcastError, and its slabs are discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from .checkout import FetchReport
+from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
+from .manifest import Manifest, Version, check_manifest
+from .ops import check_buffer
+from .root import StoreRoot, VersionSpec
+
+from paramstore.backends.registries.base import check_digests
+from paramstore.backends.transports.collective import Collective
+
+if TYPE_CHECKING:
+    import torch
+
+    from .staging import Slab, SlabPool
+
+__all__ = ["broadcast_version", "PROTOCOL", "DEFAULT_BUCKET_BYTES"]
+
+#: The protocol version members compare in the first round.
+PROTOCOL = 1
+
+#: Bytes per bucket unless the caller says otherwise.
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: int, version: VersionSpec, *,
+                      resolve: Callable[[VersionSpec], int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FetchReport:
+    """Make version ``version`` of member ``src`` present and registered in every member's store.
+
+    Called by every member of the group, with the same ``src`` (see the module docstring for the
+    protocol). Only ``src``'s ``version``, ``resolve`` and ``bucket_bytes`` count.
+
+    Args:
+        root: this member's store.
+        pool: this member's slab pool (destinations of received objects).
+        coll: the group.
+        src: the rank (in the group) of the member that holds the version.
+        version: a step, ``"latest"`` or a tag, resolved on ``src``.
+        resolve: ``src``'s resolver (the store's: it knows its remote).
+        bucket_bytes: bytes per broadcast (``src``'s value is used by every member).
+
+    Returns:
+        A :class:`~paramstore.checkout.FetchReport`: ``step``, ``local`` (objects this member already
+        held), ``from_group`` (those it received, verified and placed), ``bytes_from["group:<src>"]``
+        (their bytes) and ``seconds``. The caller leases ``report.step`` and maps it.
+
+    Raises:
+        InvalidArgumentError: ``src`` is not a rank of the group, or ``bucket_bytes`` is not a
+            positive int (on every member that passes it: check arguments alike everywhere).
+        BroadcastError: on every member, naming the rank(s) that failed and why: ``src`` could not
+            resolve or does not hold the version, a member received bytes that do not match the
+            manifest, a member died or left, members disagree on ``src``, a member could not
+            register the version. Nothing that failed verification is placed anywhere.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from paramstore.backends.transports.collective import TorchCollective
+        >>> from paramstore.collective import broadcast_version
+        >>> dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+        >>> report = broadcast_version(store._root, store._pool, TorchCollective(), 0, "latest",
+        ...                            resolve=store._resolve)
+        >>> report.step, report.local, report.from_group, dict(report.bytes_from)
+        (1, 1, [], {})
+        >>> dist.destroy_process_group()
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise InvalidArgumentError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < coll.size:
+        raise InvalidArgumentError(f"src must be a rank of the group (0..{coll.size - 1}), got {src!r}")
+    t0 = time.monotonic()
+    try:
+        return _Broadcast(root, pool, coll, src, bucket_bytes).run(version, resolve, t0)
+    except (BroadcastError, InvalidArgumentError):
+        raise
+    except BaseException as e:  # a bug or an interrupt mid-protocol: the others must not wait for us
+        coll.abort(f"{type(e).__name__}: {e}")
+        raise
+
+
+class _Broadcast:
+    """One collective checkout on one member."""
+
+    def __init__(self, root: StoreRoot, pool: "SlabPool", coll: Collective, src: int, bucket_bytes: int) -> None:
+        self.root, self.pool, self.coll, self.src, self.bucket_bytes = root, pool, coll, src, bucket_bytes
+        self.rank = coll.rank
+        self.is_src = self.rank == src
+
+    # -- the rounds --------------------------------------------------------------------------
+    def run(self, version: VersionSpec, resolve: Callable[[VersionSpec], int], t0: float) -> FetchReport:
+        self._agree()
+        lease: str | None = None
+        try:
+            if self.is_src:
+                offer, lease = self._offer(version, resolve)
+            got = _decode(self.coll.broadcast_bytes(_encode(offer) if self.is_src else None, self.src),
+                          f"rank {self.src}'s offer")
+            if "error" in got:
+                raise BroadcastError(f"collective checkout of {version!r}: the source, rank {self.src}, cannot "
+                                     f"send it: {got['error']}", rank=self.src)
+            return self._transfer(got, t0)
+        finally:
+            if lease is not None:
+                with contextlib.suppress(ParamStoreError, OSError):
+                    self.root.registry.release_lease(lease)
+
+    def _agree(self) -> None:
+        mine = {"src": self.src, "protocol": PROTOCOL}
+        views = [_decode(b, f"rank {r}'s hello") for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine)))]
+        odd = [r for r, v in enumerate(views) if v != mine]
+        if odd:
+            said = "; ".join(f"rank {r}: src {views[r].get('src')!r}, protocol {views[r].get('protocol')!r}"
+                             for r in odd[:8])
+            raise BroadcastError(f"members of the group disagree on the collective checkout: rank {self.rank} "
+                                 f"takes src {self.src} (protocol {PROTOCOL}), but {said}", rank=odd[0])
+
+    def _offer(self, version: VersionSpec, resolve: Callable[[VersionSpec], int]) -> tuple[dict[str, Any], str | None]:
+        """What ``src`` sends: the version, manifest, sizes and bucket size, or its error."""
+        try:
+            step = resolve(version)
+            reg = self.root.registry
+            lease = reg.acquire_lease(step, f"collective checkout (pid {os.getpid()})").id
+        except ParamStoreError as e:
+            return {"error": f"{type(e).__name__}: {e}"}, None
+        try:
+            v = reg.get_version(step)
+            manifest = reg.get_manifest(step)
+            objects = sorted(manifest.objects())
+            sizes = reg.object_sizes(objects)
+            lacking = [o for o in objects if o not in sizes or not self.root.tier.exists(o)]
+            if lacking:
+                raise ParamStoreError(f"its store lacks {len(lacking)} object(s) of version {step} "
+                                      f"({lacking[0][:12]}…): check the version out there first")
+            wrong = [o for o in objects if self.root.tier.size(o) != sizes[o]]
+            if wrong:
+                raise ParamStoreError(f"object {wrong[0]} of version {step} is {self.root.tier.size(wrong[0])} bytes "
+                                      f"in its store, its registry says {sizes[wrong[0]]}: run `paramstore verify`")
+        except ParamStoreError as e:
+            with contextlib.suppress(ParamStoreError, OSError):
+                reg.release_lease(lease)
+            return {"error": f"{type(e).__name__}: {e}"}, None
+        return {"version": v.to_json(), "manifest": manifest.to_json(), "sizes": sizes,
+                "bucket_bytes": self.bucket_bytes}, lease
+
+    def _transfer(self, offer: Mapping[str, Any], t0: float) -> FetchReport:
+        # -- status: check the offer, say what is lacking -----------------------------------------
+        status: dict[str, Any]
+        manifest: Manifest | None = None
+        version: Version | None = None
+        sizes: dict[str, int] = {}
+        registered = self.is_src
+        try:
+            version, manifest, sizes, bucket = _parse_offer(offer, self.src)
+            if not self.is_src:
+                registered = self._registered(version)
+            lack = [] if self.is_src else [o for o in sorted(sizes) if not self.root.tier.exists(o)]
+            status = {"lack": lack}
+        except ParamStoreError as e:
+            status = {"error": f"{type(e).__name__}: {e}"}
+        with self.root.gc_lock() if not self.is_src else contextlib.nullcontext():
+            statuses = self._exchange(status, "status")
+            self._raise_errors(statuses, offer_step(offer), "could not take part")
+            assert version is not None and manifest is not None
+            wanted = set(sizes)
+            plan = sorted({o for s in statuses for o in s.get("lack", []) if o in wanted})
+            mine = set(status["lack"])
+            report = FetchReport(version.step, local=len(sizes) - len(mine))
+            outcome = _Buckets(self, manifest, sizes, plan, mine, bucket).run()
+            report.from_group = sorted(outcome["placed"])
+            if report.from_group:
+                report.bytes_from[f"group:{self.src}"] = sum(sizes[o] for o in report.from_group)
+            # -- outcome: every member verified what it received? --------------------------------
+            results = self._exchange({k: outcome[k] for k in ("bad", "error") if outcome.get(k)}, "outcome")
+            self._raise_errors(results, version.step, "failed")
+            # -- register ------------------------------------------------------------------------
+            done: dict[str, Any] = {}
+            if not registered:
+                try:
+                    self._register(version, manifest, sizes, skip=set(report.from_group))
+                except ParamStoreError as e:
+                    done = {"error": f"registering the version failed: {type(e).__name__}: {e}"}
+            self._raise_errors(self._exchange(done, "registration"), version.step, "failed")
+        if plan and not self.is_src:
+            with contextlib.suppress(ParamStoreError, OSError):  # destinations for the next version (same layout)
+                self.pool.prepare([sizes[o] for o in sorted(sizes)], purpose="fetch")
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _exchange(self, mine: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
+        return [_decode(b, f"rank {r}'s {what}") for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine)))]
+
+    def _raise_errors(self, statuses: list[dict[str, Any]], step: Any, verb: str) -> None:
+        failed = [(r, s) for r, s in enumerate(statuses) if s.get("error") or s.get("bad")]
+        if not failed:
+            return
+        parts = []
+        for r, s in failed[:8]:
+            why = []
+            if s.get("bad"):
+                bad = s["bad"]
+                first = sorted(bad)[0]
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                why.append(f"object {first} received from rank {self.src} does not match the manifest "
+                           f"({bad[first]}){more}; not placed")
+            if s.get("error"):
+                why.append(str(s["error"]))
+            parts.append(f"rank {r}: {'; '.join(why)}")
+        more = f" (and {len(failed) - 8} more ranks)" if len(failed) > 8 else ""
+        raise BroadcastError(f"collective checkout of version {step} from rank {self.src} {verb} on "
+                             f"{len(failed)} rank(s): {' | '.join(parts)}{more}", rank=failed[0][0])
+
+    # -- this member's registry ---------------------------------------------------------------
+    def _registered(self, version: Version) -> bool:
+        """Whether the local registry holds ``version`` already (ParamStoreError: another version
+        at that step)."""
+        try:
+            here = self.root.registry.get_version(version.step)
+        except VersionNotFoundError:
+            return False
+        if here.digest != version.digest:
+            raise ParamStoreError(f"this store holds another version at step {version.step} (digest "
+                                  f"{here.digest[:16]}…, the source's {version.digest[:16]}…): a different run?")
+        return True
+
+    def _register(self, version: Version, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
+        """Register ``version`` here, as a pull does (objects, tensor index; not necessarily the
+        newest). The manifest's pieces in objects this host held before are checked first."""
+        from .remote import _index
+
+        self._check_local(manifest, sizes, skip)
+        objects, tensors = _index(manifest, sizes)
+        try:
+            self.root.registry.publish(version, manifest, objects, tensors, require_newest=False)
+        except StepOrderError:
+            self._registered(version)  # registered meanwhile by another process of this host: the same one?
+            # (raises ParamStoreError if a different version took the step)
+
+    def _check_local(self, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
+        """CorruptObjectError-like ParamStoreError unless the manifest's pieces in objects already
+        here (not received now) lie where it says (hashed, unless the local index already locates
+        the same piece at the same place)."""
+        from .remote import _check_entries, _entries_by_object
+
+        entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
+        if not entries:
+            return
+        known = self.root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values()
+                                                                      for _, c in es)))
+        for o, es in entries.items():
+            if self.root.tier.size(o) != sizes[o]:
+                raise ParamStoreError(f"object {o} is {self.root.tier.size(o)} bytes here; the source's registry "
+                                      f"says {sizes[o]}")
+            todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
+            if todo:
+                with self.root.tier.map(o) as m, memoryview(m) as buf:
+                    _check_entries(buf, todo, None, f"object {o} here")
+
+
+def offer_step(offer: Mapping[str, Any]) -> Any:
+    v = offer.get("version")
+    return v.get("step", "?") if isinstance(v, Mapping) else "?"
+
+
+class _Buckets:
+    """Phase 4 on one member: the bucket loop, verification and placement."""
+
+    def __init__(self, b: _Broadcast, manifest: Manifest, sizes: Mapping[str, int], plan: list[str],
+                 mine: set[str], bucket_bytes: int) -> None:
+        self.b, self.coll, self.sizes, self.plan, self.mine = b, b.coll, sizes, plan, mine
+        self.bucket = bucket_bytes
+        self.starts: list[int] = []
+        pos = 0
+        for o in plan:
+            self.starts.append(pos)
+            pos += sizes[o]
+        self.total = pos
+        self.spans: dict[str, dict[tuple[int, int], str]] = {}
+        for _, e in manifest.stored():
+            for c in e.pieces():
+                self.spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
+        self.error: str | None = None  # this member's first local error (it keeps taking part)
+        self.slabs: dict[str, "Slab"] = {}
+        self.views: dict[str, "torch.Tensor"] = {}  # object -> its bytes (slab or source mapping)
+        self.maps: list[Any] = []
+        self.checks: dict[str, Future[str | None]] = {}
+
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        if not self.plan:
+            return {"placed": []}
+        placed: list[str] = []
+        bad: dict[str, str] = {}
+        hashers = ThreadPoolExecutor(1, thread_name_prefix="paramstore-bcast-verify")
+        try:
+            self._open()
+            n = -(-self.total // self.bucket)
+            size = min(self.bucket, self.total)
+            bounce = [torch.empty(size, dtype=torch.uint8, device=self.coll.device) for _ in range(min(2, n))]
+            direct_ok = self.coll.device.type == "cpu"
+            pending: list[Any] = [None] * len(bounce)
+            landing: list[Any] = [None] * len(bounce)
+
+            def start(i: int) -> None:
+                k = i % len(bounce)
+                lo, hi = i * self.bucket, min((i + 1) * self.bucket, self.total)
+                pieces = self._pieces(lo, hi)
+                target = None
+                if direct_ok and len(pieces) == 1 and pieces[0][0] in self.views:
+                    o, a, b, _ = pieces[0]
+                    target = self.views[o][a:b]  # straight from the source's mapping / into the slab
+                if target is None:
+                    target = bounce[k][: hi - lo]
+                    if self.b.is_src:
+                        self._pack(pieces, target, lo)
+                landing[k] = (pieces, target, lo, target.data_ptr() == bounce[k].data_ptr())
+                pending[k] = self.coll.broadcast(target, self.b.src, async_op=True)
+
+            if self.b.is_src:
+                for i in range(n):
+                    k = i % len(bounce)
+                    if pending[k] is not None:
+                        pending[k].wait()
+                    start(i)
+                for p in pending:
+                    if p is not None:
+                        p.wait()
+                return {"placed": []}
+            start(0)
+            for i in range(n):
+                k = i % len(bounce)
+                if i + 1 < n:
+                    start(i + 1)
+                pending[k].wait()
+                pending[k] = None
+                pieces, target, lo, bounced = landing[k]
+                landing[k] = None
+                self._unpack(pieces, target, lo, bounced, hashers)
+                del target  # (a view of a slab: placing unmaps it)
+            for o in sorted(self.mine):
+                if o not in self.checks and o in self.slabs:  # (a local error kept it from completing)
+                    bad.setdefault(o, "not every byte was received")
+            for o, f in sorted(self.checks.items()):
+                why = f.result()
+                if why is None:
+                    placed.append(o)
+                else:
+                    bad[o] = why
+            self._release_views()
+            for o in placed:
+                slab = self.slabs.pop(o)
+                with contextlib.suppress(BufferError):
+                    slab.close()
+                self.b.root.tier.put(o, slab.path, move=True)
+        except BroadcastError:
+            raise
+        except (ParamStoreError, OSError) as e:  # local: this member keeps taking part and reports it
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        finally:
+            hashers.shutdown(wait=True)
+            self._release_views()
+            for slab in self.slabs.values():  # anything not placed: never published
+                with contextlib.suppress(BufferError):
+                    slab.close()  # (a broadcast abandoned after a failure may still hold it: left mapped)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slab.path)
+            self.slabs.clear()
+            for m in self.maps:
+                with contextlib.suppress(BufferError):
+                    m.close()
+        out: dict[str, Any] = {"placed": placed}
+        if bad:
+            out["bad"] = bad
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    def _open(self) -> None:
+        """Source: map the objects it sends. Receiver: a slab for each object it lacks."""
+        import torch
+
+        if self.b.is_src:
+            for o in self.plan:
+                m = self.b.root.tier.map(o, private=True)  # copy-on-write: writable for torch, never written
+                self.maps.append(m)
+                self.views[o] = torch.frombuffer(m, dtype=torch.uint8)
+            return
+        try:
+            for o in self.plan:
+                if o in self.mine:
+                    slab = self.b.pool.take(self.sizes[o])
+                    self.slabs[o] = slab
+                    self.views[o] = torch.frombuffer(slab.map, dtype=torch.uint8)[: self.sizes[o]]
+        except ParamStoreError as e:  # e.g. the tmpfs is full: keep taking part, report it at the end
+            self.error = f"{type(e).__name__}: {e}"
+            self._release_views()
+
+    def _release_views(self) -> None:
+        self.views.clear()
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
+        """The parts of objects in stream bytes ``[lo, hi)``: ``(object, begin, end, stream start)``."""
+        import bisect
+
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while i < len(self.plan) and self.starts[i] < hi:
+            o, s = self.plan[i], self.starts[i]
+            a, b = max(lo, s) - s, min(hi, s + self.sizes[o]) - s
+            if b > a:
+                out.append((o, a, b, s + a))
+            i += 1
+        return out
+
+    def _pack(self, pieces: list[tuple[str, int, int, int]], target: "torch.Tensor", lo: int) -> None:
+        for o, a, b, at in pieces:
+            target[at - lo: at - lo + b - a].copy_(self.views[o][a:b])
+
+    def _unpack(self, pieces: list[tuple[str, int, int, int]], target: "torch.Tensor", lo: int, bounced: bool,
+                hashers: ThreadPoolExecutor) -> None:
+        for o, a, b, at in pieces:
+            view = self.views.get(o)
+            if view is None:
+                continue  # not lacking here (or no slab: a local error)
+            if bounced:
+                view[a:b].copy_(target[at - lo: at - lo + b - a])
+            if b == self.sizes[o]:  # its last byte: verify while the next buckets arrive
+                self.checks[o] = hashers.submit(self._check, o)
+
+    def _check(self, o: str) -> str | None:
+        slab = self.slabs[o]
+        with memoryview(slab.map) as buf:
+            return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {}))
+
+
+def _parse_offer(offer: Mapping[str, Any], src: int) -> tuple[Version, Manifest, dict[str, int], int]:
+    """The offer's version, manifest, sizes and bucket size, checked (ParamStoreError otherwise)."""
+    where = f"received from rank {src}"
+    try:
+        version = Version.from_json(offer["version"])
+        manifest = Manifest.from_json(offer["manifest"])
+        sizes = offer["sizes"]
+        bucket = offer["bucket_bytes"]
+    except (KeyError, TypeError) as e:
+        raise ParamStoreError(f"the offer {where} is malformed ({e!r})") from None
+    if not isinstance(sizes, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                              for n in sizes.values()):
+        raise ParamStoreError(f"the offer {where} has bad object sizes")
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ParamStoreError(f"the offer {where} has a bad bucket size {bucket!r}")
+    check_digests(sizes)
+    check_manifest(manifest, version, sizes, where=where)
+    return version, manifest, dict(sizes), bucket
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _decode(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BroadcastError(f"{what} is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BroadcastError(f"{what} is not a JSON object")
+    return obj
