@@ -1,0 +1,381 @@
+"""Collective checkout: ``checkout(v, group=pg, src=r)`` over gloo, members as real processes.
+
+Each member is a spawned process with its own store root (its own "host"); they join one gloo group
+(``file://`` rendezvous in the test's directory). Every run is bounded: the parent kills whatever
+is left at its deadline. Members report JSON-able results through a queue.
+
+Covers the :class:`~paramstore.backends.transports.collective.TorchCollective` contract
+(broadcast, all-gather of messages of different lengths, empty ones) and
+:func:`paramstore.collective.broadcast_version`: mixed dtypes (bf16, fp8) bit-exact on three
+receivers, a tensor larger than a bucket, a receiver that already holds part of the version (only
+the rest moves), a corrupt object on the source (every member raises, nothing placed), a member
+SIGKILLed mid-broadcast by the parent (the others raise within seconds, nothing placed), and a
+version the source does not have (every member raises).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+import warnings
+import zlib
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from helpers import as_bytes
+
+SPAWN = mp.get_context("spawn")
+
+BUCKET = 16 << 10  # small buckets: "emb" spans ten of them
+
+
+# -- a bounded runner with the processes at hand ------------------------------------------------
+def _member(fn: Callable, rank: int, world: int, base: str, results: Any, args: tuple) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=rank, world_size=world)
+        results.put((rank, "ok", fn(rank, world, base, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_members(world: int, fn: Callable, base: str, *args: Any, timeout: float = 40,
+                kill: tuple[int, str] | None = None) -> tuple[dict[int, Any], dict[int, int | None]]:
+    """Run ``fn(rank, world, base, *args)`` on ``world`` spawned members of one gloo group.
+
+    ``kill``: ``(rank, marker)``: SIGKILL that member as soon as the file ``marker`` exists.
+    Returns ``{rank: value}`` and the exit codes; AssertionError if a member raised or another one
+    gave no result within ``timeout`` (every process is killed at the deadline).
+    """
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_member, args=(fn, r, world, base, results, args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    need = set(range(world)) - ({kill[0]} if kill else set())
+    deadline = time.monotonic() + timeout
+    try:
+        while not need <= set(got) and not errors and time.monotonic() < deadline:
+            if kill and procs[kill[0]].is_alive() and os.path.exists(kill[1]):
+                os.kill(procs[kill[0]].pid, signal.SIGKILL)
+            try:
+                rank, status, value = results.get(timeout=0.01 if kill else 0.5)
+            except queue.Empty:
+                continue
+            if status == "ok":
+                got[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        for p in procs:
+            p.join(timeout=max(0.5, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not errors, "\n".join(errors)
+    missing = sorted(need - set(got))
+    assert not missing, f"members {missing} gave no result within {timeout} s (exit codes {[p.exitcode for p in procs]})"
+    return got, {r: p.exitcode for r, p in enumerate(procs)}
+
+
+# -- the model ---------------------------------------------------------------------------------
+SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "emb": ((300, 256), torch.bfloat16),   # 150 KiB: larger than a bucket
+    "proj": ((96, 40), torch.float32),
+    "fp8": ((64, 48), torch.float8_e4m3fn),
+    "fp8b": ((17,), torch.float8_e5m2),
+    "half": ((33,), torch.float16),
+    "idx": ((100,), torch.int64),
+    "mask": ((19,), torch.bool),
+}
+
+
+def model(seed: int, changed: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The same tensors in every process; those in ``changed`` drawn from ``seed + 1``."""
+    out = {}
+    for name, (shape, dtype) in SHAPES.items():
+        s = seed + (name in changed)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{s}".encode()))
+        if dtype == torch.bool:
+            out[name] = torch.rand(shape, generator=g) > 0.5
+        elif dtype.is_floating_point:
+            out[name] = (torch.randn(shape, generator=g) * 4).to(dtype)
+        else:
+            out[name] = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+    return out
+
+
+def same_bits(snap: Any, want: dict[str, torch.Tensor]) -> bool:
+    return set(snap.keys()) == set(want) and all(
+        snap[k].dtype == v.dtype and torch.equal(as_bytes(snap[k]), as_bytes(v)) for k, v in want.items())
+
+
+def _store(base: str, rank: int) -> Any:
+    import paramstore
+
+    return paramstore.ParamStore(f"{base}/host{rank}", create=True)
+
+
+# -- the contract ------------------------------------------------------------------------------
+def _contract(rank: int, world: int, base: str) -> dict[str, Any]:
+    from paramstore.backends.transports.collective import TorchCollective
+    from paramstore.errors import InvalidArgumentError
+
+    coll = TorchCollective()
+    out: dict[str, Any] = {"rank": coll.rank, "size": coll.size, "device": str(coll.device)}
+    buf = torch.full((1000,), rank, dtype=torch.uint8)
+    coll.broadcast(buf, 1)
+    out["broadcast"] = sorted(set(buf.tolist()))
+    pend = [coll.broadcast(torch.full((10,), rank, dtype=torch.uint8) if rank == 2 else torch.zeros(10, dtype=torch.uint8),
+                           2, async_op=True) for _ in range(3)]
+    for p in pend:
+        p.wait()
+    out["gathered"] = [b.decode() for b in coll.all_gather_bytes(("x" * (rank * 5)).encode())]
+    out["empty"] = [b.decode() for b in coll.all_gather_bytes(b"")]
+    out["bytes"] = coll.broadcast_bytes(b"\x00\xff json or anything" if rank == 0 else None, 0).hex()
+    out["bytes_empty"] = coll.broadcast_bytes(b"" if rank == 0 else b"ignored", 0).hex()
+    coll.barrier()
+    try:
+        coll.broadcast(buf, world)
+        out["bad_src"] = "accepted"
+    except InvalidArgumentError as e:
+        out["bad_src"] = str(e)
+    return out
+
+
+def test_torch_collective_contract_over_gloo(shm_dir):
+    got, _ = run_members(3, _contract, shm_dir)
+    for rank, out in got.items():
+        assert (out["rank"], out["size"], out["device"]) == (rank, 3, "cpu")
+        assert out["broadcast"] == [1]  # member 1's bytes everywhere
+        assert out["gathered"] == ["", "xxxxx", "x" * 10]  # different lengths, one empty
+        assert out["empty"] == ["", "", ""]
+        assert out["bytes"] == b"\x00\xff json or anything".hex()
+        assert out["bytes_empty"] == ""
+        assert "src must be a rank of the group (0..2)" in out["bad_src"]
+
+
+# -- a version to three receivers ---------------------------------------------------------------
+def _three_receivers(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = _store(base, rank)
+    if rank == 0:
+        store.commit(1, model(7)).result()
+        store.commit(2, model(7, changed=("emb",))).result()  # a new object holds "emb"; the rest dedups to step 1's
+    elif rank == 3:
+        store.commit(1, model(7)).result()  # the same tensors, the same layout: the very object of step 1
+    dist.barrier()
+    out: dict[str, Any] = {}
+    with store.checkout("latest", group=dist.group.WORLD, src=0, bucket_bytes=BUCKET) as snap:
+        out["step"], out["digest"] = snap.step, snap.digest
+        out["exact"] = same_bits(snap, model(7, changed=("emb",)))
+        out["fetch"] = snap.fetch.as_dict()
+        out["from_group"] = snap.fetch.from_group
+    man = store.manifest(2)
+    sizes = store._root.registry.object_sizes(man.objects())
+    out["emb_object"] = man.tensors["emb"].object
+    out["sizes"] = sizes
+    out["verify"] = store.verify()["ok"]
+    with store.checkout(2, group=dist.group.WORLD, src=0, bucket_bytes=BUCKET) as snap:  # again: nothing moves
+        out["again"] = snap.fetch.as_dict()
+    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
+    store.close()
+    return out
+
+
+def test_a_version_moves_bit_exact_to_three_receivers_and_only_what_each_lacks(shm_dir):
+    got, _ = run_members(4, _three_receivers, shm_dir)
+    src = got[0]
+    assert src["step"] == 2 and src["exact"] and src["fetch"]["bytes"] == 0
+    emb, sizes = src["emb_object"], src["sizes"]
+    assert len(sizes) == 2 and sizes[emb] > BUCKET  # one object spans several buckets
+    for rank in (1, 2, 3):
+        out = got[rank]
+        assert out["step"] == 2 and out["exact"], f"rank {rank} got other bits"
+        assert out["digest"] == src["digest"]
+        assert out["sizes"] == sizes
+        assert out["verify"] is True  # every byte re-hashed: intact
+        assert out["again"]["bytes"] == 0 and out["again"]["from_group"] == 0
+    for rank in (1, 2):  # lacked everything
+        assert got[rank]["fetch"]["local"] == 0
+        assert sorted(got[rank]["from_group"]) == sorted(sizes)
+        assert got[rank]["fetch"]["bytes_from"] == {"group:0": sum(sizes.values())}
+    three = got[3]["fetch"]  # held step 1's object already: only the new one moved
+    assert three["local"] == 1 and got[3]["from_group"] == [emb]
+    assert three["bytes_from"] == {"group:0": sizes[emb]}
+
+
+# -- a corrupt object on the source -------------------------------------------------------------
+def _corrupt_source(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paramstore.errors import BroadcastError
+
+    store = _store(base, rank)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        store.commit(5, model(3)).result()
+        obj = store.manifest(5).tensors["emb"].object
+        path = store._root.tier.object_path(obj)
+        with open(path, "r+b") as f:  # one bit of "emb", in the file itself: the source does not re-hash
+            f.seek(os.path.getsize(path) - 100)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x10]))
+        out["object"] = obj
+    dist.barrier()
+    try:
+        store.checkout(5, group=dist.group.WORLD, src=0, bucket_bytes=BUCKET)
+        out["raised"] = None
+    except BroadcastError as e:
+        out["raised"], out["rank"] = str(e), e.rank
+    out["objects"] = sorted(store._root.tier.list())
+    out["versions"] = [v.step for v in store.versions()]
+    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
+    store.close()
+    return out
+
+
+def test_a_corrupt_object_on_the_source_fails_every_member_and_is_placed_nowhere(shm_dir):
+    got, _ = run_members(3, _corrupt_source, shm_dir)
+    obj = got[0]["object"]
+    for rank, out in got.items():
+        assert out["raised"] is not None, f"rank {rank} did not raise"
+        assert f"object {obj}" in out["raised"] and "does not match the manifest" in out["raised"]
+        assert "rank 1" in out["raised"] and "rank 2" in out["raised"]
+        assert out["rank"] == 1
+    for rank in (1, 2):
+        assert obj not in got[rank]["objects"] and got[rank]["versions"] == []
+        assert not [t for t in got[rank]["tmp"] if t.startswith("slab")], got[rank]["tmp"]  # slabs discarded
+
+
+# -- a member killed mid-broadcast --------------------------------------------------------------
+def _killed_member(rank: int, world: int, base: str, victim: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paramstore.backends.transports.collective import Collective, TorchCollective
+    from paramstore.collective import broadcast_version
+    from paramstore.errors import BroadcastError
+
+    store = _store(base, rank)
+    if rank == 0:
+        big = {f"t{i}": torch.randn(64, 256) for i in range(8)}  # 512 KiB: 128 buckets of 4 KiB
+        store.commit(1, big).result()
+    dist.barrier()
+
+    class Slow(Collective):
+        """The victim's group: says (by a file) when its first bucket arrived, then is slow, so
+        the parent's SIGKILL lands mid-broadcast."""
+
+        def __init__(self) -> None:
+            self.inner, self.buckets = TorchCollective(), 0
+
+        rank = property(lambda self: self.inner.rank)
+        size = property(lambda self: self.inner.size)
+        device = property(lambda self: self.inner.device)
+
+        def broadcast(self, tensor, src, *, async_op=False):
+            self.buckets += 1
+            if self.buckets == 3:  # two for the offer (length, bytes), then the first bucket
+                open(f"{base}/first-bucket", "w").close()
+            if self.buckets >= 3:
+                time.sleep(0.02)
+            return self.inner.broadcast(tensor, src, async_op=async_op)
+
+        def all_gather_bytes(self, payload):
+            return self.inner.all_gather_bytes(payload)
+
+        def abort(self, reason=""):
+            self.inner.abort(reason)
+
+    coll = Slow() if rank == victim else TorchCollective()
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=4 << 10)
+        out["raised"] = None
+    except BroadcastError as e:
+        out["raised"] = str(e)
+    out["seconds"] = time.monotonic() - t0
+    out["objects"] = sorted(store._root.tier.list())
+    out["versions"] = [v.step for v in store.versions()]
+    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
+    store.close()
+    return out
+
+
+def test_a_member_killed_mid_broadcast_fails_the_others_quickly_and_nothing_is_placed(shm_dir):
+    got, codes = run_members(4, _killed_member, shm_dir, 3, kill=(3, f"{shm_dir}/first-bucket"))
+    assert codes[3] == -signal.SIGKILL and 3 not in got
+    for rank in (0, 1, 2):
+        out = got[rank]
+        assert out["raised"] is not None, f"rank {rank} did not raise"
+        assert "gloo group" in out["raised"], out["raised"]
+        assert out["seconds"] < 15
+    for rank in (1, 2):
+        assert got[rank]["objects"] == [] and got[rank]["versions"] == []
+        assert not [t for t in got[rank]["tmp"] if t.startswith("slab")], got[rank]["tmp"]
+
+
+# -- a version the source does not have; members that disagree ---------------------------------
+def _missing_version(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paramstore.errors import BroadcastError
+
+    store = _store(base, rank)
+    if rank == 0:
+        store.commit(1, model(1)).result()
+    dist.barrier()
+    out: dict[str, Any] = {}
+    try:
+        store.checkout(9, group=dist.group.WORLD, src=0)
+    except BroadcastError as e:
+        out["missing"], out["missing_rank"] = str(e), e.rank
+    try:  # member 2 names another source: every member refuses before any byte moves
+        store.checkout(1, group=dist.group.WORLD, src=2 if rank == 2 else 0)
+    except BroadcastError as e:
+        out["disagree"] = str(e)
+    out["versions"] = [v.step for v in store.versions()]
+    store.close()
+    return out
+
+
+def test_a_version_the_source_lacks_fails_every_member(shm_dir):
+    got, _ = run_members(3, _missing_version, shm_dir)
+    for rank, out in got.items():
+        assert "the source, rank 0, cannot send it" in out["missing"] and "9" in out["missing"], out
+        assert out["missing_rank"] == 0
+        assert "disagree" in out["disagree"] and "src 2" in out["disagree"], out
+    assert got[1]["versions"] == [] and got[2]["versions"] == []
+
+
+def test_bad_arguments_are_refused_before_any_collective(shm_dir, gloo_group):
+    import paramstore
+    from paramstore.backends.transports.collective import TorchCollective
+    from paramstore.collective import broadcast_version
+
+    with paramstore.ParamStore(f"{shm_dir}/s", create=True) as store:
+        coll = TorchCollective()
+        with pytest.raises(paramstore.InvalidArgumentError, match="bucket_bytes"):
+            broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=0)
+        with pytest.raises(paramstore.InvalidArgumentError, match="src"):
+            broadcast_version(store._root, store._pool, coll, 1, 1, resolve=store._resolve)
