@@ -329,6 +329,7 @@ class _Buckets:
         self.views: dict[str, "torch.Tensor"] = {}  # object -> its bytes (slab or source mapping)
         self.maps: list[Any] = []
         self.checks: dict[str, Future[str | None]] = {}
+        self.hashing: dict[str, _InOrder] = {}
 
     def run(self) -> dict[str, Any]:
         import torch
@@ -392,6 +393,8 @@ class _Buckets:
                     placed.append(o)
                 else:
                     bad[o] = why
+            for h in self.hashing.values():
+                h.release()
             self._release_views()
             for o in placed:
                 slab = self.slabs.pop(o)
@@ -404,6 +407,8 @@ class _Buckets:
             self.error = self.error or f"{type(e).__name__}: {e}"
         finally:
             hashers.shutdown(wait=True)
+            for h in self.hashing.values():
+                h.release()
             self._release_views()
             for slab in self.slabs.values():  # anything not placed: never published
                 with contextlib.suppress(BufferError):
@@ -437,6 +442,7 @@ class _Buckets:
                     slab = self.b.pool.take(self.sizes[o])
                     self.slabs[o] = slab
                     self.views[o] = torch.frombuffer(slab.map, dtype=torch.uint8)[: self.sizes[o]]
+                    self.hashing[o] = _InOrder(o, slab.map, self.sizes[o], self.spans.get(o, {}))
         except ParamStoreError as e:  # e.g. the tmpfs is full: keep taking part, report it at the end
             self.error = f"{type(e).__name__}: {e}"
             self._release_views()
@@ -470,13 +476,82 @@ class _Buckets:
                 continue  # not lacking here (or no slab: a local error)
             if bounced:
                 view[a:b].copy_(target[at - lo: at - lo + b - a])
-            if b == self.sizes[o]:  # its last byte: verify while the next buckets arrive
+            # hash what arrived while the next buckets arrive (one helper thread: in order)
+            hashers.submit(self.hashing[o].upto, b)
+            if b == self.sizes[o]:  # its last byte
                 self.checks[o] = hashers.submit(self._check, o)
 
     def _check(self, o: str) -> str | None:
-        slab = self.slabs[o]
-        with memoryview(slab.map) as buf:
-            return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {}))
+        """Why object ``o`` as received is not the one the manifest names, or None."""
+        if self.hashing[o].result() is None:
+            return None
+        with memoryview(self.slabs[o].map) as buf:  # say why the way verify does (one more pass)
+            return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {})) or self.hashing[o].result()
+
+
+class _InOrder:
+    """An object's digest and tensor digests, hashed as its bytes arrive front to back.
+
+    :meth:`upto` (called in order, on one thread) hashes each tensor as far as the arrived bytes
+    reach, so when the last bucket lands only its bytes are left. :meth:`result` then checks what
+    :func:`~paramstore.ops.check_buffer` checks: the object digest (header and every tensor) and
+    each tensor the manifest places in the object (``spans``: ``(begin, end) -> digest``).
+    """
+
+    def __init__(self, digest: str, buf: Any, size: int, spans: Mapping[tuple[int, int], str]) -> None:
+        self.base = memoryview(buf)
+        self.digest, self.mv, self.size, self.want = digest, self.base[:size], size, dict(spans)
+        self.start = -1
+        self.tensors: list[tuple[int, int]] = []
+        self.hashers: list[Any] = []
+        self.pos: list[int] = []
+        self.error = ""
+        self.reached = 0
+
+    def upto(self, end: int) -> None:
+        """Bytes ``[0, end)`` are final."""
+        import blake3
+
+        from .format import tensor_spans
+
+        self.reached = max(self.reached, end)
+        if self.error:
+            return
+        if self.start < 0:
+            if end < 8 or end < 8 + int.from_bytes(self.mv[:8], "little"):
+                return  # the header is not all here yet
+            try:
+                self.start, self.tensors = tensor_spans(self.mv, self.size)
+            except ValueError as e:
+                self.error = f"malformed ({e})"
+                return
+            self.hashers = [blake3.blake3(max_threads=blake3.blake3.AUTO) for _ in self.tensors]
+            self.pos = [b for b, _ in self.tensors]
+        for i, (_, e) in enumerate(self.tensors):
+            reach = min(e, end)
+            if reach > self.pos[i]:
+                self.hashers[i].update(self.mv[self.pos[i]:reach])
+                self.pos[i] = reach
+
+    def result(self) -> str | None:
+        """None if every byte arrived and matches; else why not."""
+        from .format import object_digest
+
+        if self.error:
+            return self.error
+        if self.start < 0 or self.reached < self.size:
+            return "not every byte was received"
+        got = {span: h.hexdigest() for span, h in zip(self.tensors, self.hashers)}
+        digest = object_digest(self.mv[: self.start], [got[span] for span in self.tensors])
+        if digest != self.digest:
+            return f"bytes hash to {digest}"
+        bad = [f"{b}..{e}" for (b, e), d in sorted(self.want.items()) if got.get((b, e)) != d]
+        return f"tensor digests differ from the manifest at bytes {', '.join(bad[:5])}" if bad else None
+
+    def release(self) -> None:
+        """Let go of the buffer (before it is unmapped)."""
+        self.mv.release()
+        self.base.release()
 
 
 def _parse_offer(offer: Mapping[str, Any], src: int) -> tuple[Version, Manifest, dict[str, int], int]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import re
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -58,6 +57,19 @@ FAILED_KEY = "paramstore/collective/failed"
 
 #: How often a member waiting for a transfer looks for another member's failure (seconds).
 POLL_S = 0.05
+
+#: Short messages travel in one collective of this many bytes (8 of them the length); longer
+#: ones take a second collective for the rest.
+FRAME_BYTES = 4096
+
+
+def _frame(data: bytes) -> "torch.Tensor":
+    """A CPU ``uint8`` tensor of :data:`FRAME_BYTES`: ``len(data)`` (8 bytes, little-endian), then
+    as much of ``data`` as fits, zero-padded."""
+    import torch
+
+    head = len(data).to_bytes(8, "little") + data[: FRAME_BYTES - 8]
+    return torch.frombuffer(bytearray(head.ljust(FRAME_BYTES, b"\0")), dtype=torch.uint8)
 
 
 class Pending:
@@ -132,8 +144,9 @@ class Collective(abc.ABC):
     def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
         """Member ``src``'s ``payload`` on every member (others pass None, or anything: ignored).
 
-        Note for implementers: the default sends the length (8 bytes, little-endian) and then the
-        bytes with :meth:`broadcast`; override it where the group has something better.
+        Note for implementers: the default makes one :meth:`broadcast` of a :data:`FRAME_BYTES`
+        frame (the length, 8 bytes little-endian, then the payload's head) and a second one for
+        the rest of a longer payload; override it where the group has something better.
 
         Args:
             payload: the message, on ``src`` (at most :data:`MAX_MESSAGE_BYTES`).
@@ -151,18 +164,20 @@ class Collective(abc.ABC):
         data = bytes(payload or b"") if mine else b""
         if mine and len(data) > MAX_MESSAGE_BYTES:
             raise BroadcastError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}", rank=self.rank)
-        head = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8).to(self.device)
-        self.broadcast(head, src)
-        n = int.from_bytes(bytes(head.cpu().tolist()), "little")
+        frame = _frame(data) if mine else torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame = frame.to(self.device)
+        self.broadcast(frame, src)
+        head = frame.cpu().numpy().tobytes()
+        n = int.from_bytes(head[:8], "little")
         if n > MAX_MESSAGE_BYTES:
             raise BroadcastError(f"rank {src} announced a message of {n} bytes (more than {MAX_MESSAGE_BYTES})",
                                  rank=src)
-        if n == 0:
-            return b""
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
-               else torch.empty(n, dtype=torch.uint8)).to(self.device)
-        self.broadcast(buf, src)
-        return data if mine else buf.cpu().numpy().tobytes()
+        if n <= FRAME_BYTES - 8:
+            return data if mine else head[8:8 + n]
+        rest = (torch.frombuffer(bytearray(data[FRAME_BYTES - 8:]), dtype=torch.uint8) if mine
+                else torch.empty(n - (FRAME_BYTES - 8), dtype=torch.uint8)).to(self.device)
+        self.broadcast(rest, src)
+        return data if mine else head[8:] + rest.cpu().numpy().tobytes()
 
     def barrier(self) -> None:
         """Return once every member called it. Raises BroadcastError.
@@ -199,8 +214,8 @@ class TorchCollective(Collective):
     members exchanging bytes with it directly notice: gloo's broadcast is a tree, and the others
     would wait for the group's timeout. So a member whose transfer fails (or that calls
     :meth:`abort`) writes ``rank r: why`` under :data:`FAILED_KEY` in the group's rendezvous store
-    (the ``init_method``'s file or TCP store), and every member waits for its transfers on a
-    helper thread while it looks at that key every :data:`POLL_S` seconds: each raises
+    (the ``init_method``'s file or TCP store), and every member waits for its transfers in a
+    polling loop that looks at that key every :data:`POLL_S` seconds: each raises
     BroadcastError naming the failed rank within about that. A store that cannot be reached (its
     host, rank 0, died) counts as a failure too. A transfer abandoned this way may still write
     into its buffer later: the caller never reuses it (:mod:`paramstore.collective` drops it).
@@ -260,23 +275,26 @@ class TorchCollective(Collective):
         data = bytes(payload)
         if len(data) > MAX_MESSAGE_BYTES:
             raise BroadcastError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}", rank=self.rank)
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        sizes = [torch.empty_like(n) for _ in range(self._size)]
-        self._all_gather(sizes, n)
-        lengths = [int(s.item()) for s in sizes]
+        # One all_gather of FRAME_BYTES frames (length + head) carries short messages whole; only if
+        # some member's is longer, a second one carries every member's rest (padded to the longest).
+        frames = [torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self._device) for _ in range(self._size)]
+        self._all_gather(frames, _frame(data).to(self._device))
+        heads = [f.cpu().numpy().tobytes() for f in frames]
+        lengths = [int.from_bytes(h[:8], "little") for h in heads]
         top = max(lengths)
-        if top == 0:
-            return [b""] * self._size
         if top > MAX_MESSAGE_BYTES:
             raise BroadcastError(f"a member announced a message of {top} bytes (more than {MAX_MESSAGE_BYTES})",
                                  rank=lengths.index(top))
-        mine = torch.zeros(top, dtype=torch.uint8)
-        if data:
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        mine = mine.to(self._device)
-        bufs = [torch.empty(top, dtype=torch.uint8, device=self._device) for _ in range(self._size)]
-        self._all_gather(bufs, mine)
-        return [b.cpu().numpy()[:k].tobytes() for b, k in zip(bufs, lengths)]
+        room = FRAME_BYTES - 8
+        if top <= room:
+            return [h[8:8 + n] for h, n in zip(heads, lengths)]
+        mine = torch.zeros(top - room, dtype=torch.uint8)
+        if len(data) > room:
+            mine[: len(data) - room] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+        rests = [torch.empty(top - room, dtype=torch.uint8, device=self._device) for _ in range(self._size)]
+        self._all_gather(rests, mine.to(self._device))
+        return [h[8:8 + min(n, room)] + r.cpu().numpy()[: max(0, n - room)].tobytes()
+                for h, n, r in zip(heads, lengths, rests)]
 
     def abort(self, reason: str = "") -> None:
         if self._aborted:
@@ -303,34 +321,28 @@ class TorchCollective(Collective):
         self._wait(work, "an all_gather")
 
     def _wait(self, work: Any, what: str) -> None:
-        """Wait for ``work`` on a helper thread; meanwhile look for another member's failure."""
-        done = threading.Event()
-        error: list[BaseException] = []
+        """Wait for ``work``; meanwhile look for another member's failure every :data:`POLL_S`.
 
-        def waiter() -> None:
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                error.append(e)
-            finally:
-                done.set()
-
-        if work.is_completed():
-            waiter()
-        else:
-            threading.Thread(target=waiter, name="paramstore-collective-wait", daemon=True).start()
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        while not done.wait(POLL_S):
-            other = self._other_failed()
-            if other is not None:
-                raise self._failed(what, None, other)
-            if deadline is not None and time.monotonic() > deadline:
-                raise self._failed(what, TimeoutError(f"not complete after {self._timeout} s"))
-        if error:
-            if isinstance(error[0], RuntimeError):
+        Polls ``is_completed()`` with sleeps growing to 1 ms (a blocking ``wait()`` on another
+        thread costs more per transfer: small messages are latency-bound)."""
+        start = time.monotonic()
+        look = start + POLL_S
+        nap = 2e-5
+        while not work.is_completed():
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+            now = time.monotonic()
+            if now >= look:
+                look = now + POLL_S
                 other = self._other_failed()
-                raise self._failed(what, error[0], other) from error[0]
-            raise error[0]
+                if other is not None:
+                    raise self._failed(what, None, other)
+                if self._timeout is not None and now - start > self._timeout:
+                    raise self._failed(what, TimeoutError(f"not complete after {self._timeout} s"))
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._failed(what, e, self._other_failed()) from e
 
     def _other_failed(self) -> str | None:
         """What another member wrote under :data:`FAILED_KEY` (or why the store cannot be read)."""

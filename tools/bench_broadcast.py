@@ -1,0 +1,198 @@
+"""Collective checkout against a raw ``dist.broadcast``: one source, ``k`` receivers, gloo on this machine.
+
+``1 + k`` spawned processes join one gloo group (``file://`` rendezvous); each has its own store on
+/dev/shm (its own "host"). Each round, side by side in the same processes and group, in alternating
+order:
+
+* **paramstore**: the source commits a fresh version of ``--mib`` MiB of bf16 tensors (random bits,
+  outside the timing); then every member runs ``store.checkout(step, group=WORLD, src=0,
+  bucket_bytes=...)``: the whole protocol (agreement, offer, status, buckets, verification of every
+  received object, placement, registration, lease and mapping). Afterwards every member removes the
+  previous version and runs GC (outside the timing) and the receivers' pools prepare the next destinations,
+  as they do between training steps.
+* **raw**: ``dist.broadcast`` of the same number of bytes, in buckets of the same size, from a
+  preallocated buffer of the source into a preallocated (faulted) buffer of each receiver: no
+  verification, nothing stored.
+
+A round's time is the slowest member's (each starts after a barrier); the figures are medians over
+``--rounds`` rounds after one warm-up round. ``ratio`` = raw time / paramstore time (goal ≥ 0.9).
+
+    .venv/bin/python tools/bench_broadcast.py --mib 256 --receivers 3 --bucket-mib 64 --rounds 5 \\
+        --json out/bench_broadcast.json
+
+Other benchmarks call :func:`run` (``tools/bench_device.py``'s broadcast row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import log, machine, write_outputs  # noqa: E402
+
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+TENSORS = 8  # the version's bf16 tensors (one object: the default shard is 256 MiB)
+
+
+def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int, results: Any) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    import paramstore
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=rank, world_size=world)
+        store = paramstore.ParamStore(f"{base}/host{rank}", create=True)
+        total = mib << 20
+        raw = torch.empty(total, dtype=torch.uint8)
+        if rank == 0:
+            raw.random_()
+        else:
+            raw.zero_()  # faulted, as the store's prepared slabs are
+        per = total // TENSORS
+        times: dict[str, list[float]] = {"paramstore": [], "raw": []}
+        moved: list[int] = []
+
+        def timed(what: str, step: int) -> None:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if what == "raw":
+                for lo in range(0, total, bucket):
+                    dist.broadcast(raw[lo: lo + bucket], src=0)
+            else:
+                with store.checkout(step, group=dist.group.WORLD, src=0, bucket_bytes=bucket) as snap:
+                    moved.append(snap.fetch.bytes)
+            times[what].append(time.perf_counter() - t0)
+
+        for r in range(rounds + 1):  # round 0: warm-up
+            step = r + 1
+            if rank == 0:
+                bits = torch.empty(total, dtype=torch.uint8).random_()
+                model = {f"layer{i}.weight": bits[i * per:(i + 1) * per].view(torch.bfloat16).view(-1, 1024)
+                         for i in range(TENSORS)}
+                store.commit(step, model).result()
+                del model, bits
+            order = ("raw", "paramstore") if r % 2 else ("paramstore", "raw")
+            for what in order:
+                timed(what, step)
+            if step > 1:  # the latest is always kept: drop the one before
+                store.remove(step - 1)
+                store.gc()
+            time.sleep(1.0)  # the receivers' pools fault the next destinations meanwhile (between steps)
+        store.close()
+        results.put((rank, "ok", {"paramstore": times["paramstore"][1:], "raw": times["raw"][1:],
+                                  "moved": moved[1:]}))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 5, *,
+        timeout: float = 900.0) -> dict[str, Any]:
+    """Broadcast a version of ``mib`` MiB (bf16) from one source to ``receivers`` over gloo, with
+    paramstore and with a raw ``dist.broadcast`` of the same bytes and bucket size.
+
+    Args:
+        mib: the version's size (MiB; a multiple of 8 keeps the tensors whole rows).
+        receivers: members that receive it (the group has ``receivers + 1`` processes).
+        bucket_mib: bytes per broadcast, MiB (both sides).
+        rounds: timed rounds (after one warm-up round).
+        timeout: seconds the whole run may take before every process is killed.
+
+    Returns:
+        ``{"mib", "receivers", "bucket_mib", "rounds", "paramstore_s", "raw_s", "ratio",
+        "paramstore_all", "raw_all", "bytes_per_receiver", "machine"}``: medians over the rounds of
+        the slowest member's time; ``ratio`` = raw / paramstore.
+
+    Raises:
+        RuntimeError: a member failed or did not finish within ``timeout``.
+    """
+    world = receivers + 1
+    base = tempfile.mkdtemp(prefix="paramstore-bench-broadcast-", dir=SHM)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, results), daemon=True)
+             for r in range(world)]
+    got: dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"members {sorted(set(range(world)) - set(got))} did not finish in {timeout} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"a member died (exit codes {[p.exitcode for p in procs]})") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"member {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(base, ignore_errors=True)
+    slowest = {what: [max(got[r][what][i] for r in got) for i in range(rounds)] for what in ("paramstore", "raw")}
+    ours, raw = statistics.median(slowest["paramstore"]), statistics.median(slowest["raw"])
+    return {"mib": mib, "receivers": receivers, "bucket_mib": bucket_mib, "rounds": rounds,
+            "paramstore_s": ours, "raw_s": raw, "ratio": raw / ours,
+            "paramstore_all": slowest["paramstore"], "raw_all": slowest["raw"],
+            "bytes_per_receiver": statistics.median(got[1]["moved"]) if receivers else 0, "machine": machine()}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    return "\n".join([
+        f"Collective checkout, {res['mib']} MiB of bf16 from 1 source to {res['receivers']} receivers, gloo "
+        f"(loopback), {res['bucket_mib']} MiB buckets; median of {res['rounds']} rounds, slowest member.",
+        "",
+        "| | time | throughput per receiver | ratio (raw / paramstore) | goal |",
+        "|---|---|---|---|---|",
+        f"| `store.checkout(v, group=, src=0)` | {res['paramstore_s'] * 1e3:.0f} ms | "
+        f"{res['mib'] / 1024 / res['paramstore_s']:.2f} GiB/s | {res['ratio']:.2f}× | ≥ 0.9× |",
+        f"| raw `dist.broadcast` | {res['raw_s'] * 1e3:.0f} ms | {res['mib'] / 1024 / res['raw_s']:.2f} GiB/s | "
+        "1.00× | |",
+    ])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="size of the version (MiB of bf16)")
+    ap.add_argument("--receivers", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--markdown", help="write the table here")
+    args = ap.parse_args()
+    log(f"broadcast {args.mib} MiB to {args.receivers} receivers, {args.bucket_mib} MiB buckets, {args.rounds} rounds")
+    res = run(args.mib, args.receivers, args.bucket_mib, args.rounds)
+    md = markdown(res)
+    print(md)
+    write_outputs(args.json, res, args.markdown, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
