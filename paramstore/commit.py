@@ -98,6 +98,33 @@ class CommitHandle:
         self.staged: Future[None] = Future()
         self.committed: Future[Version] = Future()
         self.persisted: Future[Version] | None = Future() if persist else None
+        # device -> an event recorded on the side stream after this commit's last device copy;
+        # set once every copy is queued (before they finish: see fence())
+        self._queued: Future[dict[Any, Any]] = Future()
+
+    def fence(self) -> None:
+        """Let the caller change its parameters once this commit's copy of them is taken.
+
+        For tensors on an accelerator, the caller's current streams are made to wait, on the
+        device, for the commit's device-to-host copies: the calling thread is held only until
+        those copies are *queued* (not done), so the training loop goes on at once and only the
+        kernels it queues next (the optimizer step that overwrites the weights) wait for the
+        copies on the device. For CPU tensors, and when a commit failed, it waits for ``staged``.
+        ``store.guard(optimizer)`` calls it before every ``optimizer.step()``. Commit errors are
+        not raised here (see ``result()``).
+
+        Example:
+            >>> handle = store.commit(2, model)
+            >>> handle.fence()  # CPU tensors: returns once staged
+            >>> handle.staged.done()
+            True
+        """
+        futures.wait([self._queued, self.staged], return_when=futures.FIRST_COMPLETED)
+        if self._queued.done() and self._queued.exception() is None and self._queued.result():
+            for dev, event in self._queued.result().items():
+                accel.current_stream(dev).wait_event(event)
+            return
+        futures.wait([self.staged])
 
     def result(self, timeout: float | None = None) -> Version:
         """Wait until the version is committed and return it (re-raises a commit's error).
@@ -690,6 +717,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
                     copier.copy(_slab_view(slab, p), sources[p.spec.name], pinned=slab.pinned)
             if on_shard is not None:
                 on_shard(job, i, plan, slab)
+        job.handle._queued.set_result(copier.done_events())  # fence() may now order the caller's streams
     finally:
         copier.synchronize()
 
@@ -739,6 +767,10 @@ class _Copier:
             src.record_stream(stream)
         with accel.on_stream(stream):
             dst.copy_(src, non_blocking=pinned)
+
+    def done_events(self) -> dict[torch.device, Any]:
+        """Per device, an event recorded after every copy queued so far."""
+        return {dev: accel.record_event(stream) for dev, stream in self._streams.items()}
 
     def synchronize(self) -> None:
         for stream in self._streams.values():

@@ -127,9 +127,10 @@ class ParamStore:
             the tmpfs are invisible to that scan, so turn this off there if leases are
             unavailable. Published buffers stay mapped in this process until GC
             sweeps them (at most 4 commits' worth). Default True.
-        pin_memory: page-lock the staging buffers of commits of accelerator tensors (CUDA,
-            Ascend), once per buffer for its lifetime, so device-to-host copies are asynchronous
-            (see :mod:`paramstore.pinning`). Processes that only read never pin.
+        pin_memory: page-lock commit slabs, once each for as long as they are mapped, when this
+            process commits accelerator tensors (CUDA, Ascend), so device-to-host copies are
+            asynchronous DMA (see :mod:`paramstore.pinning`); processes that only read never pin.
+            False: never.
         device_latest: keep the latest version this process commits in a GPU's memory as well and
             share it with the node's other processes through CUDA IPC: their
             ``checkout(..., device=<that GPU>)`` of that version maps the buffers instead of
@@ -589,6 +590,9 @@ class ParamStore:
         """Make ``optimizer.step()`` wait until the last commit's snapshot is taken.
 
         The wait is only as long as the copy still has to run; with no commit in flight it is free.
+        For parameters on an accelerator the wait is on the device, not on this thread
+        (:meth:`CommitHandle.fence`): the optimizer's kernels are queued after the commit's
+        device-to-host copies, and the training thread is held only until those are queued.
         A failed commit is not re-raised here (see its handle or :meth:`flush`). Only parameters
         and buffers the optimizer step changes are protected: buffers updated during the forward
         pass (e.g. BatchNorm statistics) may change while a snapshot is being taken.
@@ -608,7 +612,7 @@ class ParamStore:
         def _wait_for_staging(_opt: Any, _args: Any, _kwargs: Any) -> None:
             handle = self._last_handle
             if handle is not None:  # only wait: a failed commit reports through its handle
-                wait([handle.staged])
+                handle.fence()
 
         return optimizer.register_step_pre_hook(_wait_for_staging)
 
