@@ -69,6 +69,9 @@ PROTOCOL = 1
 #: Bytes per bucket unless the caller says otherwise.
 DEFAULT_BUCKET_BYTES = 64 << 20
 
+_MADV_POPULATE_READ = 22  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: int, version: VersionSpec, *,
                       resolve: Callable[[VersionSpec], int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FetchReport:
@@ -341,7 +344,8 @@ class _Buckets:
         hashers = ThreadPoolExecutor(1, thread_name_prefix="paramstore-bcast-verify")
         try:
             self._open()
-            n = -(-self.total // self.bucket)
+            bounds = _bounds(self.total, self.bucket)
+            n = len(bounds)
             size = min(self.bucket, self.total)
             bounce = [torch.empty(size, dtype=torch.uint8, device=self.coll.device) for _ in range(min(2, n))]
             direct_ok = self.coll.device.type == "cpu"
@@ -350,7 +354,7 @@ class _Buckets:
 
             def start(i: int) -> None:
                 k = i % len(bounce)
-                lo, hi = i * self.bucket, min((i + 1) * self.bucket, self.total)
+                lo, hi = bounds[i]
                 pieces = self._pieces(lo, hi)
                 target = None
                 if direct_ok and len(pieces) == 1 and pieces[0][0] in self.views:
@@ -364,11 +368,14 @@ class _Buckets:
                 pending[k] = self.coll.broadcast(target, self.b.src, async_op=True)
 
             if self.b.is_src:
+                self._populate(*bounds[0])
                 for i in range(n):
                     k = i % len(bounce)
                     if pending[k] is not None:
                         pending[k].wait()
                     start(i)
+                    if i + 1 < n:  # map the next bucket's pages while this one goes out
+                        self._populate(*bounds[i + 1])
                 for p in pending:
                     if p is not None:
                         p.wait()
@@ -450,6 +457,22 @@ class _Buckets:
     def _release_views(self) -> None:
         self.views.clear()
 
+    def _populate(self, lo: int, hi: int) -> None:
+        """Source: fault in the pages of stream bytes ``[lo, hi)`` of its mappings now
+        (``madvise(MADV_POPULATE_READ)``, GIL released), instead of inside the send."""
+        import ctypes
+
+        from .liveness import libc
+
+        madvise = libc().madvise
+        for o, a, b, _ in self._pieces(lo, hi):
+            view = self.views.get(o)
+            if view is None:
+                continue
+            start = view.data_ptr() + a
+            aligned = start - start % _PAGE
+            madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + (b - a) - aligned), _MADV_POPULATE_READ)
+
     def _pieces(self, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
         """The parts of objects in stream bytes ``[lo, hi)``: ``(object, begin, end, stream start)``."""
         import bisect
@@ -487,6 +510,32 @@ class _Buckets:
             return None
         with memoryview(self.slabs[o].map) as buf:  # say why the way verify does (one more pass)
             return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {})) or self.hashing[o].result()
+
+
+#: The last ``bucket_bytes`` of the stream go in up to this many smaller broadcasts, so that what
+#: a receiver hashes after the last one lands is a fraction of a bucket.
+TAIL_SPLIT = 4
+
+
+def _bounds(total: int, bucket: int) -> list[tuple[int, int]]:
+    """The buckets of a stream of ``total`` bytes, ``[lo, hi)`` each: ``bucket`` bytes each, but the
+    last ``bucket`` bytes cut into up to :data:`TAIL_SPLIT` pieces of at least 1 MiB. The same on
+    every member (a function of the offer).
+
+    Example:
+        >>> _bounds(10 << 20, 4 << 20) == [(0, 4 << 20), (4 << 20, 6 << 20), (6 << 20, 7 << 20),
+        ...                                (7 << 20, 8 << 20), (8 << 20, 9 << 20), (9 << 20, 10 << 20)]
+        True
+        >>> _bounds(100, 64)
+        [(0, 36), (36, 100)]
+    """
+    head = max(0, total - bucket)
+    out = [(lo, min(lo + bucket, head)) for lo in range(0, head, bucket)]
+    tail = total - head
+    pieces = max(1, min(TAIL_SPLIT, tail >> 20))
+    step = -(-tail // pieces)
+    out += [(lo, min(lo + step, total)) for lo in range(head, total, step)]
+    return out
 
 
 class _InOrder:

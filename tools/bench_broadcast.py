@@ -9,7 +9,8 @@ order:
   bucket_bytes=...)``: the whole protocol (agreement, offer, status, buckets, verification of every
   received object, placement, registration, lease and mapping). Afterwards every member removes the
   previous version and runs GC (outside the timing) and the receivers' pools prepare the next destinations,
-  as they do between training steps.
+  as they do between training steps; every timing starts after a pause (``settle``) in which that
+  background faulting ends.
 * **raw**: ``dist.broadcast`` of the same number of bytes, in buckets of the same size, from a
   preallocated buffer of the source into a preallocated (faulted) buffer of each receiver: no
   verification, nothing stored.
@@ -45,7 +46,8 @@ SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 TENSORS = 8  # the version's bf16 tensors (one object: the default shard is 256 MiB)
 
 
-def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int, results: Any) -> None:
+def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int, settle: float,
+            results: Any) -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -66,6 +68,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
         moved: list[int] = []
 
         def timed(what: str, step: int) -> None:
+            time.sleep(settle)  # background work (slabs faulted after a commit or a receive) is done
             dist.barrier()
             t0 = time.perf_counter()
             if what == "raw":
@@ -90,7 +93,6 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
             if step > 1:  # the latest is always kept: drop the one before
                 store.remove(step - 1)
                 store.gc()
-            time.sleep(1.0)  # the receivers' pools fault the next destinations meanwhile (between steps)
         store.close()
         results.put((rank, "ok", {"paramstore": times["paramstore"][1:], "raw": times["raw"][1:],
                                   "moved": moved[1:]}))
@@ -105,7 +107,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
 
 
 def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 5, *,
-        timeout: float = 900.0) -> dict[str, Any]:
+        settle: float = 1.5, timeout: float = 900.0) -> dict[str, Any]:
     """Broadcast a version of ``mib`` MiB (bf16) from one source to ``receivers`` over gloo, with
     paramstore and with a raw ``dist.broadcast`` of the same bytes and bucket size.
 
@@ -114,6 +116,8 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
         receivers: members that receive it (the group has ``receivers + 1`` processes).
         bucket_mib: bytes per broadcast, MiB (both sides).
         rounds: timed rounds (after one warm-up round).
+        settle: seconds every member pauses before each timing, so that background work (the
+            slabs a store faults after a commit or a receive, for the next one) is not measured.
         timeout: seconds the whole run may take before every process is killed.
 
     Returns:
@@ -128,7 +132,7 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
     base = tempfile.mkdtemp(prefix="paramstore-bench-broadcast-", dir=SHM)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, results), daemon=True)
+    procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, settle, results), daemon=True)
              for r in range(world)]
     got: dict[int, Any] = {}
     try:
