@@ -120,7 +120,7 @@ def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: 
     t0 = time.monotonic()
     try:
         return _Broadcast(root, pool, coll, src, bucket_bytes).run(version, resolve, t0)
-    except (BroadcastError, InvalidArgumentError):
+    except BroadcastError:  # raised on every member alike (or the group is broken already)
         raise
     except BaseException as e:  # a bug or an interrupt mid-protocol: the others must not wait for us
         coll.abort(f"{type(e).__name__}: {e}")
@@ -342,6 +342,7 @@ class _Buckets:
         placed: list[str] = []
         bad: dict[str, str] = {}
         hashers = ThreadPoolExecutor(1, thread_name_prefix="paramstore-bcast-verify")
+        streamed = False  # every bucket went by: from then on a local error is reported, not raised
         try:
             self._open()
             bounds = _bounds(self.total, self.bucket)
@@ -379,6 +380,7 @@ class _Buckets:
                 for p in pending:
                     if p is not None:
                         p.wait()
+                streamed = True
                 return {"placed": []}
             start(0)
             for i in range(n):
@@ -391,6 +393,7 @@ class _Buckets:
                 landing[k] = None
                 self._unpack(pieces, target, lo, bounced, hashers)
                 del target  # (a view of a slab: placing unmaps it)
+            streamed = True
             for o in sorted(self.mine):
                 if o not in self.checks and o in self.slabs:  # (a local error kept it from completing)
                     bad.setdefault(o, "not every byte was received")
@@ -408,10 +411,10 @@ class _Buckets:
                 with contextlib.suppress(BufferError):
                     slab.close()
                 self.b.root.tier.put(o, slab.path, move=True)
-        except BroadcastError:
-            raise
-        except (ParamStoreError, OSError) as e:  # local: this member keeps taking part and reports it
-            self.error = self.error or f"{type(e).__name__}: {e}"
+        except (ParamStoreError, OSError) as e:
+            if isinstance(e, BroadcastError) or not streamed:
+                raise  # mid-stream: the others are still in buckets (broadcast_version aborts the group)
+            self.error = self.error or f"{type(e).__name__}: {e}"  # placing: reported in the outcome round
         finally:
             hashers.shutdown(wait=True)
             for h in self.hashing.values():

@@ -46,11 +46,12 @@ def _member(fn: Callable, rank: int, world: int, base: str, results: Any, args: 
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        # Exit at once: after a failed collective checkout the group is broken, and gloo's threads may
+        # still wait in transfers that were abandoned (until the group's timeout), which would hold up
+        # destroy_process_group and the interpreter's exit.
+        results.close()
+        results.join_thread()
+        os._exit(0)
 
 
 def run_members(world: int, fn: Callable, base: str, *args: Any, timeout: float = 40,
@@ -151,6 +152,10 @@ def _contract(rank: int, world: int, base: str) -> dict[str, Any]:
     out["empty"] = [b.decode() for b in coll.all_gather_bytes(b"")]
     out["bytes"] = coll.broadcast_bytes(b"\x00\xff json or anything" if rank == 0 else None, 0).hex()
     out["bytes_empty"] = coll.broadcast_bytes(b"" if rank == 0 else b"ignored", 0).hex()
+    long = bytes(range(256)) * 40  # 10 KiB: longer than one frame
+    got = coll.all_gather_bytes(long[: 5000 * rank])  # 0, 5000 and 10000 bytes: one short, two long
+    out["long_gathered"] = [g == long[: 5000 * r] for r, g in enumerate(got)]
+    out["long_bytes"] = coll.broadcast_bytes(long if rank == 1 else None, 1) == long
     coll.barrier()
     try:
         coll.broadcast(buf, world)
@@ -169,6 +174,7 @@ def test_torch_collective_contract_over_gloo(shm_dir):
         assert out["empty"] == ["", "", ""]
         assert out["bytes"] == b"\x00\xff json or anything".hex()
         assert out["bytes_empty"] == ""
+        assert out["long_gathered"] == [True, True, True] and out["long_bytes"]
         assert "src must be a rank of the group (0..2)" in out["bad_src"]
 
 
@@ -379,3 +385,51 @@ def test_bad_arguments_are_refused_before_any_collective(shm_dir, gloo_group):
             broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=0)
         with pytest.raises(paramstore.InvalidArgumentError, match="src"):
             broadcast_version(store._root, store._pool, coll, 1, 1, resolve=store._resolve)
+
+
+# -- a member that fails mid-stream on its own (an interrupt, a bug) ------------------------------
+def _interrupted_member(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paramstore.backends.transports.collective import TorchCollective
+    from paramstore.collective import broadcast_version
+    from paramstore.errors import BroadcastError
+
+    store = _store(base, rank)
+    if rank == 0:
+        store.commit(1, model(2)).result()
+    dist.barrier()
+    coll = TorchCollective()
+    if rank == 2:
+        calls = []
+        inner = coll.broadcast
+
+        def broadcast(tensor, src, *, async_op=False):
+            calls.append(1)
+            if len(calls) == 5:  # mid-stream
+                raise KeyboardInterrupt("stop")
+            return inner(tensor, src, async_op=async_op)
+
+        coll.broadcast = broadcast  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=BUCKET)
+        out["raised"] = None
+    except BroadcastError as e:
+        out["raised"], out["rank"] = str(e), e.rank
+    except KeyboardInterrupt as e:
+        out["raised"] = f"KeyboardInterrupt: {e}"
+    out["seconds"] = time.monotonic() - t0
+    out["versions"] = [v.step for v in store.versions()]
+    store.close()
+    return out
+
+
+def test_a_member_interrupted_mid_stream_makes_the_others_fail_naming_it(shm_dir):
+    got, _ = run_members(3, _interrupted_member, shm_dir)
+    assert got[2]["raised"] == "KeyboardInterrupt: stop"  # its own error, as raised
+    for rank in (0, 1):
+        assert "rank 2: KeyboardInterrupt: stop" in got[rank]["raised"], got[rank]["raised"]
+        assert got[rank]["rank"] == 2 and got[rank]["seconds"] < 10
+    assert got[1]["versions"] == [] and got[2]["versions"] == []

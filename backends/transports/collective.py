@@ -219,6 +219,11 @@ class TorchCollective(Collective):
     BroadcastError naming the failed rank within about that. A store that cannot be reached (its
     host, rank 0, died) counts as a failure too. A transfer abandoned this way may still write
     into its buffer later: the caller never reuses it (:mod:`paramstore.collective` drops it).
+    After a failure the group is broken for good: make a new one. With gloo, transfers abandoned
+    while their peers live on stay queued on gloo's threads until the group's timeout, which can
+    hold up ``destroy_process_group`` and the interpreter's exit for that long (measured here: a
+    process left with such a transfer did not exit within 40 s); a member that ends after a
+    BroadcastError may prefer ``os._exit``, or a group made with a short ``timeout``.
     """
 
     def __init__(self, group: Any = None, *, device: "torch.device | str | None" = None,
