@@ -40,7 +40,7 @@ import warnings
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import log, machine, write_outputs  # noqa: E402
+from benchlib import CpuMeter, log, machine, write_outputs  # noqa: E402
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 TENSORS = 8  # the version's bf16 tensors (one object: the default shard is 256 MiB)
@@ -122,8 +122,9 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
 
     Returns:
         ``{"mib", "receivers", "bucket_mib", "rounds", "paramstore_s", "raw_s", "ratio",
-        "paramstore_all", "raw_all", "bytes_per_receiver", "machine"}``: medians over the rounds of
-        the slowest member's time; ``ratio`` = raw / paramstore.
+        "paramstore_all", "raw_all", "bytes_per_receiver", "foreign_cpu_pct", "machine"}``: medians
+        over the rounds of the slowest member's time; ``ratio`` = raw / paramstore;
+        ``foreign_cpu_pct``: the machine's CPU other processes used during the run (noise).
 
     Raises:
         RuntimeError: a member failed or did not finish within ``timeout``.
@@ -135,9 +136,11 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
     procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, settle, results), daemon=True)
              for r in range(world)]
     got: dict[int, Any] = {}
+    meter = CpuMeter(lambda: [os.getpid(), *(p.pid for p in procs if p.pid is not None)])
     try:
         for p in procs:
             p.start()
+        meter.start()
         deadline = time.monotonic() + timeout
         while len(got) < world:
             left = deadline - time.monotonic()
@@ -152,6 +155,7 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
             if status != "ok":
                 raise RuntimeError(f"member {rank} failed:\n{value}")
             got[rank] = value
+        noise = meter.stop()
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -164,13 +168,15 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
     return {"mib": mib, "receivers": receivers, "bucket_mib": bucket_mib, "rounds": rounds,
             "paramstore_s": ours, "raw_s": raw, "ratio": raw / ours,
             "paramstore_all": slowest["paramstore"], "raw_all": slowest["raw"],
-            "bytes_per_receiver": statistics.median(got[1]["moved"]) if receivers else 0, "machine": machine()}
+            "bytes_per_receiver": statistics.median(got[1]["moved"]) if receivers else 0,
+            "foreign_cpu_pct": noise["foreign_pct"], "machine": machine()}
 
 
 def markdown(res: dict[str, Any]) -> str:
     return "\n".join([
         f"Collective checkout, {res['mib']} MiB of bf16 from 1 source to {res['receivers']} receivers, gloo "
-        f"(loopback), {res['bucket_mib']} MiB buckets; median of {res['rounds']} rounds, slowest member.",
+        f"(loopback), {res['bucket_mib']} MiB buckets; median of {res['rounds']} rounds, slowest member; other "
+        f"processes used {res['foreign_cpu_pct']}% of the machine's CPU meanwhile.",
         "",
         "| | time | throughput per receiver | ratio (raw / paramstore) | goal |",
         "|---|---|---|---|---|",
