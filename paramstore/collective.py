@@ -208,7 +208,7 @@ class _Broadcast:
             status = {"error": f"{type(e).__name__}: {e}"}
         with self.root.gc_lock() if not self.is_src else contextlib.nullcontext():
             statuses = self._exchange(status, "status")
-            self._raise_errors(statuses, offer_step(offer), "could not take part")
+            self._raise_errors(statuses, _offer_step(offer), "could not take part")
             assert version is not None and manifest is not None
             wanted = set(sizes)
             plan = sorted({o for s in statuses for o in s.get("lack", []) if o in wanted})
@@ -285,9 +285,9 @@ class _Broadcast:
             # (raises ParamStoreError if a different version took the step)
 
     def _check_local(self, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
-        """CorruptObjectError-like ParamStoreError unless the manifest's pieces in objects already
-        here (not received now) lie where it says (hashed, unless the local index already locates
-        the same piece at the same place)."""
+        """Raise ParamStoreError (CorruptObjectError for bytes) unless the manifest's pieces in
+        objects already here (not received now) lie where it says: hashed, unless the local index
+        already locates the same piece at the same place (as a pull checks them)."""
         from .remote import _check_entries, _entries_by_object
 
         entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
@@ -305,7 +305,8 @@ class _Broadcast:
                     _check_entries(buf, todo, None, f"object {o} here")
 
 
-def offer_step(offer: Mapping[str, Any]) -> Any:
+def _offer_step(offer: Mapping[str, Any]) -> Any:
+    """The step an offer names, for messages ("?" if it is malformed)."""
     v = offer.get("version")
     return v.get("step", "?") if isinstance(v, Mapping) else "?"
 
