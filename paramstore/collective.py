@@ -274,10 +274,10 @@ class _Broadcast:
     def _register(self, version: Version, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
         """Register ``version`` here, as a pull does (objects, tensor index; not necessarily the
         newest). The manifest's pieces in objects this host held before are checked first."""
-        from .remote import _index
+        from .ops import index_entries
 
         self._check_local(manifest, sizes, skip)
-        objects, tensors = _index(manifest, sizes)
+        objects, tensors = index_entries(manifest, sizes)
         try:
             self.root.registry.publish(version, manifest, objects, tensors, require_newest=False)
         except StepOrderError:
@@ -288,9 +288,9 @@ class _Broadcast:
         """Raise ParamStoreError (CorruptObjectError for bytes) unless the manifest's pieces in
         objects already here (not received now) lie where it says: hashed, unless the local index
         already locates the same piece at the same place (as a pull checks them)."""
-        from .remote import _check_entries, _entries_by_object
+        from .ops import check_entries, entries_by_object
 
-        entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
+        entries = {o: es for o, es in entries_by_object(manifest).items() if o not in skip}
         if not entries:
             return
         known = self.root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values()
@@ -302,7 +302,7 @@ class _Broadcast:
             todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
             if todo:
                 with self.root.tier.map(o) as m, memoryview(m) as buf:
-                    _check_entries(buf, todo, None, f"object {o} here")
+                    check_entries(buf, todo, None, f"object {o} here")
 
 
 def _offer_step(offer: Mapping[str, Any]) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from paramstore.backends.registries.base import ObjectInfo, TensorLocation
 from paramstore.backends.registries.lmdb import LmdbRegistry
 
 from .errors import (
@@ -32,7 +33,7 @@ from .errors import (
     TransferError,
     VersionNotFoundError,
 )
-from .format import rehash
+from .format import rehash, tensor_digest
 from .manifest import Chunk, Manifest, TensorEntry, Version
 from .progress import progress
 from .root import StoreRoot
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 __all__ = ["verify", "repair", "quarantine", "remove_version", "read_manifest", "check_buffer", "du", "diff",
-           "hash_object", "piece_name"]
+           "hash_object", "piece_name", "entries_by_object", "check_entries", "index_entries"]
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
@@ -491,3 +492,47 @@ def _whole(snap: "Snapshot", name: str, entry: TensorEntry) -> "torch.Tensor":
     """Tensor ``name`` of ``snap``: a view of the store's bytes, or for a chunked tensor a copy
     assembled from its chunks and not cached (one tensor at a time)."""
     return snap.read(name, (0,) * len(entry.shape), entry.shape) if entry.chunks else snap[name]
+
+
+def entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, Chunk]]]:
+    """The manifest's pieces (a tensor stored whole, or each chunk of a chunked one) grouped by the
+    object that holds them, each with its name for messages (:func:`~paramstore.ops.piece_name`)."""
+    out: dict[str, list[tuple[str, Chunk]]] = {}
+    for name, e in manifest.stored() if manifest is not None else ():
+        for c in e.pieces():
+            out.setdefault(c.object, []).append((piece_name(name, e, c), c))
+    return out
+
+
+def check_entries(buf: memoryview, entries: list[tuple[str, Chunk]],
+                   spans: Mapping[tuple[int, int], str] | None, where: str) -> None:
+    """CorruptObjectError unless the bytes each piece (see :func:`entries_by_object`) names in the
+    object ``buf`` hash to its digest. ``spans``: the object's tensor digests by (begin, end) when
+    already computed (a rehash); other ranges are hashed here."""
+    for name, c in entries:
+        begin, end = c.offset, c.offset + c.nbytes
+        got = spans.get((begin, end)) if spans is not None else None
+        if got is None:
+            if end > len(buf):
+                raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
+            got = tensor_digest(buf[begin:end])
+        if got != c.digest:
+            raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "
+                                     f"{got[:16]}…, its manifest says {c.digest[:16]}…: a tampered manifest")
+
+
+def index_entries(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:
+    """Registry entries for a version received from elsewhere (pulled, broadcast): each object's tensors in file order, and the index.
+
+    Each piece is one tensor of its object (a tensor stored whole, or a chunk: the index locates a
+    chunk by its own digest, never a chunked tensor's, which is no digest of bytes). Spans are keyed
+    by (start, end): an empty tensor starts where the next one does, and sorts before it (as the
+    commit laid them out); pieces naming the same span are one tensor.
+    """
+    spans: dict[str, dict[tuple[int, int], str]] = {o: {} for o in sizes}
+    tensors: dict[str, TensorLocation] = {}
+    for c in (c for _, e in manifest.stored() for c in e.pieces()):
+        spans[c.object][(c.offset, c.offset + c.nbytes)] = c.digest
+        tensors[c.digest] = TensorLocation(c.object, c.offset, c.nbytes)
+    objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}
+    return objects, tensors

@@ -51,15 +51,15 @@ from . import liveness
 from .errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
-from .format import rehash, tensor_digest
+from .format import rehash
 from .manifest import Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
-from .ops import piece_name
+from .ops import check_entries, entries_by_object, index_entries
 from .progress import progress
 from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
 
-from paramstore.backends.registries.base import ObjectInfo, TensorLocation, check_digests
+from paramstore.backends.registries.base import check_digests
 from paramstore.backends.tiers.remote import RemoteTier
 
 __all__ = ["Remote", "TransferReport", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
@@ -359,7 +359,7 @@ class Remote:
                 root.registry.get_version(step)  # registered already (pulled meanwhile, or a shared registry)
             except VersionNotFoundError:
                 self._check_local(root, step, manifest, record.objects, skip=set(moved))
-                new_objects, new_tensors = _index(manifest, record.objects)
+                new_objects, new_tensors = index_entries(manifest, record.objects)
                 try:
                     root.registry.publish(record.version, manifest, new_objects, new_tensors, require_newest=False)
                 except StepOrderError:
@@ -433,7 +433,7 @@ class Remote:
         ``manifest``, also check the tensors (chunks) it places in each one before placing it."""
         check_digests(objects)  # (validated by _record already: never a path)
         todo = sorted((o for o in objects if not root.tier.exists(o)), key=lambda o: -objects[o])
-        entries = _entries_by_object(manifest)
+        entries = entries_by_object(manifest)
         # Downloads on one pool, verification on another: a hash never holds up the next download.
         with progress(sum(objects[o] for o in todo), what, enabled=show_progress) as bar, \
                 ThreadPoolExecutor(self._concurrency) as io, ThreadPoolExecutor(os.cpu_count() or 2) as cpu:
@@ -479,7 +479,7 @@ class Remote:
                 if len(buf) != size:
                     raise CorruptObjectError(f"object {digest} from {self.url} is {len(buf)} bytes; its record "
                                              f"says {size}")
-                _check_entries(buf, entries, spans, f"{self.url}, object {digest}")
+                check_entries(buf, entries, spans, f"{self.url}, object {digest}")
             root.tier.put(digest, tmp, move=True)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -492,7 +492,7 @@ class Remote:
         downloaded and checked) lies there: the object has its recorded size and the bytes hash to
         the piece's digest. Pieces the local index already locates at the very same place are not
         hashed again."""
-        entries = {o: es for o, es in _entries_by_object(manifest).items() if o not in skip}
+        entries = {o: es for o, es in entries_by_object(manifest).items() if o not in skip}
         if not entries:
             return
         known = root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values() for _, c in es)))
@@ -504,7 +504,7 @@ class Remote:
             todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
             if todo:
                 with root.tier.map(o) as m, memoryview(m) as buf:
-                    _check_entries(buf, todo, None, f"{where}, object {o}")
+                    check_entries(buf, todo, None, f"{where}, object {o}")
 
     # -- locks -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -765,47 +765,3 @@ def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
 
 def _count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
-
-
-def _entries_by_object(manifest: Manifest | None) -> dict[str, list[tuple[str, Chunk]]]:
-    """The manifest's pieces (a tensor stored whole, or each chunk of a chunked one) grouped by the
-    object that holds them, each with its name for messages (:func:`~paramstore.ops.piece_name`)."""
-    out: dict[str, list[tuple[str, Chunk]]] = {}
-    for name, e in manifest.stored() if manifest is not None else ():
-        for c in e.pieces():
-            out.setdefault(c.object, []).append((piece_name(name, e, c), c))
-    return out
-
-
-def _check_entries(buf: memoryview, entries: list[tuple[str, Chunk]],
-                   spans: Mapping[tuple[int, int], str] | None, where: str) -> None:
-    """CorruptObjectError unless the bytes each piece (see :func:`_entries_by_object`) names in the
-    object ``buf`` hash to its digest. ``spans``: the object's tensor digests by (begin, end) when
-    already computed (a rehash); other ranges are hashed here."""
-    for name, c in entries:
-        begin, end = c.offset, c.offset + c.nbytes
-        got = spans.get((begin, end)) if spans is not None else None
-        if got is None:
-            if end > len(buf):
-                raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
-            got = tensor_digest(buf[begin:end])
-        if got != c.digest:
-            raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "
-                                     f"{got[:16]}…, its manifest says {c.digest[:16]}…: a tampered manifest")
-
-
-def _index(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:
-    """Registry entries for a pulled version: each object's tensors in file order, and the index.
-
-    Each piece is one tensor of its object (a tensor stored whole, or a chunk: the index locates a
-    chunk by its own digest, never a chunked tensor's, which is no digest of bytes). Spans are keyed
-    by (start, end): an empty tensor starts where the next one does, and sorts before it (as the
-    commit laid them out); pieces naming the same span are one tensor.
-    """
-    spans: dict[str, dict[tuple[int, int], str]] = {o: {} for o in sizes}
-    tensors: dict[str, TensorLocation] = {}
-    for c in (c for _, e in manifest.stored() for c in e.pieces()):
-        spans[c.object][(c.offset, c.offset + c.nbytes)] = c.digest
-        tensors[c.digest] = TensorLocation(c.object, c.offset, c.nbytes)
-    objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}
-    return objects, tensors
