@@ -86,6 +86,7 @@ bench: install
 	$(BIN)/python tools/bench_peers.py
 	$(BIN)/python tools/bench_sharded.py
 	$(BIN)/python tools/bench_patch.py
+	$(BIN)/python tools/bench_device.py  # GPU rows only where a GPU is; the gloo broadcast everywhere
 	$(BIN)/python tools/bench_cluster.py  # needs root (network namespaces)
 
 clean:

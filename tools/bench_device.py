@@ -248,6 +248,8 @@ def markdown(res: dict[str, Any]) -> str:
         md.append(f"| broadcast {b['mib']} MiB to {b['receivers']} receivers, gloo, {b['bucket_mib']} MiB buckets | "
                   f"{b['paramstore_s'] * 1e3:.0f} ms | raw `dist.broadcast` {b['raw_s'] * 1e3:.0f} ms | "
                   f"{b['ratio']:.2f}× | ≥ 0.9× |")
+        md.insert(1, f"Broadcast: medians of {b['rounds']} rounds; other processes used {b.get('foreign_cpu_pct', '?')}% "
+                     "of the machine's CPU meanwhile.")
     md.append("| broadcast over NCCL | not run (needs ≥ 2 GPUs) | | | ≥ 0.9× |")
     return "\n".join(md)
 
