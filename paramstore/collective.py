@@ -274,35 +274,15 @@ class _Broadcast:
     def _register(self, version: Version, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
         """Register ``version`` here, as a pull does (objects, tensor index; not necessarily the
         newest). The manifest's pieces in objects this host held before are checked first."""
-        from .ops import index_entries
+        from .ops import check_held, index_entries
 
-        self._check_local(manifest, sizes, skip)
+        check_held(self.root, manifest, sizes, skip, f"version {version.step} from rank {self.src}")
         objects, tensors = index_entries(manifest, sizes)
         try:
             self.root.registry.publish(version, manifest, objects, tensors, require_newest=False)
         except StepOrderError:
             self._registered(version)  # registered meanwhile by another process of this host: the same one?
             # (raises ParamStoreError if a different version took the step)
-
-    def _check_local(self, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
-        """Raise ParamStoreError (CorruptObjectError for bytes) unless the manifest's pieces in
-        objects already here (not received now) lie where it says: hashed, unless the local index
-        already locates the same piece at the same place (as a pull checks them)."""
-        from .ops import check_entries, entries_by_object
-
-        entries = {o: es for o, es in entries_by_object(manifest).items() if o not in skip}
-        if not entries:
-            return
-        known = self.root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values()
-                                                                      for _, c in es)))
-        for o, es in entries.items():
-            if self.root.tier.size(o) != sizes[o]:
-                raise ParamStoreError(f"object {o} is {self.root.tier.size(o)} bytes here; the source's registry "
-                                      f"says {sizes[o]}")
-            todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
-            if todo:
-                with self.root.tier.map(o) as m, memoryview(m) as buf:
-                    check_entries(buf, todo, None, f"object {o} here")
 
 
 def _offer_step(offer: Mapping[str, Any]) -> Any:

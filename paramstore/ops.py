@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 __all__ = ["verify", "repair", "quarantine", "remove_version", "read_manifest", "check_buffer", "du", "diff",
-           "hash_object", "piece_name", "entries_by_object", "check_entries", "index_entries"]
+           "hash_object", "piece_name", "entries_by_object", "check_entries", "index_entries", "check_held"]
 
 
 def hash_object(root: StoreRoot, digest: str) -> tuple[str, dict[tuple[int, int], str]]:
@@ -536,3 +536,22 @@ def index_entries(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[st
         tensors[c.digest] = TensorLocation(c.object, c.offset, c.nbytes)
     objects = {o: ObjectInfo(sizes[o], tuple(d for _, d in sorted(spans[o].items()))) for o in sizes}
     return objects, tensors
+
+
+def check_held(root: StoreRoot, manifest: Manifest, sizes: Mapping[str, int], skip: set[str], where: str) -> None:
+    """CorruptObjectError unless each tensor (each chunk of a chunked tensor) that ``manifest``, a
+    version received from elsewhere, places in an object this host already held (those not in
+    ``skip``, which were just received and checked) lies there: the object has the size ``sizes``
+    says and the bytes hash to the piece's digest. Pieces the local index already locates at the
+    very same place are not hashed again. ``where`` (the manifest's source) starts the messages."""
+    entries = {o: es for o, es in entries_by_object(manifest).items() if o not in skip}
+    if not entries:
+        return
+    known = root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values() for _, c in es)))
+    for o, es in entries.items():
+        if root.tier.size(o) != sizes[o]:
+            raise CorruptObjectError(f"{where}: object {o} is {root.tier.size(o)} bytes here; the source says {sizes[o]}")
+        todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
+        if todo:
+            with root.tier.map(o) as m, memoryview(m) as buf:
+                check_entries(buf, todo, None, f"{where}, object {o}")

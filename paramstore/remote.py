@@ -54,7 +54,7 @@ from .errors import (
 from .format import rehash
 from .manifest import Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
-from .ops import check_entries, entries_by_object, index_entries
+from .ops import check_entries, check_held, entries_by_object, index_entries
 from .progress import progress
 from .staging import tmp_name
 from .root import StoreRoot, VersionSpec
@@ -358,7 +358,7 @@ class Remote:
             try:
                 root.registry.get_version(step)  # registered already (pulled meanwhile, or a shared registry)
             except VersionNotFoundError:
-                self._check_local(root, step, manifest, record.objects, skip=set(moved))
+                check_held(root, manifest, record.objects, set(moved), f"{self.url}/{_manifest_key(step)}")
                 new_objects, new_tensors = index_entries(manifest, record.objects)
                 try:
                     root.registry.publish(record.version, manifest, new_objects, new_tensors, require_newest=False)
@@ -484,27 +484,6 @@ class Remote:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-
-    def _check_local(self, root: StoreRoot, step: int, manifest: Manifest, sizes: Mapping[str, int], *,
-                     skip: set[str]) -> None:
-        """CorruptObjectError unless each tensor (each chunk of a chunked tensor) the pulled
-        ``manifest`` places in an object this host already held (those not in ``skip``, the ones just
-        downloaded and checked) lies there: the object has its recorded size and the bytes hash to
-        the piece's digest. Pieces the local index already locates at the very same place are not
-        hashed again."""
-        entries = {o: es for o, es in entries_by_object(manifest).items() if o not in skip}
-        if not entries:
-            return
-        known = root.registry.locate_tensors(list(dict.fromkeys(c.digest for es in entries.values() for _, c in es)))
-        where = f"{self.url}/{_manifest_key(step)}"
-        for o, es in entries.items():
-            if root.tier.size(o) != sizes[o]:
-                raise CorruptObjectError(f"{where}: object {o} is {root.tier.size(o)} bytes here; the record "
-                                         f"says {sizes[o]}")
-            todo = [(n, c) for n, c in es if known.get(c.digest) != (o, c.offset, c.nbytes)]
-            if todo:
-                with root.tier.map(o) as m, memoryview(m) as buf:
-                    check_entries(buf, todo, None, f"{where}, object {o}")
 
     # -- locks -------------------------------------------------------------------------------
     @contextlib.contextmanager
