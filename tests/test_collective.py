@@ -36,12 +36,14 @@ BUCKET = 16 << 10  # small buckets: "emb" spans ten of them
 
 
 # -- a bounded runner with the processes at hand ------------------------------------------------
-def _member(fn: Callable, rank: int, world: int, base: str, results: Any, args: tuple) -> None:
+def _member(fn: Callable, rank: int, world: int, base: str, results: Any, args: tuple, backend: str = "gloo") -> None:
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{base}/pg", rank=rank, world_size=world)
         results.put((rank, "ok", fn(rank, world, base, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -55,15 +57,16 @@ def _member(fn: Callable, rank: int, world: int, base: str, results: Any, args: 
 
 
 def run_members(world: int, fn: Callable, base: str, *args: Any, timeout: float = 40,
-                kill: tuple[int, str] | None = None) -> tuple[dict[int, Any], dict[int, int | None]]:
-    """Run ``fn(rank, world, base, *args)`` on ``world`` spawned members of one gloo group.
+                kill: tuple[int, str] | None = None, backend: str = "gloo") -> tuple[dict[int, Any], dict[int, int | None]]:
+    """Run ``fn(rank, world, base, *args)`` on ``world`` spawned members of one group (gloo, or
+    ``backend``: member r then uses GPU r).
 
     ``kill``: ``(rank, marker)``: SIGKILL that member as soon as the file ``marker`` exists.
     Returns ``{rank: value}`` and the exit codes; AssertionError if a member raised or another one
     gave no result within ``timeout`` (every process is killed at the deadline).
     """
     results = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_member, args=(fn, r, world, base, results, args), daemon=True)
+    procs = [SPAWN.Process(target=_member, args=(fn, r, world, base, results, args, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -433,3 +436,28 @@ def test_a_member_interrupted_mid_stream_makes_the_others_fail_naming_it(shm_dir
         assert "rank 2: KeyboardInterrupt: stop" in got[rank]["raised"], got[rank]["raised"]
         assert got[rank]["rank"] == 2 and got[rank]["seconds"] < 10
     assert got[1]["versions"] == [] and got[2]["versions"] == []
+
+
+# -- over NCCL (a machine with two GPUs or more) -------------------------------------------------
+def _over_nccl(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = _store(base, rank)
+    if rank == 0:
+        store.commit(1, model(11)).result()
+    dist.barrier()
+    with store.checkout("latest", group=dist.group.WORLD, src=0, bucket_bytes=BUCKET, device=f"cuda:{rank}") as snap:
+        return {"exact": all(snap[k].is_cuda and torch.equal(as_bytes(snap[k].cpu()), as_bytes(v))
+                             for k, v in model(11).items()),
+                "device": str(snap.device), "from_group": len(snap.fetch.from_group), "digest": snap.digest}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="an NCCL broadcast needs two GPUs (one rank per GPU)")
+def test_a_version_moves_over_nccl_into_device_snapshots(shm_dir):
+    got, _ = run_members(2, _over_nccl, shm_dir, backend="nccl", timeout=180)
+    assert got[1]["exact"] and got[0]["exact"]
+    assert got[1]["from_group"] >= 1 and got[0]["from_group"] == 0
+    assert got[0]["digest"] == got[1]["digest"]
+    assert (got[0]["device"], got[1]["device"]) == ("cuda:0", "cuda:1")
