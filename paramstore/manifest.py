@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import blake3
 
@@ -141,7 +141,7 @@ class TensorEntry:
         lowercase hex digits (so ``object`` can never name a path), an offset and a length >= 0.
         Raises CorruptObjectError. (Whether the length fits the dtype and shape, and the entry its
         object: :func:`check_manifest`.) A chunked entry's chunks must tile its shape."""
-        chunked = isinstance(d, Mapping) and "chunks" in d
+        chunked = isinstance(d, dict) and "chunks" in d
         _expect_keys("tensor entry", d, {"dtype", "shape", "chunks"} if chunked
                      else {"dtype", "shape", "digest", "object", "offset", "nbytes"})
         dtype, shape = d["dtype"], d["shape"]
@@ -196,7 +196,15 @@ class Manifest:
 
     def objects(self) -> set[str]:
         """Digests of the objects this manifest references."""
-        return {c.object for _, e in self.stored() for c in e.pieces()}
+        return set(self.memo("objects", lambda: frozenset(c.object for _, e in self.stored() for c in e.pieces())))
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per manifest (a manifest never changes): for what readers
+        derive from it at every checkout (its objects, the snapshot's byte ranges)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     @property
     def chunked(self) -> bool:
@@ -442,7 +450,7 @@ def _check_name(name: Any) -> None:
 
 def _expect_keys(what: str, d: Mapping[str, Any], keys: set[str]) -> None:
     # Never silently skip an unknown field: a newer writer may have meant something by it.
-    if not isinstance(d, Mapping):
+    if not isinstance(d, dict):  # what json.loads makes of an object (typing's Mapping check is slow)
         raise CorruptObjectError(f"{what} record is not a JSON object: {type(d).__name__}")
     have = set(d)
     if have != keys:

@@ -178,6 +178,11 @@ def _objects_of(root: StoreRoot, step: int) -> set[str]:
         return set()
 
 
+#: Manifests :func:`read_manifest` keeps parsed per open store (a rollout checks out the same few
+#: versions again and again).
+MANIFEST_CACHE = 8
+
+
 def read_manifest(root: StoreRoot, step: int) -> Manifest:
     """The manifest of ``step``; CorruptStoreError (naming the registry's file) if it cannot be parsed.
 
@@ -189,7 +194,17 @@ def read_manifest(root: StoreRoot, step: int) -> Manifest:
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
     try:
-        return root.registry.get_manifest(step)
+        version = root.registry.get_version(step)
+        key = (step, version.digest, version.created_at)  # another version at this step (removed, re-committed) has another key
+        cached = root.manifests.get(key)
+        if cached is not None:
+            root.manifests.move_to_end(key)
+            return cached
+        manifest = root.registry.get_manifest(step)
+        root.manifests[key] = manifest
+        while len(root.manifests) > MANIFEST_CACHE:
+            root.manifests.popitem(last=False)
+        return manifest
     except CorruptObjectError as e:  # JSON, but not a valid manifest (Manifest.from_json)
         if not isinstance(root.registry, LmdbRegistry):
             raise  # received from a shared registry: as the registry reports it

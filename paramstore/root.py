@@ -30,7 +30,8 @@ import os
 import re
 import stat
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from paramstore.backends.registries import Registry, open_registry
@@ -60,6 +61,9 @@ class StoreRoot:
     info: dict[str, Any]
     registry: Registry
     tier: LocalTier
+    #: manifests read lately, by (step, version digest, created_at): a manifest never changes, and
+    #: parsing one of 10,000 tensors costs ~100 ms at every checkout otherwise (see ops.read_manifest)
+    manifests: "OrderedDict[tuple[int, str, float], Any]" = field(default_factory=OrderedDict)
 
     def resolve(self, version: VersionSpec) -> int:
         """The step named by a step, ``"latest"`` or a tag (a step is not checked to exist).

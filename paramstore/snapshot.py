@@ -94,7 +94,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
         self._maps: dict[str, mmap.mmap] = {}
         try:
-            for o, extent in sorted(_extents(manifest).items()):
+            for o, extent in sorted(manifest.memo("extents", lambda: _extents(manifest)).items()):
                 self._maps[o] = _map_checked(tier, o, version.step, extent, (sizes or {}).get(o))
         except BaseException:
             self.close()  # releases the lease too
