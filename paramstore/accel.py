@@ -33,7 +33,7 @@ import torch
 
 from .errors import DeviceError, InvalidArgumentError
 
-__all__ = ["as_device", "is_accelerator", "set_device", "new_stream", "current_stream", "on_stream",
+__all__ = ["as_device", "is_accelerator", "set_device", "device_guard", "new_stream", "current_stream", "on_stream",
            "record_event", "synchronize"]
 
 #: Device types whose backend is a separate package, imported when such a device is named.
@@ -91,6 +91,19 @@ def set_device(device: torch.device) -> None:
     first device call creates a context on device 0). No-op for the CPU."""
     if is_accelerator(device):
         _backend(device.type).set_device(device)
+
+
+@contextlib.contextmanager
+def device_guard(device: "torch.device | str | None") -> Iterator[None]:
+    """Make ``device`` the calling thread's current device for the block, and restore the previous
+    one after (``set_device`` for a thread's lifetime, this for a call made on a caller's thread).
+    No-op for the CPU, a device without an index, or where no accelerator is available."""
+    dev = None if device is None else torch.device(device)
+    if dev is None or not is_accelerator(dev) or dev.index is None or not torch.accelerator.is_available():
+        yield
+        return
+    with torch.accelerator.device_index(dev.index):
+        yield
 
 
 def new_stream(device: torch.device) -> "torch.Stream | None":

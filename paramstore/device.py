@@ -116,12 +116,16 @@ class LatestExporter:
     (bursts coalesce to the newest step), never on the training or publishing thread.
     """
 
-    def __init__(self, root: "StoreRoot", device: torch.device, cache: DeviceCache) -> None:
+    def __init__(self, root: "StoreRoot", device: torch.device, *, bucket_bytes: int | None = None) -> None:
         if device.type != "cuda":
             raise DeviceError(f"device_latest={device}: sharing device buffers between processes needs CUDA IPC; "
                               "other devices check out by copying (checkout(device=...))")
-        self._root, self.device, self._tier = root, device, cache.tier(device)
+        # A tier of its own: this thread's loads and drops must not touch the buffers of this
+        # process's own device checkouts (nor theirs these).
+        self._root, self.device = root, device
+        self._tier = DeviceTier(device, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
         self._exported: dict[int, set[str]] = {}  # step -> its objects, still held for leases
+        self._handles: dict[str, dict[str, Any]] = {}  # object -> its IPC handle (shared once per buffer)
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._dir = os.path.join(root.path, DESCRIPTOR_DIR)
         self.path = os.path.join(self._dir, f"{_uuid(device)}.json")
@@ -137,7 +141,8 @@ class LatestExporter:
     def wait(self, step: int, timeout: float | None = None) -> bool:
         """Wait until ``step`` (or a newer one) is exported; False on timeout."""
         with self._done:
-            return self._done.wait_for(lambda: (self.exported_step or -1) >= step or self.error is not None, timeout)
+            return self._done.wait_for(
+                lambda: (self.exported_step is not None and self.exported_step >= step) or self.error is not None, timeout)
 
     def _run(self) -> None:
         accel.set_device(self.device)
@@ -172,16 +177,19 @@ class LatestExporter:
                 self._tier.load({o: snap._maps[o] for o in sorted(objects)})
             finally:
                 snap.close()
-            handles = {o: _share(self._tier.buffer(o)) for o in sorted(objects)}
+            for o in sorted(objects - set(self._handles)):
+                self._handles[o] = _share(self._tier.buffer(o))
             pid, start = liveness.this_process()
             descriptor = {"format": _FORMAT, "step": step, "digest": reg.get_version(step).digest,
-                          "owner": [pid, start], "device": str(self.device), "objects": handles}
+                          "owner": [pid, start], "device": str(self.device),
+                          "objects": {o: self._handles[o] for o in sorted(objects)}}
             _write_atomic(self.path, json.dumps(descriptor).encode())
             self._exported[step] = objects
-            self.exported_step = step
         finally:
             reg.release_lease(lease.id)
         self._drop_unleased(step)
+        with self._done:
+            self.exported_step = step
 
     def _drop_unleased(self, newest: int) -> None:
         """Drop the buffers of exported versions older than ``newest`` that no live lease holds.
@@ -192,10 +200,13 @@ class LatestExporter:
             del self._exported[step]
         keep = set().union(*self._exported.values()) if self._exported else set()
         self._tier.keep_only(keep)
+        for o in set(self._handles) - keep:
+            del self._handles[o]
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._tier.close()
         try:
             os.unlink(self.path)  # readers fall back to copying; an open mapping stays valid while its lease lives
         except FileNotFoundError:
@@ -226,9 +237,10 @@ def open_exported(root: "StoreRoot", step: int, device: torch.device,
         warnings.warn(f"{path}: unreadable device descriptor ({e}); copying to {device} instead",
                       RuntimeWarning, stacklevel=2)
         return None
-    except RuntimeError as e:  # the driver refused to open a handle
-        raise DeviceError(f"version {step}: opening the owner's buffers on {device} through CUDA IPC failed ({e}); "
-                          "are both processes on this GPU and allowed to share memory?") from e
+    except RuntimeError as e:  # the driver refused (another IPC namespace, no pidfd_getfd rights...)
+        warnings.warn(f"version {step}: opening the owner's buffers on {device} through CUDA IPC failed ({e}); "
+                      "copying instead (are both processes allowed to share GPU memory?)", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _uuid(device: torch.device) -> str:
@@ -243,9 +255,15 @@ def _uuid(device: torch.device) -> str:
 
 
 def _share(buf: torch.Tensor) -> dict[str, Any]:
-    """The CUDA IPC handle of ``buf``'s storage, as JSON (what ``torch.multiprocessing`` pickles)."""
+    """The CUDA IPC handle of ``buf``'s storage, as JSON (what ``torch.multiprocessing`` pickles).
+
+    Shared once per buffer. torch counts the consumers of each share in a ref-counter file and,
+    while the count is above 0, parks a freed block instead of freeing it (its "limbo"): a share
+    nobody opens would keep its block forever. The count is released at once here, so the lease
+    protocol alone (see the module docstring) decides when the owner frees a buffer."""
     storage = buf.untyped_storage()
     (dev, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    torch.UntypedStorage._release_ipc_counter(ref_handle, ref_offset, device=buf.device)
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return {"handle": b64(handle), "size": int(size), "offset": int(offset), "ref": b64(ref_handle),
             "ref_offset": int(ref_offset), "event": b64(event_handle), "sync": bool(event_sync),

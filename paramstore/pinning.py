@@ -101,6 +101,7 @@ class Runtime(Protocol):
 # -- the process-wide state -------------------------------------------------------------------
 _lock = threading.RLock()
 _table: dict[int, tuple[int, str]] = {}  # address -> (nbytes, device type)
+_where: dict[int, str] = {}  # address -> the device it was registered for (unregistered under it)
 _runtimes: dict[str, "Runtime | None"] = {}  # device type -> runtime (None: cannot pin there)
 _installed: dict[str, "Runtime | None"] = {}  # use_runtime(): overrides _runtimes
 _used = False  # a runtime was asked to register in this process (inherited by fork: see below)
@@ -118,6 +119,7 @@ def _after_fork_in_child() -> None:
     _forked_after_use = _forked_after_use or _used or bool(_table)
     _used = False
     _table.clear()
+    _where.clear()
     _runtimes.clear()
     _bound.__dict__.clear()
 
@@ -263,6 +265,7 @@ def register(addr: int, nbytes: int, device: Any) -> bool:
     if failure is None:
         with _lock:
             _table[addr] = (nbytes, dtype)
+            _where[addr] = str(device)
         return True
     try:  # the failed call left an error on this thread: clear it before anything reads it
         rt.clear_error()
@@ -278,14 +281,20 @@ def unregister(addr: int) -> bool:
     process. A failure is cleared from the runtime's error state and ignored. Never raises."""
     with _lock:
         entry = _table.pop(addr, None)
+        where = _where.pop(addr, None)
     if entry is None:
         return False
     rt = runtime(entry[1])
     if rt is None:  # pragma: no cover - a registration implies a runtime
         return True
     try:
-        if int(rt.unregister(addr)) != 0:
-            rt.clear_error()
+        # Under the device it was registered for: called from threads that never set one (the
+        # publisher, GC, a finalizer), the call would otherwise create a context on device 0.
+        from .accel import device_guard
+
+        with device_guard(where):
+            if int(rt.unregister(addr)) != 0:
+                rt.clear_error()
     except Exception:  # noqa: BLE001 - never fail an unmap for this
         pass
     return True
@@ -347,8 +356,11 @@ class CudaRuntime:
         self._cudart = torch.cuda.cudart()
         get = getattr(self._cudart, "cudaGetLastError", None)
         if get is None:
-            lib = _loaded_library(("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"),
-                                  "libcudart")
+            major = (torch.version.cuda or "").split(".")[0]
+            names = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+            mine = tuple(n for n in names if major and n.startswith(f"libcudart.so.{major}"))
+            # torch's own runtime first: clearing another library's cudart would leave torch's error set
+            lib = _loaded_library(mine + tuple(n for n in names if n not in mine), "libcudart")
             try:
                 get = lib.cudaGetLastError if lib is not None else None
             except AttributeError:

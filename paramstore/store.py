@@ -667,7 +667,7 @@ class ParamStore:
                 from .device import LatestExporter
 
                 assert self._device_latest is not None
-                self._exporter = LatestExporter(self._root, self._device_latest, self._device_cache())
+                self._exporter = LatestExporter(self._root, self._device_latest, bucket_bytes=self._device_bucket)
             return self._exporter
 
     def _device_cache(self) -> DeviceCache:

@@ -81,6 +81,7 @@ class DeviceTier(Tier):
         self._objects: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._bounce: list[torch.Tensor] = []  # two pinned host buffers, made on first use
+        self._load_lock = threading.Lock()
         self._stream: "torch.Stream | None" = None
 
     # -- the primitives ------------------------------------------------------------------------
@@ -158,7 +159,6 @@ class DeviceTier(Tier):
         if not todo:
             return 0
         moved = 0
-        accel.set_device(self.device)
         if not accel.is_accelerator(self.device):
             for d, src in todo.items():
                 host = _as_uint8(src)
@@ -167,15 +167,26 @@ class DeviceTier(Tier):
                 self.adopt(d, dst)
                 moved += host.numel()
             return moved
+        # One load at a time per tier: loads share the bounce buffers and the side stream. The
+        # caller's current device is restored afterwards.
+        with self._load_lock, accel.device_guard(self.device):
+            return self._load_on_device(todo)
+
+    def _load_on_device(self, todo: Mapping[str, HostBytes]) -> int:
+        moved = 0
         stream = self._side_stream()
         bounce = self._bounce_buffers()
         events: list["torch.Event | None"] = [None, None]
         turn = 0
         made: dict[str, torch.Tensor] = {}
+        # The destinations come from the caller's stream's pool: blocks that stream freed may still be
+        # read by kernels queued on it, so the side stream waits for what is queued there first.
+        hosts = {d: _as_uint8(src) for d, src in todo.items()}
+        dsts = {d: torch.empty(h.numel(), dtype=torch.uint8, device=self.device) for d, h in hosts.items()}
+        stream.wait_stream(accel.current_stream(self.device))  # type: ignore[union-attr]
         try:
-            for d, src in todo.items():
-                host = _as_uint8(src)
-                dst = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            for d, host in hosts.items():
+                dst = dsts[d]
                 for start in range(0, host.numel(), self.bucket_bytes):
                     n = min(self.bucket_bytes, host.numel() - start)
                     if events[turn] is not None:

@@ -242,7 +242,7 @@ class TorchCollective(Collective):
             raise InvalidArgumentError("this process is not a member of the process group given")
         self._rank, self._size = rank, dist.get_world_size(self._group)
         self.backend = str(dist.get_backend(self._group))
-        self._device = torch.device(device) if device is not None else _backend_device(self.backend)
+        self._device = torch.device(device) if device is not None else _backend_device(self.backend, self._group)
         self._timeout = timeout
         self._aborted = False
         try:
@@ -389,12 +389,16 @@ class TorchCollective(Collective):
             raise InvalidArgumentError(f"src must be a rank of the group (0..{self._size - 1}), got {src!r}")
 
 
-def _backend_device(backend: str) -> "torch.device":
+def _backend_device(backend: str, group: Any = None) -> "torch.device":
     """The device a group's buffers live on, from its backend name (``"nccl"``, ``"gloo"``,
-    ``"cpu:gloo,cuda:nccl"`` ...): accelerator backends first."""
+    ``"cpu:gloo,cuda:nccl"`` ...): accelerator backends first. A group bound to a device
+    (``init_process_group(..., device_id=)``, which does not make it current) uses that one."""
     import torch
 
     names = {part.rsplit(":", 1)[-1] for part in backend.lower().split(",")}
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None and bound.type in ("cuda", "npu") and ({"nccl", "hccl"} & names):
+        return torch.device(bound)
     if "nccl" in names:
         return torch.device("cuda", torch.cuda.current_device())
     if "hccl" in names:
