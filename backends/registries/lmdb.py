@@ -365,7 +365,7 @@ class LmdbRegistry(Registry):
             raw = txn.get(_step_key(step))
         if raw is None:
             raise VersionNotFoundError(f"no version at step {step}")
-        return Manifest.from_json(json.loads(raw))
+        return Manifest.parse(raw)
 
     @_guarded
     def versions(self, after: int | None = None) -> Iterator[Version]:

@@ -640,7 +640,7 @@ class RedisRegistry(Registry):
         if raw is None or raw_version is None:
             raise VersionNotFoundError(f"no version at step {step}")
         where = f"{self._k['manifests']} field {key} at {self.url}"
-        manifest = _read(where, lambda: Manifest.from_json(json.loads(raw)))
+        manifest = _read(where, lambda: Manifest.parse(raw))
         check_manifest(manifest, _version(raw_version, []), where=where)
         return manifest
 
