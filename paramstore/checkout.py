@@ -301,7 +301,6 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
                             sizes=reg.object_sizes(manifest.objects()))
             if verify:
                 _verify_or_quarantine(root, snap)
-            return snap if place is None else place(snap)
         except ObjectUnavailableError:
             release()
             raise
@@ -311,6 +310,13 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
                                          "`paramstore verify` to see what else is damaged") from e
         except BaseException:
             release()
+            raise
+        if place is None:
+            return snap
+        try:
+            return place(snap)
+        except BaseException:
+            snap.close()  # unmaps, and releases the lease
             raise
 
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from .checkout import FetchReport
 from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
 from .manifest import Manifest, Version, check_manifest
-from .ops import check_buffer
+from .ops import check_buffer, read_manifest
 from .root import StoreRoot, VersionSpec
 
 from paramstore.backends.registries.base import check_digests
@@ -173,7 +173,7 @@ class _Broadcast:
             return {"error": f"{type(e).__name__}: {e}"}, None
         try:
             v = reg.get_version(step)
-            manifest = reg.get_manifest(step)
+            manifest = read_manifest(self.root, step)
             objects = sorted(manifest.objects())
             sizes = reg.object_sizes(objects)
             lacking = [o for o in objects if o not in sizes or not self.root.tier.exists(o)]

@@ -21,8 +21,9 @@ staleness rules, then gives a snapshot whose tensors live on the device:
   previous version) is not copied again.
 
 Tensors taken from a device snapshot are views of whole-object device buffers. A copied buffer
-lives as long as a tensor views it; a mapped (IPC) one only as long as the lease: read or copy
-what you need before ``close()``.
+lives as long as a tensor views it; a mapped (IPC) one only as long as the lease, and only while
+the owner's store is open (its ``close()`` frees what it exported): read or copy what you need
+before ``close()``.
 
 Verified here: the copy path on the CPU code path only (no GPU on the development hosts). The
 CUDA copy, IPC export and import are covered by ``gpu``-marked tests that have not run yet.
@@ -72,6 +73,7 @@ class DeviceCache:
         self._tiers: dict[torch.device, DeviceTier] = {}
         self._open: "dict[int, weakref.ref[Snapshot]]" = {}  # device snapshots handed out (a Mapping: unhashable)
         self._lock = threading.Lock()
+        self._placing = threading.Lock()
 
     def tier(self, device: torch.device) -> DeviceTier:
         with self._lock:
@@ -87,13 +89,16 @@ class DeviceCache:
         if shared is not None:
             return self._track(snap._on_device(shared, "ipc", 0))
         tier = self.tier(device)
-        with self._lock:
-            snaps = [s for s in (r() for r in self._open.values()) if s is not None and s._bufs is not None]
-            self._open = {id(s): weakref.ref(s) for s in snaps}
-            live = {o for s in snaps if s.device == device for o in s.manifest.objects()}
-        tier.keep_only(objects | live)
-        moved = tier.load({o: snap._maps[o] for o in sorted(objects)})
-        return self._track(snap._on_device({o: tier.buffer(o) for o in objects}, "copy", moved))
+        # One device checkout at a time per process: another's keep_only must not drop what this
+        # one loaded before its snapshot is tracked.
+        with self._placing:
+            with self._lock:
+                snaps = [s for s in (r() for r in self._open.values()) if s is not None and s._bufs is not None]
+                self._open = {id(s): weakref.ref(s) for s in snaps}
+                live = {o for s in snaps if s.device == device for o in s.manifest.objects()}
+            tier.keep_only(objects | live)
+            moved = tier.load({o: snap._maps[o] for o in sorted(objects)})
+            return self._track(snap._on_device({o: tier.buffer(o) for o in objects}, "copy", moved))
 
     def _track(self, snap: "Snapshot") -> "Snapshot":
         with self._lock:
@@ -174,7 +179,7 @@ class LatestExporter:
             snap = Snapshot(reg.get_version(step), manifest, self._root.tier)
             try:
                 objects = set(manifest.objects())
-                self._tier.load({o: snap._maps[o] for o in sorted(objects)})
+                self._tier.load({o: snap._maps[o] for o in sorted(objects)})  # new allocations only
             finally:
                 snap.close()
             for o in sorted(objects - set(self._handles)):
@@ -206,11 +211,13 @@ class LatestExporter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
-        self._tier.close()
         try:
-            os.unlink(self.path)  # readers fall back to copying; an open mapping stays valid while its lease lives
+            os.unlink(self.path)  # from now on readers copy
         except FileNotFoundError:
             pass
+        # Frees the exported buffers: tensors readers mapped from them are no longer valid. Close
+        # the trainer's store after its readers are done with what they mapped (or let them copy).
+        self._tier.close()
 
 
 # -- CUDA IPC: readers -----------------------------------------------------------------------------
@@ -219,8 +226,8 @@ def open_exported(root: "StoreRoot", step: int, device: torch.device,
     """The device buffers of version ``step``'s ``objects`` exported by a live owner on ``device``
     (the same physical GPU), opened through CUDA IPC; None when there are none to open (then the
     caller copies). The caller holds a lease on ``step``."""
-    path = os.path.join(root.path, DESCRIPTOR_DIR, f"{_uuid(device)}.json")
     try:
+        path = os.path.join(root.path, DESCRIPTOR_DIR, f"{_uuid(device)}.json")
         with open(path, "rb") as f:
             raw = f.read(_MAX_DESCRIPTOR_BYTES + 1)
     except (FileNotFoundError, DeviceError):

@@ -101,7 +101,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                     continue
                 selected.append(s)
                 try:
-                    manifest = read_manifest(root, s)
+                    manifest = read_manifest(root, s, cached=False)
                 except CorruptStoreError as e:
                     unreadable[s] = str(e)
                     continue
@@ -183,10 +183,11 @@ def _objects_of(root: StoreRoot, step: int) -> set[str]:
 MANIFEST_CACHE = 8
 
 
-def read_manifest(root: StoreRoot, step: int) -> Manifest:
+def read_manifest(root: StoreRoot, step: int, *, cached: bool = True) -> Manifest:
     """The manifest of ``step``; CorruptStoreError (naming the registry's file) if it cannot be parsed.
 
-    Raises VersionNotFoundError if the version does not exist.
+    Raises VersionNotFoundError if the version does not exist. ``cached=False``: parse the stored
+    record even if this store read it before (what ``verify`` checks).
 
     Example:
         >>> from paramstore.ops import read_manifest
@@ -194,16 +195,20 @@ def read_manifest(root: StoreRoot, step: int) -> Manifest:
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
     try:
+        if not cached:
+            return root.registry.get_manifest(step)
         version = root.registry.get_version(step)
         key = (step, version.digest, version.created_at)  # another version at this step (removed, re-committed) has another key
-        cached = root.manifests.get(key)
-        if cached is not None:
-            root.manifests.move_to_end(key)
-            return cached
+        with root.manifests_lock:
+            hit = root.manifests.get(key)
+            if hit is not None:
+                root.manifests.move_to_end(key)
+                return hit
         manifest = root.registry.get_manifest(step)
-        root.manifests[key] = manifest
-        while len(root.manifests) > MANIFEST_CACHE:
-            root.manifests.popitem(last=False)
+        with root.manifests_lock:
+            root.manifests[key] = manifest
+            while len(root.manifests) > MANIFEST_CACHE:
+                root.manifests.popitem(last=False)
         return manifest
     except CorruptObjectError as e:  # JSON, but not a valid manifest (Manifest.from_json)
         if not isinstance(root.registry, LmdbRegistry):
@@ -321,7 +326,7 @@ def repair(root: StoreRoot, fetcher: "Fetcher", report: dict[str, Any]) -> dict[
             if not held:
                 continue  # removed meanwhile: nothing left to repair
             try:
-                manifest = read_manifest(root, s)
+                manifest = read_manifest(root, s, cached=False)
             except (CorruptObjectError, CorruptStoreError) as e:
                 unrepaired[s] = str(e)
                 continue

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import stat
+import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class StoreRoot:
     #: manifests read lately, by (step, version digest, created_at): a manifest never changes, and
     #: parsing one of 10,000 tensors costs ~100 ms at every checkout otherwise (see ops.read_manifest)
     manifests: "OrderedDict[tuple[int, str, float], Any]" = field(default_factory=OrderedDict)
+    manifests_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def resolve(self, version: VersionSpec) -> int:
         """The step named by a step, ``"latest"`` or a tag (a step is not checked to exist).

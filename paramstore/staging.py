@@ -45,8 +45,9 @@ lazily when a commit takes an unpinned slab, and in the background thread (its d
 for the slabs prepared after that. A slab is registered once for as long as it is mapped: retired,
 recycled and reused slabs keep their registration, so steady-state commits pin nothing;
 :meth:`Slab.close` (reached by pool close, trimming, discarding, and a dropped slab's garbage
-collection) unregisters it. Fetch slabs (taken without ``pinned=True``) and the pools of processes
-that only read are never pinned: those processes never initialise a device runtime.
+collection) unregisters it. A fetch never pins a slab (it takes them without ``pinned=True``; in a
+process that also commits, a prepared slab of a commit's size it takes may already be pinned), and
+the pools of processes that only read pin nothing: those processes never initialise a device runtime.
 """
 
 from __future__ import annotations

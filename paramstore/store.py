@@ -138,7 +138,7 @@ class ParamStore:
             device such as ``"cuda:0"``; None/False (default): off. Costs one model's worth of
             device memory per version a reader still holds. Raises DeviceError without CUDA.
         device_bucket_bytes: size of one host-to-device copy of a device checkout (None: 64 MiB;
-            two pinned bounce buffers of this size per device).
+            two pinned bounce buffers of this size per device, two more for ``device_latest``).
         retention: a policy (for the shared-memory tier) or ``{"local": policy, "remote": policy}``;
             when given, prune and GC run in the background after each commit (and, for the remote,
             after each version persisted), off the training thread.
@@ -671,11 +671,12 @@ class ParamStore:
             return self._exporter
 
     def _device_cache(self) -> DeviceCache:
-        if self._devices is None:
-            from .device import DeviceCache
+        with self._patcher_lock:
+            if self._devices is None:
+                from .device import DeviceCache
 
-            self._devices = DeviceCache(self._device_bucket)
-        return self._devices
+                self._devices = DeviceCache(self._device_bucket)
+            return self._devices
 
     def _patcher_for(self) -> Patcher:
         with self._patcher_lock:
@@ -721,7 +722,7 @@ class ParamStore:
         verify: bool = False,
         device: "str | torch.device | None" = None,
         group: Any = None,
-        src: int = 0,
+        src: int | None = None,
         bucket_bytes: int | None = None,
     ) -> Snapshot:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
@@ -759,7 +760,8 @@ class ParamStore:
                 digests before it is placed in that member's store (``snap.fetch.from_group``).
                 An error on any member (a dead member, a digest mismatch, an unknown version on
                 ``src``) raises BroadcastError on every member; nothing unverified is placed.
-            src: with ``group``, the rank (in ``group``) of the member whose store holds the version.
+            src: with ``group``, the rank (in ``group``) of the member whose store holds the version
+                (default 0).
             bucket_bytes: with ``group``, the size of one broadcast (default 64 MiB).
 
         Returns:
@@ -790,10 +792,13 @@ class ParamStore:
         self._check_open()
         check_checkout_args(version, min_step, timeout)
         place = self._device_placer(device)
+        if group is None and (src is not None or bucket_bytes is not None):
+            raise InvalidArgumentError("src= and bucket_bytes= are for a collective checkout: pass group= too")
         if min_step is not None:
             timeout = self._await_root(timeout)
-        collective = None if group is None else self._collective(group, src, version, min_step, timeout, bucket_bytes)
-        snap = open_snapshot(self._root, self._fetcher, version, min_step=None if group else min_step,
+        collective = None if group is None else self._collective(group, 0 if src is None else src, version,
+                                                                 min_step, timeout, bucket_bytes)
+        snap = open_snapshot(self._root, self._fetcher, version, min_step=None if group is not None else min_step,
                              timeout=timeout, holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
                              wait_for=lambda step, left: self.wait_for(step, timeout=left),
                              pull=self._pull_if_remote, verify=verify, collective=collective, place=place)

@@ -184,3 +184,47 @@ def test_a_colocated_reader_maps_the_latest_through_cuda_ipc(store_root, tmp_pat
         assert store._exporter.wait(2, timeout=60)
         assert set(store._exporter._exported) == {2}
         assert os.path.exists(store._exporter.path)
+
+
+def test_src_and_bucket_bytes_need_a_group(store):
+    store.commit(1, state(1)).result()
+    for kwargs in ({"src": 1}, {"bucket_bytes": 1 << 20}):
+        with pytest.raises(InvalidArgumentError, match="group="):
+            store.checkout(1, **kwargs)
+    assert store.leases() == []
+
+
+def test_a_failed_device_placement_releases_the_lease(store, monkeypatch):
+    """Whatever fails while the snapshot moves to a device, the checkout leaves no lease behind."""
+    store.commit(1, state(1)).result()
+    from paramstore.backends.tiers.device import DeviceTier
+
+    def refuse(self, sources):
+        raise DeviceError("out of device memory (made up for this test)")
+
+    from paramstore.checkout import open_snapshot
+
+    monkeypatch.setattr(DeviceTier, "load", refuse)  # a device out of memory: not to be had on a CPU host
+    cache = DeviceCache()
+    with pytest.raises(DeviceError, match="made up"):
+        open_snapshot(store._root, store._fetcher, 1, min_step=None, timeout=None, holder="t",
+                      resolve=store._resolve, wait_for=None, pull=lambda s: None,
+                      place=lambda snap: cache.place(snap, torch.device("cpu"), store._root))
+    assert store.leases() == []
+
+
+def test_parsing_a_manifest_restores_the_collector_as_it_was(store):
+    import gc
+
+    from paramstore.manifest import Manifest
+
+    store.commit(1, state(1)).result()
+    raw = json.dumps(store.manifest(1).to_json())
+    assert gc.isenabled()
+    assert Manifest.parse(raw) == store.manifest(1) and gc.isenabled()
+    gc.disable()
+    try:
+        Manifest.parse(raw)
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()

@@ -11,7 +11,8 @@ How bytes get onto the device (:meth:`DeviceTier.load`): in buckets of ``bucket_
 copied by the CPU into one of two pinned bounce buffers and then to the device with
 ``non_blocking=True`` on a side stream; the CPU fills one bounce buffer while the other one's DMA
 runs (an event per bounce buffer says when it may be refilled). One synchronisation at the end of
-a load, none per tensor. The caller's current stream is not used, so a load can overlap compute.
+a load, none per tensor. The copies run on a side stream (which first waits for the work queued on
+the caller's stream, whose memory pool the destinations come from), so a load can overlap compute.
 
 On the CPU (``device="cpu"``) the tier keeps private copies in process memory; it exists there so
 that the conformance suite (:class:`~paramstore.backends.tiers.testing.TierTests`) runs on any
