@@ -52,6 +52,7 @@ from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepO
 from .manifest import Manifest, Version, check_manifest
 from .ops import check_buffer, read_manifest
 from .root import StoreRoot, VersionSpec
+from .snapshot import MADV_POPULATE_READ  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
 
 from paramstore.backends.registries.base import check_digests
 from paramstore.backends.transports.collective import Collective
@@ -69,7 +70,6 @@ PROTOCOL = 1
 #: Bytes per bucket unless the caller says otherwise.
 DEFAULT_BUCKET_BYTES = 64 << 20
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -455,7 +455,7 @@ class _Buckets:
                 continue
             start = view.data_ptr() + a
             aligned = start - start % _PAGE
-            madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + (b - a) - aligned), _MADV_POPULATE_READ)
+            madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + (b - a) - aligned), MADV_POPULATE_READ)
 
     def _pieces(self, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
         """The parts of objects in stream bytes ``[lo, hi)``: ``(object, begin, end, stream start)``."""

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Snapshot", "LoadResult"]
 
-_MADV_POPULATE_READ = 22
+#: madvise advice that maps every page of a range readable now (Linux 5.14+).
+MADV_POPULATE_READ = 22
 
 
 class LoadResult(NamedTuple):
@@ -266,7 +267,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
         for buf in list(self._host.values()):
-            libc().madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), _MADV_POPULATE_READ)
+            libc().madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), MADV_POPULATE_READ)
 
     def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> LoadResult:
         """Copy this version into ``module``'s parameters and buffers, in place.

@@ -188,13 +188,8 @@ def _map_fd(fd: int, size: int) -> tuple[mmap.mmap, int, bool]:
     return m, own, own == fd
 
 
-def address(m: mmap.mmap) -> int:
-    """The address of a writable mapping's first byte (for madvise, memmove, cudaHostRegister)."""
-    c = ctypes.c_char.from_buffer(m)  # a buffer export while it lives: dropped at once
-    try:
-        return ctypes.addressof(c)
-    finally:
-        del c
+#: The address of a writable mapping's first byte (for madvise, memmove, cudaHostRegister).
+address = pinning.address_of
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
