@@ -138,7 +138,9 @@ def test_retire_uses_one_thread_and_keeps_the_delay(monkeypatch: pytest.MonkeyPa
     threads = threading.active_count()
     transport, asked, closed = _retire_many(n, delay)
     assert threading.active_count() <= threads + 1
-    assert not closed  # nothing before the delay
+    # nothing before its delay (on a loaded 2-core host the loop itself may take longer than the
+    # delay, so the first retirements may already have run: each must have waited its delay)
+    assert all(closed[a] >= asked[a] + delay for a in list(closed))
     _wait_all(closed, n, 10)
     for addr in range(n):
         assert asked[addr] + delay <= transport.unregistered[addr] <= closed[addr]
