@@ -288,7 +288,8 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
             continue
         release = functools.partial(release_lease, reg, lease.id, os.getpid())
         try:
-            manifest = read_manifest(root, step)
+            record = reg.get_version(step)
+            manifest = read_manifest(root, step, version=record)
             report = given if given is not None else fetcher.fetch(step, manifest)
             if pulled is not None and pulled.step == step:  # the pull placed some objects already
                 report.from_remote[:0] = pulled.moved
@@ -297,7 +298,7 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
                 report.local -= len(pulled.moved) + len(pulled.from_patches)
                 report.bytes_from[pulled.url] += pulled.bytes
                 report.seconds += pulled.seconds
-            snap = Snapshot(reg.get_version(step), manifest, root.tier, on_close=release, fetch=report,
+            snap = Snapshot(record, manifest, root.tier, on_close=release, fetch=report,
                             sizes=reg.object_sizes(manifest.objects()))
             if verify:
                 _verify_or_quarantine(root, snap)

@@ -304,10 +304,7 @@ class _Buckets:
             self.starts.append(pos)
             pos += sizes[o]
         self.total = pos
-        self.spans: dict[str, dict[tuple[int, int], str]] = {}
-        for _, e in manifest.stored():
-            for c in e.pieces():
-                self.spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
+        self.spans = manifest.spans()
         self.error: str | None = None  # this member's first local error (it keeps taking part)
         self.slabs: dict[str, "Slab"] = {}
         self.views: dict[str, "torch.Tensor"] = {}  # object -> its bytes (slab or source mapping)

@@ -126,6 +126,13 @@ class TensorEntry:
             return self.chunks
         return (Chunk((0,) * len(self.shape), self.shape, self.digest, self.object, self.offset, self.nbytes),)
 
+    def ranges(self) -> tuple[tuple[str, int, int, str], ...]:
+        """``(object, offset, nbytes, digest)`` of each piece (see :meth:`pieces`), without making a
+        :class:`Chunk` for a tensor stored whole (what per-checkout code over 10,000s of tensors reads)."""
+        if self.chunks:
+            return tuple((c.object, c.offset, c.nbytes, c.digest) for c in self.chunks)
+        return ((self.object, self.offset, self.nbytes, self.digest),)
+
     def to_json(self) -> dict[str, Any]:
         if self.chunks:
             return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
@@ -199,8 +206,19 @@ class Manifest:
 
     def objects(self) -> set[str]:
         """Digests of the objects this manifest references."""
-        return set(self.memo("objects", lambda: frozenset(
-            o for _, e in self.stored() for o in ((c.object for c in e.chunks) if e.chunks else (e.object,)))))
+        return set(self.spans())
+
+    def spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
+        """Per object, the digest of each tensor (or chunk) it holds, by byte range ``(begin, end)``:
+        what a check of the object's bytes compares against. Computed once; do not modify."""
+        def make() -> dict[str, dict[tuple[int, int], str]]:
+            out: dict[str, dict[tuple[int, int], str]] = {}
+            for _, e in self.stored():
+                for obj, offset, nbytes, digest in e.ranges():
+                    out.setdefault(obj, {})[(offset, offset + nbytes)] = digest
+            return out
+
+        return self.memo("spans", make)
 
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per manifest (a manifest never changes): for what readers

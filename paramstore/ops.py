@@ -183,11 +183,12 @@ def _objects_of(root: StoreRoot, step: int) -> set[str]:
 MANIFEST_CACHE = 8
 
 
-def read_manifest(root: StoreRoot, step: int, *, cached: bool = True) -> Manifest:
+def read_manifest(root: StoreRoot, step: int, *, cached: bool = True, version: Version | None = None) -> Manifest:
     """The manifest of ``step``; CorruptStoreError (naming the registry's file) if it cannot be parsed.
 
     Raises VersionNotFoundError if the version does not exist. ``cached=False``: parse the stored
-    record even if this store read it before (what ``verify`` checks).
+    record even if this store read it before (what ``verify`` checks). ``version``: the version
+    record of ``step`` if the caller has read it already (not read again).
 
     Example:
         >>> from paramstore.ops import read_manifest
@@ -197,7 +198,8 @@ def read_manifest(root: StoreRoot, step: int, *, cached: bool = True) -> Manifes
     try:
         if not cached:
             return root.registry.get_manifest(step)
-        version = root.registry.get_version(step)
+        if version is None:
+            version = root.registry.get_version(step)
         key = (step, version.digest, version.created_at)  # another version at this step (removed, re-committed) has another key
         with root.manifests_lock:
             hit = root.manifests.get(key)

@@ -387,10 +387,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
-        spans: dict[str, dict[tuple[int, int], str]] = {}
-        for _, e in self.manifest.stored():
-            for c in e.pieces():
-                spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
+        spans = self.manifest.spans()
         bad: dict[str, str] = {}
         for o, m in self._maps.items():
             with memoryview(m) as mv:
@@ -480,9 +477,7 @@ def _extents(manifest: Manifest) -> dict[str, tuple[int, int, str]]:
     into, and the name of the tensor that ends highest (one pass over the manifest)."""
     out: dict[str, tuple[int, int, str]] = {}
     for name, e in manifest.stored():
-        # a whole tensor's range straight from its entry (no Chunk made: 10,000 tensors a checkout)
-        for obj, offset, nbytes in ((c.object, c.offset, c.nbytes) for c in e.chunks) if e.chunks else \
-                ((e.object, e.offset, e.nbytes),):
+        for obj, offset, nbytes, _ in e.ranges():
             lo, hi, last = out.get(obj, (offset, -1, name))
             end = offset + nbytes
             out[obj] = (min(lo, offset), end, name) if end > hi else (min(lo, offset), hi, last)
