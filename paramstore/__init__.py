@@ -42,6 +42,7 @@ from .errors import (
     WaitTimeoutError,
     WriterConflictError,
     CommitGroupError,
+    TornCommitError,
     DeviceError,
     BroadcastError,
 )
@@ -69,7 +70,7 @@ __all__ = [
     "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
     "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
     "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning",
-    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "CommitGroupError", "FetchReport",
+    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "CommitGroupError", "TornCommitError", "FetchReport",
     "DeviceError", "BroadcastError",
 ]
 

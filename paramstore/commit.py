@@ -4,7 +4,8 @@
    shards (:func:`paramstore.format.plan_shards`), take one pre-faulted (or recycled: see
    :mod:`paramstore.staging`) slab per shard from the pool, write the safetensors header and
    ``copy_`` every tensor into its place. This is the only copy of the bytes. After it the trainer
-   may change its parameters.
+   may change its parameters; a tensor changed in place before its copy was done (torch's in-place
+   version counter moved since ``commit()``) fails the commit with TornCommitError (:class:`_Watch`).
 2. **Hash** (publisher thread, fanning whole tensors out to one hash thread per core). blake3 of
    each tensor's bytes in the slab: one read pass. With :data:`OVERLAP_HASH_MIN_CPUS` cores or
    more, each shard's tensors are handed to hash threads as soon as the shard is copied.
@@ -39,12 +40,12 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from . import accel
-from .errors import CommitGroupError, StorageFullError, WaitTimeoutError
+from .errors import CommitGroupError, StorageFullError, TornCommitError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version
 from .sharded import CommitGroup, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
-from .tensors import ST_TO_TORCH, Collected, Taker, check_pair
+from .tensors import ST_TO_TORCH, Collected, Taker, check_pair, in_place_version
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
 from paramstore.backends.tiers.local import LocalTier
@@ -101,6 +102,7 @@ class CommitHandle:
         # device -> an event recorded on the side stream after this commit's last device copy;
         # set once every copy is queued (before they finish: see fence())
         self._queued: Future[dict[Any, Any]] = Future()
+        self._watch: _Watch | None = None  # the sources' in-place versions (set by the committer)
 
     def fence(self) -> None:
         """Let the caller change its parameters once this commit's copy of them is taken.
@@ -121,6 +123,8 @@ class CommitHandle:
         """
         futures.wait([self._queued, self.staged], return_when=futures.FIRST_COMPLETED)
         if self._queued.done() and self._queued.exception() is None and self._queued.result():
+            if self._watch is not None:  # changes from here on are ordered after the copies
+                self._watch.fence()
             for dev, event in self._queued.result().items():
                 accel.current_stream(dev).wait_event(event)
             return
@@ -176,6 +180,7 @@ class _Job:
     error: BaseException | None = None  # a group job's staging error: it still takes part in the group
     staged: bool = False  # staged on the caller's thread already (a streaming commit)
     layout_sizes: list[int] = field(default_factory=list)  # slab sizes the next commit of this layout takes
+    watch: "_Watch | None" = None  # the sources' in-place versions at commit() (not for a streaming commit)
 
 
 class Committer:
@@ -220,6 +225,7 @@ class Committer:
         ready = _ready_events(collected.sources)
         job = _Job(handle, collected, tags, metrics, metadata, created_at=time.time(),
                    ready_events=ready, group=group, device=next(iter(ready), None))
+        job.watch = handle._watch = _Watch(collected)
         if job.device is not None:  # this process stages accelerator tensors: pin its commit slabs
             self._pool.pin_for(job.device)
         self._stage_q.put(job)
@@ -707,6 +713,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
     slabs must not be unmapped under a running DMA). Not exercised on a GPU yet.
     """
     copier = _Copier(job.ready_events)
+    watch = job.watch
     try:
         for i, plan in enumerate(job.plans):
             slab = take(plan.size)
@@ -714,12 +721,80 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
             slab.map[: len(plan.header)] = plan.header
             for p in plan.placements:
                 if p.nbytes:
-                    copier.copy(_slab_view(slab, p), sources[p.spec.name], pinned=slab.pinned)
+                    src = sources[p.spec.name]
+                    copier.copy(_slab_view(slab, p), src, pinned=slab.pinned)
+                    if watch is not None and not accel.is_accelerator(src.device):
+                        watch.copied(p.spec.name, src)
             if on_shard is not None:
                 on_shard(job, i, plan, slab)
         job.handle._queued.set_result(copier.done_events())  # fence() may now order the caller's streams
     finally:
         copier.synchronize()
+    if watch is not None:
+        watch.synchronized()
+        watch.check(job.handle.step)
+
+
+class _Watch:
+    """Finds the tensors a caller changed in place while its commit copied them.
+
+    A version must hold exactly the bytes passed to ``commit()``. Every tensor carries torch's
+    in-place version counter (:func:`~paramstore.tensors.in_place_version`), read here at
+    ``commit()`` on the caller's thread: a CPU tensor is checked again right after its copy; an
+    accelerator's tensor once its copy has run on the device, or, if the caller fenced the commit
+    first (:meth:`CommitHandle.fence`, which ``store.guard`` calls: the kernels it queues next wait
+    for the copies on the device), as of that fence. A moved counter fails the commit with
+    :class:`~paramstore.errors.TornCommitError` (:meth:`check`). Cost: one integer read per tensor
+    at each end. Changes made through ``tensor.data`` do not move the counter and are not seen.
+    """
+
+    def __init__(self, collected: Collected) -> None:
+        self._at_commit: dict[str, int] = {}
+        self._device: dict[str, torch.Tensor] = {}  # accelerator sources, until their copies are checked
+        for spec, t in zip(collected.specs, collected.sources):
+            v = in_place_version(t)
+            if v is not None:
+                self._at_commit[spec.name] = v
+                if accel.is_accelerator(t.device):
+                    self._device[spec.name] = t
+        self._fenced: dict[str, int | None] | None = None
+        self._lock = threading.Lock()
+        self.changed: list[str] = []
+
+    def copied(self, name: str, t: torch.Tensor) -> None:
+        """``t`` (a CPU tensor) is copied: note it if it changed since ``commit()``."""
+        if name in self._at_commit and in_place_version(t) != self._at_commit[name]:
+            self.changed.append(name)
+
+    def fence(self) -> None:
+        """The caller's later device work waits for the copies: what changes after this is safe."""
+        with self._lock:
+            if self._fenced is None and self._device:
+                self._fenced = {n: in_place_version(t) for n, t in self._device.items()}
+
+    def synchronized(self) -> None:
+        """The device copies have run: note the accelerator tensors changed before (or, if the
+        commit was fenced, before the fence), and drop the references to them."""
+        with self._lock:
+            now = self._fenced if self._fenced is not None else {
+                n: in_place_version(t) for n, t in self._device.items()}
+            self.changed += [n for n, v in now.items() if v != self._at_commit[n]]
+            self._device, self._fenced = {}, {}
+
+    def check(self, step: int) -> None:
+        """Raise TornCommitError naming the changed tensors, if any."""
+        if self.changed:
+            names = ", ".join(repr(n) for n in self.changed[:5]) + (", ..." if len(self.changed) > 5 else "")
+            raise TornCommitError(
+                f"step {step}: {_plural(len(self.changed), 'tensor')} changed in place while the commit was copying "
+                f"{'them' if len(self.changed) > 1 else 'it'} ({names}), so the version would mix two steps; nothing "
+                "was published. Change parameters only once the copy is taken: call store.guard(optimizer) once "
+                "(optimizer.step() then waits for it), or wait for handle.staged.result() (store.wait_staged()) "
+                "before any other in-place update")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _slab_view(slab: Slab, p: Placement) -> torch.Tensor:

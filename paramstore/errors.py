@@ -32,6 +32,7 @@ __all__ = [
     "UnsafeStoreError",
     "WriterConflictError",
     "CommitGroupError",
+    "TornCommitError",
     "ParamStoreWarning",
 ]
 
@@ -107,6 +108,13 @@ class CommitGroupError(ParamStoreError, RuntimeError):
     """A sharded commit (several ranks committing one version) failed as a group: a rank died or
     did not take part in time, the ranks committed different names or shapes, or one rank's part
     failed (the message names it). Nothing of that version was published, on any rank."""
+
+
+class TornCommitError(ParamStoreError, RuntimeError):
+    """A tensor was changed in place between ``commit()`` and the end of its copy (torch's in-place
+    version counter moved): the version would have mixed the bytes of two steps, so the commit
+    failed and nothing was published. Wait for ``handle.staged`` (or use ``store.guard(optimizer)``)
+    before changing the parameters."""
 
 
 class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):

@@ -17,7 +17,8 @@ from .manifest import ASSET_PREFIX
 from .sharded import chunk_name, group_ranks, is_dtensor, local_block
 from .validate import check_name
 
-__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "Taker", "check_cast", "is_stream", "commit_ranks", "model_items"]
+__all__ = ["TORCH_TO_ST", "ST_TO_TORCH", "Collected", "collect", "Taker", "check_cast", "is_stream", "commit_ranks",
+           "model_items", "in_place_version"]
 
 #: torch dtype -> safetensors dtype name, for every dtype both support.
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -83,6 +84,24 @@ def _as_plain_tensor(name: str, value: Any) -> torch.Tensor:
             f"supported: {', '.join(str(d) for d in TORCH_TO_ST)}"
         )
     return value.detach()
+
+
+def in_place_version(t: torch.Tensor) -> int | None:
+    """torch's in-place version counter of ``t`` (shared by its views and ``detach()``; bumped by
+    every in-place op, ``optimizer.step()`` included), or None for an inference-mode tensor, which
+    has none. Changes made through ``t.data`` do not move it.
+
+    Example:
+        >>> t = torch.zeros(2)
+        >>> before = in_place_version(t)
+        >>> _ = t.detach().add_(1)
+        >>> in_place_version(t) - before
+        1
+    """
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 def check_cast(dtype: Any) -> torch.dtype | None:
