@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from paramstore.backends.registries import Registry, open_registry
-from paramstore.backends.registries.lmdb import LmdbRegistry
+from paramstore.backends.registries.lmdb import LmdbRegistry, restore_advice
 from paramstore.backends.tiers.local import LocalTier
 
 from .errors import (
@@ -122,8 +122,8 @@ class StoreRoot:
         try:
             fd = os.open(os.path.join(self.path, "meta", "gc.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except FileNotFoundError as e:
-            raise MetadataLostError(f"the metadata of the store at {self.path} was deleted (meta/ is gone): restore "
-                                    "the store from its remote (paramstore pull) or start a new one") from e
+            raise MetadataLostError(f"the metadata of the store at {self.path} was deleted (meta/ is gone): "
+                                    f"{restore_advice(self.path)}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             _HELD.add(fd)
@@ -167,16 +167,17 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
                                         "you can write to (on /dev/shm for shared memory)", path) from e
     check_safe(path)
     info = _read_marker(path, marker)
+    if registry is None and "registry_id" in info:
+        raise InvalidArgumentError(_needs_registry(path, info))
     meta = os.path.join(path, "meta")
     if registry is None and not os.path.exists(os.path.join(meta, "data.mdb")):
         raise MetadataLostError(
             f"the metadata of the store at {path} is missing ({meta}/data.mdb was deleted, by a /dev/shm cleaner?): "
-            f"its versions are lost here and nothing was re-created. Restore them from the store's remote "
-            f"(paramstore --root {path} pull VERSION), or remove {path} and start a new store")
+            f"its versions are lost here and nothing was re-created. {restore_advice(path)}")
     reg = LmdbRegistry(meta, mode=0o660 if shared_group else 0o600) if registry is None \
         else open_registry(registry, meta, name)
     try:
-        info = _check_identity(path, marker, info, reg, shared=registry is not None)
+        info = _check_identity(path, marker, info, reg, shared=registry is not None, name=name)
         tier = LocalTier(path, create=True)
     except BaseException:
         reg.close()
@@ -216,8 +217,8 @@ def _read_marker(path: str, marker: str) -> dict[str, Any]:
     except OSError as e:
         raise NotAStoreError(f"{marker} is unreadable: {e}") from e
     except ValueError as e:  # bad JSON or bad UTF-8
-        raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: restore it "
-                                "from its remote (paramstore pull) or remove it") from e
+        raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: "
+                                f"{restore_advice(path)}") from e
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:
         raise NotAStoreError(f"{path} holds a store of format {info.get('format') if isinstance(info, dict) else '?'}; "
                              f"this paramstore reads format {STORE_FORMAT}")
@@ -226,8 +227,12 @@ def _read_marker(path: str, marker: str) -> dict[str, Any]:
     return info
 
 
-def _check_identity(path: str, marker: str, info: dict[str, Any], reg: Registry, *, shared: bool) -> dict[str, Any]:
-    """Compare the registry's identity with the marker's; returns the marker's info (updated if joined)."""
+def _check_identity(path: str, marker: str, info: dict[str, Any], reg: Registry, *, shared: bool,
+                    name: str) -> dict[str, Any]:
+    """Compare the registry's identity with the marker's; returns the marker's info (updated if joined).
+
+    A root that joins a shared registry records its id, URL (password masked) and the store's name
+    in the marker, so that a later open without them can say which registry and name to pass."""
     if not shared:
         held = reg.swap_meta("store_id", None, info["store_id"])  # a store made before 0.2 is adopted
         if held != info["store_id"]:
@@ -240,16 +245,52 @@ def _check_identity(path: str, marker: str, info: dict[str, Any], reg: Registry,
     if held is None and known is None:
         held = reg.swap_meta("store_id", None, uuid.uuid4().hex)  # the first host to join names it
     if held is None:
-        raise MetadataLostError(
-            f"the shared registry no longer holds this store's metadata (it had id {known}; the server was flushed "
-            "or the name changed?): nothing was re-created. Restore it from the remote, or use a new store name")
+        _not_in_registry(path, info, reg, name)
     if known is not None and held != known:
         raise MetadataLostError(f"the shared registry holds another store under this name (id {held}; {path} "
                                 f"belongs to id {known}): check the registry URL and name=")
-    if known is None:
-        info = {**info, "registry_id": held}
-        _write_json(marker, info)
-    return info
+    joined = {**info, "registry_id": held, "registry": getattr(reg, "url", None), "name": name}
+    if joined != info:
+        _write_json(marker, joined)
+    return joined
+
+
+def _needs_registry(path: str, info: dict[str, Any]) -> str:
+    """Why a root that caches a shared-registry store cannot be read without that registry, and the
+    command that reads it (the URL as the marker recorded it: password masked)."""
+    url, name = info.get("registry") or "redis://HOST:PORT/DB", info.get("name") or "NAME"
+    return (f"the store at {path} is this host's cache of the store {name!r} in the shared registry {url}: its "
+            f"versions are listed there, not in {path}/meta. Pass the registry and the store's name: "
+            f"`paramstore --root {path} --registry {url} --name {name} ls` (or $PARAMSTORE_REGISTRY and "
+            f"$PARAMSTORE_NAME; in Python ParamStore({path!r}, registry=URL, name={name!r}))"
+            + ("; put the password where *** stands" if ":***@" in url else ""))
+
+
+def _not_in_registry(path: str, info: dict[str, Any], reg: Registry, name: str) -> None:
+    """Raise the error for a shared registry that holds no store under ``name`` although this root
+    joined one: a mistyped name (InvalidArgumentError naming the stores there), or lost metadata
+    (MetadataLostError: the server was flushed or restarted without persistence)."""
+    url, known = getattr(reg, "url", "the registry"), info.get("registry_id")
+    stores = reg.stores()
+    if stores is None:  # cannot list: say both
+        raise MetadataLostError(
+            f"no store named {name!r} in {url}, which held this root's store (id {known}): check the name; if it "
+            "is right, the server lost the store's metadata (flushed?): nothing was re-created")
+    mine = [n for n, sid in stores.items() if sid == known]
+    there = f"stores there: {', '.join(stores)}" if stores else "the server holds no store at all"
+    if mine:
+        raise InvalidArgumentError(f"no store named {name!r} on {url}; {there}. This root ({path}) caches the store "
+                                   f"named {mine[0]!r}: pass --name {mine[0]} (name={mine[0]!r})")
+    if stores:
+        raise InvalidArgumentError(
+            f"no store named {name!r} on {url}; {there}. None of them is the store this root ({path}) caches "
+            f"(id {known}{', named ' + repr(info['name']) if info.get('name') else ''}): check --name and "
+            "--registry (the server or database may be another); nothing was created")
+    raise MetadataLostError(
+        f"no store named {name!r} on {url}: {there}, yet this root ({path}) caches a store there (id {known}"
+        f"{', named ' + repr(info['name']) if info.get('name') else ''}): check --registry (another server or "
+        "database?); if it is right, the server lost its data (flushed, or restarted without persistence): "
+        "nothing was re-created. Restore the versions from the store's remote, or use a new store name")
 
 
 # Descriptors of GC locks held right now. A flock belongs to the open file description, which a

@@ -271,6 +271,11 @@ class Registry(abc.ABC):
         value (so the caller sees who won). ``key`` is one of :data:`META_KEYS`.
         """
 
+    def stores(self) -> dict[str, str | None] | None:
+        """The stores this registry's server holds, by name: name -> store id (None if its id was
+        never set), for messages about a mistyped name; None where a registry holds one store."""
+        return None
+
     @abc.abstractmethod
     def acquire_lease(self, step: int, holder: str) -> Lease:
         """Hold version ``step`` for the calling process. Raises VersionNotFoundError if it is gone.

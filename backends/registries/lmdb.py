@@ -72,7 +72,7 @@ from .base import (
     check_peer, check_peer_id,
 )
 
-__all__ = ["LmdbRegistry"]
+__all__ = ["LmdbRegistry", "restore_advice"]
 
 _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
@@ -100,7 +100,7 @@ def _guarded(fn: _F) -> _F:
                                                  "its filesystem (prune and gc)", self._path) from e
         except (*_DAMAGE, ValueError, KeyError, TypeError, struct.error) as e:  # JSON/UTF-8 errors are ValueErrors
             raise CorruptStoreError(f"the registry at {self._path} is damaged ({type(e).__name__}: {e}); "
-                                    "restore the store from its remote (paramstore pull) or remove it") from e
+                                    f"{restore_advice(self._root)}") from e
         except lmdb.Error as e:  # not damage: too many readers, permissions, ...
             raise StorageError(errno.EIO, f"the registry at {self._path} failed: {type(e).__name__}: {e}",
                                self._path) from e
@@ -157,6 +157,14 @@ def _drop_inherited() -> None:
         _SHARED.pop(key)[0].close()
 
 
+def restore_advice(root: str) -> str:
+    """What to do with a store whose metadata (at ``root``) is lost or damaged, as commands that work
+    as written: ``pull`` needs the remote's URL, and creates the new store."""
+    return (f"move {root} aside (or remove it), then restore the versions from the store's remote into a new "
+            f"store there: `paramstore --root {root} --remote URL pull VERSION` (`paramstore --root {root} "
+            "--remote URL ls --tier remote` lists them); or start a new store")
+
+
 class _EventsWatch(Watch):
     def __init__(self, path: str) -> None:
         self._path = path
@@ -189,6 +197,7 @@ class LmdbRegistry(Registry):
     def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE,
                  mode: int = 0o600) -> None:
         self._path = path
+        self._root = os.path.dirname(os.path.abspath(path))  # the store root (this is its meta/)
         self._mode = mode
         # Two event files: versions and tags change rarely and wake subscribers; lease changes are
         # frequent (every checkout's close) and only wake wait_for_readers().
@@ -208,8 +217,7 @@ class LmdbRegistry(Registry):
             os.makedirs(self._path, mode=0o770 if self._mode & 0o060 else 0o700, exist_ok=True)
         elif not os.path.exists(self._data):
             raise MetadataLostError(f"the registry of this store is missing ({self._data} does not exist): its "
-                                    "metadata was deleted; nothing was re-created. Restore the store from its remote "
-                                    "(paramstore pull) or remove the directory and start again")
+                                    f"metadata was deleted; nothing was re-created. {restore_advice(self._root)}")
         key = (os.path.realpath(self._path), os.getpid())
         with _SHARED_LOCK:
             _drop_inherited()
@@ -226,7 +234,7 @@ class LmdbRegistry(Registry):
                 except lmdb.Error as e:
                     env.close()
                     raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); "
-                                            "restore the store from its remote (paramstore pull) or remove it") from e
+                                            f"{restore_advice(self._root)}") from e
             entry[1] += 1
         self._key = key
         env, self._dbs, self._ino = entry[0], entry[2], entry[3]
@@ -246,14 +254,14 @@ class LmdbRegistry(Registry):
         except lmdb.DiskError as e:
             raise StorageFullError(errno.ENOSPC, f"cannot open the registry at {self._path}: {e}", self._path) from e
         except lmdb.Error as e:
-            raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); restore "
-                                    "the store from its remote (paramstore pull) or remove it") from e
+            raise CorruptStoreError(f"the registry at {self._path} is damaged and cannot be opened ({e}); "
+                                    f"{restore_advice(self._root)}") from e
         try:
             needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
             size = os.stat(self._data).st_size
             if size < needed:
                 raise CorruptStoreError(f"the registry file {self._data} is truncated ({size} bytes, its pages need "
-                                        f"{needed}): restore the store from its remote (paramstore pull) or remove it")
+                                        f"{needed}): {restore_advice(self._root)}")
             env.reader_check()  # clear reader slots left by killed processes
         except lmdb.Error as e:
             env.close()
@@ -277,7 +285,7 @@ class LmdbRegistry(Registry):
             raise MetadataLostError(
                 f"the registry of this store ({self._data}) was {'deleted' if ino is None else 'replaced'} while "
                 "this process had it open (a /dev/shm cleaner?): versions written from now on would be lost. "
-                "Stop, then restore the store from its remote (paramstore pull) or start a new one")
+                f"Stop, then {restore_advice(self._root)}")
 
     def _reserve(self, env: lmdb.Environment) -> None:
         """Allocate :data:`RESERVE_BYTES` past LMDB's last page (best effort: skipped on a full disk)."""

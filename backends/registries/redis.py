@@ -775,6 +775,15 @@ class RedisRegistry(Registry):
                         [check_meta_key(key), expected or "", "1" if expected is None else "0", value])
         return out if isinstance(out, str) else None
 
+    @_translated
+    def stores(self) -> dict[str, str | None]:
+        """Every store in this database, by name (one ``SCAN``: for messages, not a hot path)."""
+        client, out = self._client(), {}
+        for key in client.scan_iter(match="ps:{*}:meta", count=1000):
+            name = key[len("ps:{"):-len("}:meta")]
+            out[name] = client.hget(key, "store_id")
+        return dict(sorted(out.items()))
+
     # -- leases ------------------------------------------------------------------------------
     def _take(self, lease_id: str, step: int, record: str) -> bool:
         keys = [*self._keys("steps", "leases"), self._lease_prefix + lease_id]
