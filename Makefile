@@ -19,9 +19,10 @@ SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \
 	  (apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(VENV))
-	$(BIN)/python -m pip install --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install torch==2.13.0
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -e '.[dev]'
+	@echo "installing into $(VENV) (a few minutes the first time; pip's log: $(VENV)/pip.log)"
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel > $(VENV)/pip.log
+	$(BIN)/python -m pip install -q torch==2.13.0 >> $(VENV)/pip.log
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install -q -e '.[dev]' >> $(VENV)/pip.log
 	touch $(STAMP)
 
 install: $(STAMP) sysdeps

@@ -269,8 +269,11 @@ class Snapshot(Mapping[str, torch.Tensor]):
         for buf in list(self._host.values()):
             libc().madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), MADV_POPULATE_READ)
 
-    def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> LoadResult:
+    def load_into(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
         """Copy this version into ``module``'s parameters and buffers, in place.
+
+        ``module`` may also be a mapping of names to tensors (an engine's own buffers): each is
+        written in place, with the same checks.
 
         The names are those of ``module.state_dict()``, with ``load_state_dict``'s rules: names
         missing from the version, and names of the version the module lacks, are reported (and
@@ -287,7 +290,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
         snapshot of the same version, on its own time (no rank waits for another).
 
         Args:
-            module: the module to load into.
+            module: the module (or mapping of names to tensors) to load into.
             strict: raise if names differ, as ``load_state_dict`` does.
 
         Returns:
@@ -297,6 +300,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
             LoadError (a ``RuntimeError``): names differ (with ``strict``), shapes differ (the
             global shape, for a DTensor), or a DTensor's placement is ``Partial`` (or
             ``_StridedShard``: its block is not one box of the tensor).
+            InvalidArgumentError: ``module`` is neither a module nor a mapping.
 
         Example:
             >>> with store.checkout("latest") as snap:
@@ -307,11 +311,18 @@ class Snapshot(Mapping[str, torch.Tensor]):
             >>> with store.checkout("latest") as snap:
             ...     snap.load_into(torch.nn.Linear(4, 8), strict=False)
             LoadResult(missing_keys=['weight', 'bias'], unexpected_keys=['0.bias', '0.weight', '2.bias', '2.weight'])
+            >>> weights = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+            >>> with store.checkout("latest") as snap:  # a plain dict of tensors, written in place
+            ...     snap.load_into(weights)
+            LoadResult(missing_keys=[], unexpected_keys=[])
         """
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        if not isinstance(module, (torch.nn.Module, Mapping)):
+            raise InvalidArgumentError(f"load_into takes a torch.nn.Module or a mapping of names to tensors, "
+                                       f"got {type(module).__name__}")
         with torch.no_grad():  # to_local() then aliases the DTensor's local tensor
-            own = module.state_dict(keep_vars=True)
+            own = module.state_dict(keep_vars=True) if isinstance(module, torch.nn.Module) else dict(module)
             missing = [k for k in own if k not in self]
             unexpected = [k for k in self if k not in own]
             problems = []

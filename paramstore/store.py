@@ -258,7 +258,7 @@ class ParamStore:
         self._scrubber: Scrubber | None = None
         self._claimed = False  # this store claimed its root as writer (given up at close)
         self._takeover = bool(takeover)
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))  # "~/run" is the home's, not ./~
         _warn_if_not_shared_memory(self.root)  # before anything is opened
         self._open_args = {"registry": registry, "name": name or "", "shared_group": bool(shared_group)}
         self._create = create
@@ -855,14 +855,19 @@ class ParamStore:
         return list(self._root.registry.versions())
 
     def latest(self) -> Version | None:
-        """The newest version, or None if the store is empty.
+        """The newest version, or None if the store is empty, or does not exist yet (a trainer's
+        resume logic before its first commit creates it).
 
         Example:
             >>> v = store.latest()
             >>> v.step, v.num_tensors, v.nbytes
             (1, 4, 232)
+            >>> ParamStore(root + "/not-yet").latest() is None  # nothing committed there yet
+            True
         """
         self._check_open()
+        if self._not_created():
+            return None
         step = self._root.registry.latest_step()
         return None if step is None else self._root.registry.get_version(step)
 
@@ -883,6 +888,13 @@ class ParamStore:
         """
         self._check_open()
         return self._root.registry.get_version(self._resolve(version))
+
+    def _not_created(self) -> bool:
+        """No store exists at the root yet, and this handle's first commit would create it: the
+        trainer's own calls before that commit (``latest``, ``leases``, ``wait_for_readers``) answer
+        "none" instead of a reader's NotAStoreError."""
+        return (self._opened is None and self._create is None and self._remote is None
+                and self._open_args["registry"] is None and not os.path.exists(os.path.join(self.root, MARKER)))
 
     def _resolve(self, version: VersionSpec) -> int:
         try:
@@ -1152,7 +1164,7 @@ class ParamStore:
             []
         """
         self._check_open()
-        return self._root.registry.leases()
+        return [] if self._not_created() else self._root.registry.leases()
 
     def oldest_leased_step(self) -> int | None:
         """The oldest step any live reader holds (how far behind the slowest reader is), or None.
@@ -1175,7 +1187,8 @@ class ParamStore:
 
         With ``checkout(min_step=...)`` on the rollout side this makes t − v ≤ η a store
         guarantee: before training step t the trainer calls ``wait_for_readers(t - η)``.
-        A reader that dies stops counting at once (its leases die with it).
+        A reader that dies stops counting at once (its leases die with it). Before the trainer's
+        first commit has created the store it returns at once: no reader can hold anything yet.
 
         Raises:
             WaitTimeoutError: readers still hold older versions after ``timeout`` seconds.
@@ -1186,13 +1199,15 @@ class ParamStore:
             >>> store.wait_for_readers(2, timeout=0.1)
             Traceback (most recent call last):
             ...
-            paramstore.errors.WaitTimeoutError: 1 readers still hold versions older than step 2 after 0.1 s ...
+            paramstore.errors.WaitTimeoutError: 1 reader still holds a version older than step 2 after 0.1 s ...
             >>> snap.close()
             >>> store.wait_for_readers(2, timeout=60)  # returns at once: nobody holds step 1 now
         """
         self._check_open()
         check_timeout(timeout)
         check_bound(min_step, "min_step")
+        if self._not_created():
+            return
         reg = self._root.registry
         deadline = None if timeout is None else time.monotonic() + timeout
         with reg.watch("leases") as watch:
@@ -1203,7 +1218,8 @@ class ParamStore:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise WaitTimeoutError(
-                        f"{len(old)} readers still hold versions older than step {min_step} after {timeout} s "
+                        f"{'1 reader still holds a version' if len(old) == 1 else f'{len(old)} readers still hold versions'}"
+                        f" older than step {min_step} after {timeout:g} s "
                         f"(oldest: step {min(lease.step for lease in old)}, held by {old[0].holder})")
                 # releases wake us; deaths are noticed by polling
                 watch.wait(_DEATH_POLL_S if left is None else min(left, _DEATH_POLL_S))

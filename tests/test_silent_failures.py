@@ -157,3 +157,50 @@ def test_gpu_an_unguarded_change_tears_and_a_guarded_one_does_not(store_root):
             w.grad = torch.ones_like(w)
             opt.step()  # the guard fences the commit first
             handle.result(timeout=120)
+
+
+# -- 4. a trainer's own calls before its first commit ------------------------------------------
+def test_a_trainers_calls_before_its_first_commit_answer_and_create_nothing(shm_dir):
+    root = os.path.join(shm_dir, "run")
+    store = ParamStore(root)  # a trainer's start: nothing committed yet
+    try:
+        assert store.latest() is None  # resume logic: start from scratch
+        store.wait_for_readers(1, timeout=0.1)  # "before step t": nobody can hold anything yet
+        assert store.leases() == [] and store.oldest_leased_step() is None
+        assert not os.path.exists(root)  # none of it created the store
+        with pytest.raises(paramstore.NotAStoreError):  # a reader's read still refuses a wrong path
+            store.checkout("latest")
+        assert store.commit(1, {"w": torch.ones(3)}).result(timeout=60).step == 1
+        assert store.latest().step == 1
+    finally:
+        store.close()
+
+
+# -- 7. smaller edges --------------------------------------------------------------------------
+def test_load_into_a_mapping_writes_in_place_and_other_things_are_refused(store):
+    store.commit(1, {"a": torch.arange(4.0), "b": torch.ones(2, 2)}).result(timeout=60)
+    dest = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    with store.checkout(1) as snap:
+        result = snap.load_into(dest)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        assert torch.equal(dest["a"], torch.arange(4.0)) and torch.equal(dest["b"], torch.ones(2, 2))
+        with pytest.raises(paramstore.InvalidArgumentError, match="torch.nn.Module or a mapping"):
+            snap.load_into([torch.zeros(4)])
+
+
+def test_a_root_under_home_is_expanded(shm_dir, monkeypatch):
+    monkeypatch.setenv("HOME", shm_dir)
+    monkeypatch.chdir(shm_dir)
+    with ParamStore("~/run") as store:
+        assert store.root == os.path.join(shm_dir, "run")
+        store.commit(1, {"w": torch.ones(1)}).result(timeout=60)
+    assert os.path.isdir(os.path.join(shm_dir, "run")) and not os.path.exists(os.path.join(shm_dir, "~"))
+
+
+def test_the_verl_integration_without_verl_says_how_to_install_it():
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed here")
+    out = subprocess.run([sys.executable, "-c", "import paramstore.integrations.verl"], capture_output=True, text=True)
+    assert out.returncode != 0 and "pip install 'paramstore[verl]'" in out.stderr

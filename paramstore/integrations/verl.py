@@ -112,10 +112,14 @@ from collections.abc import AsyncGenerator, Iterable, Iterator
 from typing import Any
 
 import torch
-from verl.checkpoint_engine.base import (
-    CheckpointEngineRegistry,
-    CheckpointEngineWithCache,
-)
+try:
+    from verl.checkpoint_engine.base import (
+        CheckpointEngineRegistry,
+        CheckpointEngineWithCache,
+    )
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(f"paramstore.integrations.verl needs verl>=0.9.1: pip install 'paramstore[verl]' ({e})",
+                      name=e.name) from e
 
 from paramstore.errors import (
     InvalidArgumentError,
