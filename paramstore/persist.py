@@ -308,6 +308,7 @@ class Persister:
         delay, deadline = _FIRST_DELAY, time.monotonic() + self._retry_for
         while True:
             try:
+                self._remote.create()  # the writer's first commit makes the remote (a read never does)
                 remote_steps = self._remote.steps()
                 break
             except RemoteError as e:

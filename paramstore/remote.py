@@ -161,7 +161,7 @@ class Remote:
         try:
             raw = _parse(self.tier.get_record(key, max_bytes=MAX_RECORD_BYTES), f"{self.url}/{key}")
         except FileNotFoundError:
-            raise VersionNotFoundError(f"no version at step {step} in {self.url}") from None
+            raise self._lacks(f"no version at step {step} in {self.url}") from None
         if raw.get("format") not in _RECORD_FORMATS:
             raise RemoteError(f"version record {step} in {self.url} has format {raw.get('format')!r}")
         rec = _check_record(raw, step, f"{self.url}/{key}")
@@ -169,10 +169,28 @@ class Remote:
             self._records[step] = rec
         return rec
 
+    def _lacks(self, what: str) -> VersionNotFoundError:
+        """The error for a version the remote lacks (``what``), saying so when no paramstore remote
+        lives at the URL at all. Raises RemoteError if the bucket does not exist (deleted since)."""
+        if self.tier.present(recheck=True):
+            return VersionNotFoundError(what)
+        return VersionNotFoundError(f"{what}: {self.tier.absent()}")
+
+    def create(self) -> None:
+        """Make the URL a paramstore remote if it is not one yet (a write: the writer's first upload)."""
+        self.tier.create()
+
     def steps(self) -> list[int]:
-        """Steps of every complete version in the remote, in increasing order (one listing)."""
+        """Steps of every complete version in the remote, in increasing order (one listing).
+
+        Raises RemoteError when no paramstore remote lives at the URL (a mistyped URL is never an
+        empty remote), or its bucket does not exist (deleted since: not "no versions")."""
+        self.tier.require()
+        names = self.tier.records("versions")
+        if not names:  # an empty listing: is the remote (its bucket) still there?
+            self.tier.require(recheck=True)
         out = []
-        for name in self.tier.records("versions"):
+        for name in names:
             stem = name.removesuffix(".json")
             if stem.isdigit() and name.endswith(".json"):
                 out.append(int(stem))
@@ -214,6 +232,8 @@ class Remote:
             step = int(version)
             self._record(step)
             return step
+        if not self.tier.present():
+            raise VersionNotFoundError(f"no version {version!r} in {self.url}: {self.tier.absent()}")
         versions = self.versions()
         if version == "latest":
             if not versions:
@@ -277,6 +297,7 @@ class Remote:
     def _push(self, root: StoreRoot, step: int, show_progress: bool | None) -> TransferReport:
         t0 = time.monotonic()
         version, manifest = root.registry.get_version(step), root.registry.get_manifest(step)
+        self.create()  # a push is a write: the first one makes the remote
         with self.shared_lock("push") as lock:
             if self._same_version_exists(version):
                 return TransferReport(step, 0, 0, len(manifest.objects()), time.monotonic() - t0)
@@ -415,14 +436,14 @@ class Remote:
                 if root.tier.exists(o):
                     continue
                 try:
-                    rebuild(root, pool, patch, o)
+                    rebuild(root, pool, patch, o, record.objects[o])
                 except CorruptObjectError:
                     if patch in got:
                         raise
                     # the copy this host had is damaged: set it aside, download the remote's, once
                     root.tier.quarantine(patch)
                     got += self._fetch(root, {patch: wanted[patch]}, f"{what} (patches)", show_progress)
-                    rebuild(root, pool, patch, o)
+                    rebuild(root, pool, patch, o, record.objects[o])
         finally:
             pool.close()
         return moved, lacking, sum(wanted[p] for p in got)
@@ -518,6 +539,7 @@ class Remote:
         Raises WaitTimeoutError (the lock is not taken) if another GC holds it or pushes and
         pulls are still running after ``timeout`` seconds.
         """
+        self.tier.require()  # GC of a URL that holds no remote: refused before any lock is written
         body = _lock_body("gc")
         deadline = time.monotonic() + timeout
         while True:

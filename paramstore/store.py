@@ -1014,10 +1014,16 @@ class ParamStore:
     def remote_versions(self) -> list[Version]:
         """Every complete version in the remote, in increasing step order.
 
+        Raises RemoteError when no paramstore remote lives at the URL yet (a read never creates
+        one: the first push or commit does; a mistyped URL is not an empty remote), or its bucket
+        does not exist.
+
         Example:
             >>> store = paramstore.ParamStore(root, remote=bucket_url, storage_options=storage_options)
-            >>> store.remote_versions()
-            []
+            >>> store.remote_versions()  # nothing was pushed to this URL yet
+            Traceback (most recent call last):
+            ...
+            paramstore.errors.RemoteError: no paramstore remote at ...
             >>> store.commit(1, model, metrics={"reward": 0.5}).persisted.result().step
             1
             >>> [(v.step, v.metrics) for v in store.remote_versions()]

@@ -216,6 +216,7 @@ def test_remote_gc_runs_at_once_after_a_lock_holder_is_killed(s3_remote, shm_dir
     try:
         expect(holder, "locked")
         r = Remote(url, opts)
+        r.create()  # a remote exists once written (GC of a URL that holds none is refused)
         [key] = r.live_shared_locks()
         body = json.loads(r.tier.get_record(f"locks/{key}"))
         assert body["pid"] == holder.pid and body["start"] > 0 and body["node"] and body["host"]
@@ -236,6 +237,7 @@ def test_remote_gc_runs_at_once_after_a_lock_holder_is_killed(s3_remote, shm_dir
 def test_locks_of_other_nodes_keep_the_ttl_rule(s3_remote):
     url, opts = s3_remote
     r = Remote(url, opts, lock_ttl=600)
+    r.create()
     elsewhere = {"purpose": "push", "host": "other", "node": "other/boot/pid:[1]", "pid": 999_999_999, "start": 1}
     r.tier.put_record("locks/shared-elsewhere.json", json.dumps(elsewhere).encode())
     r.tier.put_record("locks/shared-old-format.json", json.dumps({"purpose": "push", "pid": 1}).encode())
@@ -252,6 +254,7 @@ def test_push_proceeds_at_once_after_a_gc_holding_the_exclusive_lock_is_killed(s
         import json, time
         from paramstore.remote import Remote
         r = Remote({url!r}, json.loads({json.dumps(json.dumps(opts))}))
+        r.create()
         with r.exclusive_lock(timeout=10):
             print("locked", flush=True)
             time.sleep(600)

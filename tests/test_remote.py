@@ -280,6 +280,7 @@ def test_corrupt_remote_object_is_never_delivered(s3_server, s3_remote, shm_dir,
 def test_gc_waits_for_pushes_and_pushes_wait_for_gc(s3_remote):
     url, opts = s3_remote
     r = Remote(url, opts, grace=0)
+    r.create()  # a remote exists only once written (GC of a URL that holds none is refused)
     with r.shared_lock("push"):
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError):
@@ -307,6 +308,7 @@ def test_gc_waits_for_pushes_and_pushes_wait_for_gc(s3_remote):
 def test_stale_locks_are_ignored_and_cleaned(s3_remote):
     url, opts = s3_remote
     r = Remote(url, opts, lock_ttl=0.5, grace=0)
+    r.create()
     r.tier.put_record("locks/shared-dead.json", b"{}")  # a pusher that died
     time.sleep(1.2)
     report = gc_remote(r, timeout=2)
@@ -336,6 +338,7 @@ def test_remote_gc_is_safe_with_concurrent_pushes(s3_server, s3_remote, shm_dir)
 
     def collector() -> None:
         r = Remote(url, opts, grace=0)
+        r.create()  # started before the first push: a GC of a URL that holds no remote is refused
         while not stop.is_set():
             try:
                 prune_remote(r, KeepLast(2))

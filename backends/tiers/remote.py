@@ -78,7 +78,8 @@ class RemoteTier(Tier):
         self._fs: Any = None
         self._base = ""
         self._connect()
-        self._check_marker()
+        #: whether a paramstore remote lives at the URL (its marker seen); False until a write makes one
+        self.created = self._read_marker()
 
     # -- connection --------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -110,15 +111,16 @@ class RemoteTier(Tier):
     def _path(self, key: str) -> str:
         return f"{self._base}/{key}"
 
-    def _check_marker(self) -> None:
+    # -- the marker: a read never creates one; a write (push, the first commit) does ---------------
+    def _read_marker(self) -> bool:
+        """Whether a paramstore remote lives at the URL (its marker, whose format is checked).
+
+        Creates nothing. Raises RemoteError if the bucket does not exist, or for another format."""
         try:
             raw = self.get_record(MARKER, max_bytes=_MAX_MARKER_BYTES)
         except FileNotFoundError:
-            try:
-                self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
-                return
-            except FileExistsError:  # another process created it at the same moment
-                raw = self.get_record(MARKER, max_bytes=_MAX_MARKER_BYTES)
+            self._check_bucket()
+            return False
         try:
             fmt = json.loads(raw).get("format")
         except (ValueError, AttributeError):
@@ -126,6 +128,49 @@ class RemoteTier(Tier):
         if fmt != REMOTE_FORMAT:
             raise RemoteError(f"{self.url} holds a paramstore remote of format {fmt!r}; this paramstore "
                               f"reads format {REMOTE_FORMAT}")
+        return True
+
+    def _check_bucket(self) -> None:
+        """Raise RemoteError if the URL's bucket does not exist (an object store; a local directory
+        is made by the first write)."""
+        if self.local:
+            return
+        bucket = self._base.split("/", 1)[0]
+        try:
+            self.fs.invalidate_cache()
+            self._call("stat", self.fs.info, bucket, missing_ok=True)
+        except FileNotFoundError:
+            raise RemoteError(f"the bucket {bucket} does not exist (deleted after it was used, or a typo in "
+                              f"{self.url}?): create it, or check the URL", transient=False) from None
+
+    def present(self, *, recheck: bool = False) -> bool:
+        """Whether a paramstore remote lives at the URL; ``recheck`` reads the marker again even
+        when it was seen (a bucket deleted since). Raises RemoteError if the bucket does not exist."""
+        if recheck or not self.created:
+            self.created = self._read_marker()
+        return self.created
+
+    def absent(self) -> str:
+        """Why a read finds nothing at the URL, and what makes a remote there."""
+        gone = " (the directory does not exist)" if self.local and not os.path.isdir(self._base) else ""
+        return (f"no paramstore remote at {self.url} (no {MARKER} there{gone}): nothing was ever pushed to this "
+                "URL, or it is mistyped. A read never creates a remote; a push, or the first commit of a store "
+                "opened with this remote, does")
+
+    def require(self, *, recheck: bool = False) -> None:
+        """For a read: raise RemoteError unless a paramstore remote lives at the URL (see :meth:`absent`)."""
+        if not self.present(recheck=recheck):
+            raise RemoteError(self.absent(), transient=False)
+
+    def create(self) -> None:
+        """For a write: make the URL a paramstore remote (its marker, create-only) unless it is one."""
+        if self.created:
+            return
+        try:
+            self.put_record(MARKER, json.dumps({"format": REMOTE_FORMAT}).encode(), create=True)
+        except FileExistsError:  # another process created it at the same moment
+            pass
+        self.created = self._read_marker()  # and checks the format of one another process wrote
 
     def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = False, **kwargs: Any) -> Any:
         """Run one filesystem call; translate its failure into FileNotFoundError (passed through
