@@ -127,6 +127,11 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                     corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
     checked = [o for o, r in results.items() if r is not None]
     damaged = sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]} | set(unreadable))
+    # objects an earlier repair set aside: repairing again without a new source of good copies loops
+    set_aside = {q.split(".", 1)[0] for q in root.tier.quarantined()}
+    quarantined = [o for o in missing if o in set_aside]
+    stuck = sorted({s for o in quarantined for s, *_ in refs[o]}
+                   - {s for o in [*corrupt, *missing] if o not in quarantined for s, *_ in refs[o]} - set(unreadable))
     report: dict[str, Any] = {
         "ok": not corrupt and not missing and not unreadable,
         "versions_checked": len(selected),
@@ -136,14 +141,20 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
         "missing": missing,
         "unreadable_manifests": unreadable,
         "damaged_versions": damaged,
-        "advice": "" if not damaged else (
-            "run `paramstore verify --repair` (store.verify(repair=True)): it moves damaged objects to "
-            f"{os.path.join(root.path, 'quarantine')} so that no commit reuses them, and fetches good copies "
-            "from peers or the remote (--remote URL); checking out a damaged version meanwhile serves wrong "
-            "weights unless checkout(verify=True)"),
+        "quarantined_missing": quarantined,
+        "advice": " ".join(filter(None, [
+            "" if not set(damaged) - set(stuck) else (
+                "run `paramstore verify --repair` (store.verify(repair=True)): it moves damaged objects to "
+                f"{os.path.join(root.path, 'quarantine')} so that no commit reuses them, and fetches good copies "
+                "from peers or the remote (--remote URL); checking out a damaged version meanwhile serves wrong "
+                "weights unless checkout(verify=True)."),
+            _stuck_advice(root, stuck)])),
     }
     if whole:
-        report["orphans"] = sorted(set(root.tier.list()) - set(refs))
+        patches = {p for pairs in root.registry.patches().values() for p in pairs.values()}
+        present = set(root.tier.list())
+        report["patch_objects"] = len(present & patches)  # live (gc keeps them), not unreferenced
+        report["orphans"] = sorted(present - set(refs) - patches)
         report["leftovers"] = root.tier.leftovers()
         # More objects that no version explains than objects in use: not what crashes leave (at most a
         # commit's worth), but what a lost or replaced database looks like. GC would delete them all.
@@ -152,8 +163,25 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
             report["advice"] = " ".join(filter(None, [report["advice"], (
                 f"{len(report['orphans'])} objects are referenced by no version (against {len(refs)} in use): if "
                 "versions you expect are missing, the store's metadata may have been lost or replaced; do not run "
-                "gc (it would delete them) before restoring the versions from the remote (paramstore pull)")]))
+                "gc (it would delete them) before restoring the versions from the store's remote "
+                f"(`paramstore --root {root.path} --remote URL pull VERSION`)")]))
     return report
+
+
+def _stuck_advice(root: StoreRoot, steps: list[int]) -> str:
+    """What can still help versions whose damaged objects an earlier repair quarantined without
+    finding a good copy: a source of good copies, or removing them (repairing alone would loop)."""
+    if not steps:
+        return ""
+    listed = ", ".join(map(str, steps))
+    them = "them" if len(steps) > 1 else "it"
+    return (f"version{'s' if len(steps) > 1 else ''} {listed}: damaged objects were quarantined by an earlier "
+            f"check or repair (in {root.tier.quarantine_dir}) and no good copy has been placed since; repairing again "
+            f"helps only with "
+            f"a source that has {them}: a remote (`paramstore --root {root.path} --remote URL verify --repair`) or "
+            "a peer serving the version (`paramstore serve` on a host that holds it, all hosts on one --registry). "
+            "Otherwise remove " + them + ": " + " and ".join(f"`paramstore rm {s}`" for s in steps)
+            + " (the latest version can be removed once a newer one is committed).")
 
 
 def piece_name(name: str, entry: TensorEntry, chunk: Chunk) -> str:
@@ -216,14 +244,15 @@ def read_manifest(root: StoreRoot, step: int, *, cached: bool = True, version: V
         if not isinstance(root.registry, LmdbRegistry):
             raise  # received from a shared registry: as the registry reports it
         raise CorruptStoreError(f"the manifest of version {step} in {_registry_file(root)} is damaged ({e}): "
-                                f"remove the version (`paramstore rm {step}`) or restore the store from its "
-                                "remote (`paramstore pull`)") from None
+                                f"remove the version (`paramstore rm {step}`), then pull it again from the "
+                                f"store's remote (`paramstore --root {root.path} --remote URL pull {step}`)") from None
     except ParamStoreError:
         raise
     except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a manifest's JSON
         raise CorruptStoreError(f"the manifest of version {step} in {_registry_file(root)} is damaged "
-                                f"({type(e).__name__}: {e}): remove the version (`paramstore rm {step}`) or "
-                                "restore the store from its remote (`paramstore pull`)") from None
+                                f"({type(e).__name__}: {e}): remove the version (`paramstore rm {step}`), then "
+                                f"pull it again from the store's remote (`paramstore --root {root.path} --remote URL "
+                                f"pull {step}`)") from None
 
 
 def _registry_file(root: StoreRoot) -> str:
