@@ -62,10 +62,10 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CorruptObjectError, VersionNotFoundError
-from .format import TensorSpec, layout, object_digest, parse_header, rehash, tensor_digest, tensor_spans
+from .format import TensorSpec, layout, loads, object_digest, parse_header, read_header, rehash, tensor_digest, tensor_spans
 from .patch import decode_into, encode
 from .staging import tmp_name
 
@@ -177,42 +177,69 @@ def _write(root: "StoreRoot", header: bytes, blobs: list[bytes], meta: dict[str,
 
 
 # -- reading -----------------------------------------------------------------------------------
-def _read_patch(buf: memoryview) -> tuple[dict[str, str], dict[str, memoryview]]:
-    """A patch object's metadata and tensors (as views of ``buf``); CorruptObjectError if it is not one."""
+class _Patch(NamedTuple):
+    """A patch object as read, every field checked (:func:`_read_patch`)."""
+
+    target: str  # the digest of the object it rebuilds
+    size: int  # that object's size
+    spans: list[tuple[int, int, str, str, int, int, int]]  # begin, end, dtype, base object, base offset, changed, width
+    views: dict[str, memoryview]  # "head" and "t<i>": views of the patch object's bytes
+
+
+def _read_patch(buf: memoryview) -> _Patch:
+    """A patch object's fields and tensors (as views of ``buf``); CorruptObjectError for anything that
+    is not a well-formed patch object (it may come from a hostile bucket or peer: every field is
+    checked here, before anything is allocated from it)."""
     try:
-        start, entries = parse_header(buf)
-        n = int.from_bytes(bytes(buf[:8]), "little")
-        meta = json.loads(bytes(buf[8 : 8 + n])).get("__metadata__") or {}
+        start, entries, meta = read_header(buf)
         if meta.get("paramstore_patch") != PATCH_OBJECT_FORMAT:
             raise ValueError(f"not a patch object of format {PATCH_OBJECT_FORMAT}")
-        views = {name: buf[start + int(e["data_offsets"][0]) : start + int(e["data_offsets"][1])]
-                 for name, e in entries.items()}
-        json.loads(meta["spans"])
-        int(meta["size"]), int(meta["base"])
+        views = {}
+        for name, e in entries.items():
+            begin, end = e["data_offsets"]
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= len(buf) - start):
+                raise ValueError(f"{name!r} lies outside the patch object")
+            views[name] = buf[start + begin : start + end]
+        spans = [_span(s) for s in loads(meta["spans"], list)]
+        target, size = meta["target"], int(meta["size"])
+        int(meta["base"])
+        if not isinstance(target, str) or size < 0:
+            raise ValueError("bad target or size")
+        if "head" not in views or any(f"t{i}" not in views for i in range(len(spans))):
+            raise ValueError("a tensor of the patch object is missing")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptObjectError(f"malformed patch object: {e}") from None
-    return meta, views
+    return _Patch(target, size, spans, views)
 
 
-def rebuild(root: "StoreRoot", pool: "SlabPool", patch: str, target: str) -> int:
-    """Rebuild object ``target`` from the patch object ``patch`` (both named by digest; the patch and
-    its base objects are on this host) into a fresh slab, check its digest, and place it.
+def _span(s: Any) -> tuple[int, int, str, str, int, int, int]:
+    """One ``spans`` entry of a patch object, type-checked (ValueError if it is not one)."""
+    if not isinstance(s, list) or len(s) != 7 or not all(type(s[i]) is int for i in (0, 1, 4, 5, 6)) \
+            or not isinstance(s[2], str) or not isinstance(s[3], str):
+        raise ValueError(f"bad span {str(s)[:80]}")
+    return tuple(s)  # type: ignore[return-value]
 
-    Returns the target's size. Raises CorruptObjectError (nothing placed) for a malformed patch, a
-    patch for another object, or a result whose digest is not ``target`` (a damaged patch or base);
-    FileNotFoundError if the patch or a base object is not here.
+
+def rebuild(root: "StoreRoot", pool: "SlabPool", patch: str, target: str, size: int) -> int:
+    """Rebuild object ``target`` of ``size`` bytes (as the version's record says) from the patch
+    object ``patch`` (both named by digest; the patch and its base objects are on this host) into a
+    fresh slab, check its digest, and place it.
+
+    Returns the target's size. Raises CorruptObjectError (nothing placed, nothing allocated) for a
+    malformed patch, a patch for another object or of another size, or a result whose digest is not
+    ``target`` (a damaged patch or base); FileNotFoundError if the patch or a base object is not here.
     """
     tier = root.tier
     with _Maps(tier) as maps:
-        meta, views = _read_patch(maps.get(patch))
-        if meta["target"] != target:
-            raise CorruptObjectError(f"patch {patch[:12]}… rebuilds {str(meta['target'])[:12]}…, not {target[:12]}…")
-        size = int(meta["size"])
+        got = _read_patch(maps.get(patch))
+        if got.target != target or got.size != size:
+            raise CorruptObjectError(f"patch {patch[:12]}… rebuilds {got.target[:12]}… of {got.size} bytes, not "
+                                     f"{target[:12]}… of {size}")
         slab = pool.take(size)
         error, digest = None, ""
         buf = memoryview(slab.map)
         try:
-            _apply(maps, meta, views, buf)
+            _apply(maps, got, buf)
             digest = rehash(buf)[0]
         except CorruptObjectError as e:  # (the exception's frames, which view the slab, go here)
             error = str(e)
@@ -243,13 +270,15 @@ def _drop(slab: Any, buf: memoryview) -> None:
         os.unlink(slab.path)
 
 
-def _apply(maps: "_Maps", meta: Mapping[str, str], views: Mapping[str, memoryview], buf: memoryview) -> None:
-    head = views["head"]
+def _apply(maps: "_Maps", patch: _Patch, buf: memoryview) -> None:
+    head = patch.views["head"]
+    if len(head) > len(buf):
+        raise ValueError(f"a header of {len(head)} bytes in an object of {len(buf)}")
     buf[: len(head)] = head
-    for i, (begin, end, dtype, bobj, boff, changed, width) in enumerate(json.loads(meta["spans"])):
+    for i, (begin, end, dtype, bobj, boff, changed, width) in enumerate(patch.spans):
         if not 0 <= begin <= end <= len(buf):
             raise ValueError(f"span {begin}..{end} outside the object")
-        blob = views[f"t{i}"]
+        blob = patch.views[f"t{i}"]
         if bobj:
             base = maps.get(bobj)
             if not 0 <= boff <= boff + end - begin <= len(base):
@@ -327,12 +356,13 @@ def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "
         except VersionNotFoundError:
             return  # pruned meanwhile: the rest moves whole
         todo = sorted(o for o in objects if o in pairs and not tier.exists(o))
+        sizes = reg.object_sizes(todo)
         wanted = reg.object_sizes({pairs[o] for o in todo if not tier.exists(pairs[o])})
         if wanted:
             report.patch_bytes += get(wanted)
         for obj in todo:
             try:
-                rebuild(root, pool, pairs[obj], obj)
+                rebuild(root, pool, pairs[obj], obj, sizes[obj])
             except FileNotFoundError:
                 continue  # the patch did not come, or a base was collected: moved whole instead
             except CorruptObjectError as e:

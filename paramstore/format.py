@@ -26,7 +26,7 @@ import json
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import blake3
 
@@ -42,6 +42,8 @@ __all__ = [
     "plan_shards",
     "build_header",
     "parse_header",
+    "read_header",
+    "loads",
     "tensor_digest",
     "object_digest",
     "OBJECT_SUFFIX",
@@ -168,20 +170,52 @@ def parse_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict]]:
     Returns ``(data_start, entries)`` where ``entries`` maps tensor names to their header dicts
     (``__metadata__`` removed). Raises ``ValueError`` on a malformed header.
     """
+    start, entries, _ = read_header(buf)
+    return start, entries
+
+
+def read_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict], dict[str, Any]]:
+    """Like :func:`parse_header`, also returning the ``__metadata__`` dict (empty when absent).
+
+    Example:
+        >>> header, _ = build_header([TensorSpec("x", "U8", (2,))], {"k": "v"})
+        >>> read_header(header)[1:]
+        ({'x': {'dtype': 'U8', 'shape': [2], 'data_offsets': [0, 2]}}, {'k': 'v'})
+    """
     if len(buf) < 8:
         raise ValueError(f"file too short for a safetensors header ({len(buf)} bytes): truncated")
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > len(buf) - 8 or n > 100_000_000:
         raise ValueError(f"safetensors header length {n} exceeds the file ({len(buf)} bytes): truncated, or not "
                          "a safetensors file")
+    entries = loads(bytes(buf[8 : 8 + n]), dict, "safetensors header")
+    meta = entries.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise ValueError("safetensors __metadata__ is not a JSON object")
+    return 8 + n, entries, meta
+
+
+def loads(data: str | bytes, kind: type, what: str = "JSON") -> Any:
+    """``json.loads(data)``, which must be a ``kind`` (dict or list); ValueError for anything else:
+    bad JSON, bad UTF-8, or nesting too deep for the parser (a hostile input's RecursionError).
+
+    Example:
+        >>> loads("[[1]]", list)
+        [[1]]
+        >>> loads("[" * 100_000, list)
+        Traceback (most recent call last):
+        ...
+        ValueError: JSON is nested too deeply
+    """
     try:
-        entries = json.loads(bytes(buf[8 : 8 + n]))
+        value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"safetensors header is not JSON: {e}") from e
-    if not isinstance(entries, dict):
-        raise ValueError("safetensors header is not a JSON object")
-    entries.pop("__metadata__", None)
-    return 8 + n, entries
+        raise ValueError(f"{what} is not JSON: {e}") from e
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
+    return value
 
 
 def tensor_digest(data: bytes | memoryview, *, parallel: bool | None = None) -> str:

@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import threading
@@ -48,7 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .errors import CorruptObjectError, InvalidArgumentError
-from .format import ITEMSIZE, TensorSpec, build_header, tensor_digest
+from .format import ITEMSIZE, TensorSpec, build_header, read_header, tensor_digest
 
 __all__ = ["make_patch", "apply_patch", "patch_info", "encode", "decode_into", "Encoded", "PATCH_FORMAT",
            "DEFAULT_MAX_RATIO"]
@@ -67,6 +66,10 @@ _ZSTD_LEVEL = 1
 #: Tensors are coded in chunks of 2**this bytes, each on its own (in parallel; positions restart at
 #: each chunk). A frame records its chunk length, so this may change without a new format.
 _CHUNK_LOG2_BYTES = 21
+#: The smallest chunk a frame may declare (2**this bytes of elements). A frame's head chooses its
+#: chunk length: bounded on both sides, what a hostile frame makes the reader allocate stays within
+#: a small multiple of the tensor (few chunks' bookkeeping; one chunk's changes at a time per thread).
+_MIN_CHUNK_LOG2_BYTES = 12
 _MAGIC = b"psp\x02"
 _HEAD = struct.Struct("<4sBBH")  # magic, log2 of the elements per chunk, gap width, 0
 _T = TypeVar("_T")
@@ -143,14 +146,19 @@ def decode_into(out: Any, base: Any, frame: Any, dtype: str, changed: int, gap_w
     if mv.nbytes < _HEAD.size:
         raise CorruptObjectError(f"patch data is {mv.nbytes} bytes: too short to be a frame")
     magic, log2, width, reserved = _HEAD.unpack_from(mv, 0)
-    if magic != _MAGIC or reserved or not 0 < log2 <= 30 or width not in (4, 8):
+    chunk_log2 = log2 + a.itemsize.bit_length() - 1  # bytes of elements per chunk
+    if magic != _MAGIC or reserved or width not in (4, 8) \
+            or not _MIN_CHUNK_LOG2_BYTES <= chunk_log2 <= _CHUNK_LOG2_BYTES:
         raise CorruptObjectError("patch data is not a frame of this patch format")
     if width != gap_width:
         raise CorruptObjectError(f"patch data has gaps of {width} bytes, not {gap_width}")
-    bounds = _chunks(a.size, log2)
-    start = _HEAD.size + 4 * len(bounds)
+    if not 0 <= changed <= a.size:
+        raise CorruptObjectError(f"patch data says {changed} of {a.size} elements changed")
+    chunks = -(-a.size >> log2)  # counted before any list of them is made: the frame must hold their table
+    start = _HEAD.size + 4 * chunks
     if start > mv.nbytes:
-        raise CorruptObjectError(f"patch data is {mv.nbytes} bytes, too short for {len(bounds)} chunks")
+        raise CorruptObjectError(f"patch data is {mv.nbytes} bytes, too short for {chunks} chunks")
+    bounds = _chunks(a.size, log2)
     lengths = np.frombuffer(mv, dtype="<u4", count=len(bounds), offset=_HEAD.size).tolist()
     if start + sum(lengths) != mv.nbytes:
         raise CorruptObjectError(f"patch data is {mv.nbytes} bytes, its chunks say {start + sum(lengths)}")
@@ -368,11 +376,10 @@ def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
     """The metadata and zstd frame of a patch; CorruptObjectError if it is not one."""
     mv = memoryview(patch)
     try:
-        (n,) = struct.unpack_from("<Q", mv, 0)
-        header = json.loads(bytes(mv[8 : 8 + n]))
-        meta, entry = header["__metadata__"], header["data"]
+        start, entries, meta = read_header(mv)
+        entry = entries["data"]
         begin, end = entry["data_offsets"]
-        if meta.get("paramstore_patch") != PATCH_FORMAT or entry["dtype"] != "U8" or 8 + n + end != len(mv) \
+        if meta.get("paramstore_patch") != PATCH_FORMAT or entry["dtype"] != "U8" or start + end != len(mv) \
                 or begin != 0:
             raise ValueError("not a paramstore patch of format " + PATCH_FORMAT)
         for key in ("dtype", "nbytes", "changed", "gap_width", "base", "target"):
@@ -382,4 +389,4 @@ def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
             raise ValueError("bad sizes")
     except (struct.error, ValueError, KeyError, TypeError) as e:
         raise CorruptObjectError(f"malformed patch: {e}") from None
-    return meta, mv[8 + n :]
+    return meta, mv[start:]

@@ -174,12 +174,13 @@ def test_a_patch_for_another_object_or_a_damaged_base_is_refused(store_root):
         drop(store, [a, b])
         store._pool.wait_prepared(60)  # (the pool's own buffers for the next commit are made by now)
         before = set(store._root.tier.leftovers())
+        sizes = store._root.registry.object_sizes([a, b])
         with pytest.raises(CorruptObjectError, match="rebuilds"):
-            rebuild(store._root, store._pool, pairs[a], b)
+            rebuild(store._root, store._pool, pairs[a], b, sizes[b])
         for base in store.manifest(1).objects():  # flip a byte of each tensor of version 1 here
             flip(store._root.tier.object_path(base), 100, 0xFF)
         with pytest.raises(CorruptObjectError, match="damaged patch or base"):
-            rebuild(store._root, store._pool, pairs[a], a)
+            rebuild(store._root, store._pool, pairs[a], a, sizes[a])
         assert not store._root.tier.exists(a) and not store._root.tier.exists(b)
         assert set(store._root.tier.leftovers()) <= before  # nothing half-built left
 
@@ -253,3 +254,80 @@ def test_s3_holds_patches_with_full_bases_and_restores_bit_identical(s3_remote, 
     with ParamStore(os.path.join(shm_dir, "late"), remote=url, storage_options=opts) as c:
         with c.checkout(5) as snap:
             assert equal(snap, weights(5))
+
+
+# -- hostile patches (issue 25, items 1 and 2): a bad patch costs nothing and moves the object whole --
+def test_a_frame_cannot_choose_what_its_reader_allocates():
+    """A frame's head picks its chunk length: a tiny frame claiming 2-element chunks over 32 MiB
+    (millions of chunk records before the table's length was checked), one claiming a single
+    chunk of the whole tensor (its changes decompressed at once), or more changes than elements, is
+    refused before anything is allocated from it."""
+    import struct
+    import time
+    import tracemalloc
+
+    from paramstore.patch import decode_into
+
+    base = bytes(32 << 20)  # 16 Mi BF16 elements
+    out = bytearray(len(base))
+    head = struct.Struct("<4sBBH")
+    for log2, changed in ((1, 1), (30, 1), (20, 1 << 30)):
+        frame = head.pack(b"psp\x02", log2, 4, 0) + bytes(512)  # a 520-byte patch
+        tracemalloc.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(CorruptObjectError):
+                decode_into(out, base, frame, "BF16", changed, 4)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, (log2, peak)  # was ~2 GiB for log2=1
+        assert time.monotonic() - t0 < 1.0
+
+
+HOSTILE = {
+    "no target": lambda meta, entries: meta.pop("target"),
+    "empty data_offsets": lambda meta, entries: entries["head"].update(data_offsets=[]),
+    "absurd size": lambda meta, entries: meta.update(size=str(1 << 50)),
+    "deeply nested spans": lambda meta, entries: meta.update(spans="[" * 100_000),
+    "spans of the wrong kind": lambda meta, entries: meta.update(spans='[["a", 0, 0, 0, 0, 0, 0]]'),
+    "offsets outside the object": lambda meta, entries: entries["head"].update(data_offsets=[0, 1 << 40]),
+}
+
+
+def rewrite_patch(path: str, change) -> None:
+    """Rewrite the patch object at ``path`` with ``change(meta, entries)`` applied to its header (as a
+    hostile bucket or peer would serve it: the data as it was, the header rewritten)."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    change(meta, header)
+    raw = json.dumps({"__metadata__": meta, **header}).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+@pytest.mark.parametrize("how", sorted(HOSTILE))
+def test_a_malformed_patch_object_falls_back_to_the_whole_object(store_root, tmp_path, how):
+    remote = Remote(f"file://{tmp_path}/remote", full_every=1)  # the remote holds whole objects
+    with ParamStore(store_root, remote=remote, shard_size_bytes=1 << 20) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        store.wait_persisted(timeout=60)
+        [pairs] = store._root.registry.patches().values()
+        for patch in set(pairs.values()):
+            rewrite_patch(store._root.tier.object_path(patch), HOSTILE[how])
+        targets = new_objects(store, 2, 1)
+        drop(store, targets)
+        with pytest.warns(RuntimeWarning, match="malformed patch object|rebuilds"):
+            snap = store.checkout(2)
+        with snap:
+            assert equal(snap, weights(2))
+            assert snap.fetch.rejected["patch"] == len(targets) and sorted(snap.fetch.from_remote) == targets

@@ -185,19 +185,19 @@ def content_digest(frame: bytes, n: int) -> str:
        seed=st.integers(0, 2**32 - 1))
 def test_many_small_chunks_round_trip(dtype, n, fraction, seed):
     """Chunks of 64 bytes (a frame says its chunk length): chunk edges, empty chunks, partial tails."""
-    old = patch_module._CHUNK_LOG2_BYTES
-    patch_module._CHUNK_LOG2_BYTES = 6
+    old = patch_module._CHUNK_LOG2_BYTES, patch_module._MIN_CHUNK_LOG2_BYTES
+    patch_module._CHUNK_LOG2_BYTES = patch_module._MIN_CHUNK_LOG2_BYTES = 6
     try:
         base, target = sparse_pair(n, fraction, seed=seed, dtype=dtype)
         st_dtype = TORCH_TO_ST[dtype]
         enc = encode(base, target, st_dtype)
         bits = f"<u{ITEMSIZE[st_dtype]}"
         assert enc.changed == int((np.frombuffer(base, bits) != np.frombuffer(target, bits)).sum())
+        out = bytearray(len(base))
+        decode_into(out, base, enc.frame, st_dtype, enc.changed, enc.gap_width)
+        assert out == target
     finally:
-        patch_module._CHUNK_LOG2_BYTES = old
-    out = bytearray(len(base))
-    decode_into(out, base, enc.frame, st_dtype, enc.changed, enc.gap_width)
-    assert out == target
+        patch_module._CHUNK_LOG2_BYTES, patch_module._MIN_CHUNK_LOG2_BYTES = old
 
 
 def frame_of(chunks: list[bytes], log2: int, width: int) -> bytes:
@@ -214,7 +214,8 @@ def shuffled(gaps: np.ndarray, deltas: np.ndarray) -> bytes:
             + np.ascontiguousarray(deltas.view(np.uint8).reshape(len(deltas), -1).T).tobytes())
 
 
-def test_8_byte_gaps_are_read_and_checked():
+def test_8_byte_gaps_are_read_and_checked(monkeypatch):
+    monkeypatch.setattr(patch_module, "_MIN_CHUNK_LOG2_BYTES", 6)  # frames of 64-byte chunks
     base = bytes(64)  # 32 BF16 elements, one chunk of 2**5
     ok = frame_of([shuffled(np.array([3, 5], "<u8"), np.array([2, 1], "<u2"))], 5, 8)  # +1 at 3, -1 at 8
     out = bytearray(64)
