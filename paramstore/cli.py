@@ -14,17 +14,20 @@ Exit status: 0 on success, 1 when ``verify`` finds damage, 2 on an error (messag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import lmdb
 
-from .errors import InvalidArgumentError, ParamStoreError
-from .root import VersionSpec
+from .errors import (
+    InvalidArgumentError, NotAStoreError, ParamStoreError, ParamStoreWarning, TagNotFoundError, VersionNotFoundError,
+)
+from .root import MARKER, VersionSpec
 from .store import ParamStore
 
 if TYPE_CHECKING:
@@ -45,6 +48,11 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 version``, ``2 versions``: a count and its noun, plural-correct (``plural``: an irregular one)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -61,7 +69,7 @@ def _serve(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         signal.signal(sig, lambda *_: stop.set())
     server = store.serve(args.host)
     session = server.peer.session
-    print(f"serving {len(server.served)} objects of {store.root} at {session} "
+    print(f"serving {_n(len(server.served), 'object')} of {store.root} at {session} "
           f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
     stop.wait()
     return {"session": session, "peer": server.peer.id}, "stopped", 0
@@ -76,6 +84,8 @@ def _repairs(args: argparse.Namespace) -> bool:
     """``verify --repair``: opens the remote when one is named (a source of good copies), without needing one."""
     return args.command == "verify" and bool(getattr(args, "repair", False))
 
+
+_VERSION_HELP = "a step, 'latest' or a tag"
 
 #: What a bare ``ls --remote`` (no URL; deprecated) parses to.
 _BARE = object()
@@ -126,14 +136,14 @@ def _push(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         done = {s for s, u in store.persisted().items() if u == url}
         steps = [v.step for v in store.versions() if v.step not in done]
     reports = [store.push(s, show_progress=None) for s in steps]
-    lines = [f"pushed step {r.step}: {r.objects} objects ({_human(r.bytes)}) uploaded{_patched(r)}, {r.skipped} already "
-             f"there, {r.seconds:.1f} s" for r in reports]
+    lines = [f"pushed step {r.step}: {_n(r.objects, 'object')} ({_human(r.bytes)}) uploaded{_patched(r)}, {r.skipped} "
+             f"already there, {r.seconds:.1f} s" for r in reports]
     return [r.as_dict() for r in reports], "\n".join(lines) or "nothing to push", 0
 
 
 def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.pull(args.version, show_progress=None)
-    text = (f"pulled step {r.step}: {r.objects} objects ({_human(r.bytes)}) downloaded and verified{_patched(r)}, "
+    text = (f"pulled step {r.step}: {_n(r.objects, 'object')} ({_human(r.bytes)}) downloaded and verified{_patched(r)}, "
             f"{r.skipped} already here, {r.seconds:.1f} s")
     return r.as_dict(), text, 0
 
@@ -142,7 +152,7 @@ def _patched(r: Any) -> str:
     """`` (N of them as patches, X)`` for a transfer that moved patches instead of objects."""
     if not r.from_patches:
         return ""
-    return f" ({len(r.from_patches)} objects as patches: {_human(r.patch_bytes)})"
+    return f" ({_n(len(r.from_patches), 'object')} as patches: {_human(r.patch_bytes)})"
 
 
 def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -153,21 +163,24 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
     out["patches"] = [{"base": base, **info} for (base, _), info in sorted(store.patches(v.step).items())]
-    patches = ", ".join(f"from {p['base']}: {_human(p['bytes'])} for {p['changed']} objects" for p in out["patches"])
+    patches = ", ".join(f"from {p['base']}: {_human(p['bytes'])} for {_n(p['changed'], 'object')}" for p in out["patches"])
     chunked = sum(1 for e in man.tensors.values() if e.chunks)
+    # tensors counted as ls counts them (Version.num_tensors): an alias is a tensor name too
+    tensors = _n(len(man.tensors) + len(man.aliases), "tensor") + (
+        f" ({_n(len(man.aliases), 'alias', 'aliases')})" if man.aliases else "")
+    layout = f"{_n(chunked, 'tensor')} chunked" if chunked else "every tensor whole"
+    assets = f", {_n(len(man.assets), 'asset')}" if man.assets else ""
     lines = [
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
-        f"size       {_human(v.nbytes)} in {len(man.tensors)} tensors, {len(man.aliases)} aliases, "
-        f"{len(man.objects())} objects",
-        f"format     {out['manifest']['format']} ({f'{chunked} tensors chunked' if chunked else 'every tensor whole'}"
-        f"{f', {len(man.assets)} assets' if man.assets else ''})",
+        f"size       {_human(v.nbytes)} in {tensors}, {_n(len(man.objects()), 'object')}",
+        f"format     {out['manifest']['format']} ({layout}{assets})",
         f"patches    {patches or '-'}",
         f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
         f"metrics    {json.dumps(dict(v.metrics))}", f"metadata   {json.dumps(dict(v.metadata))}", "",
     ]
     for n in man.names():
         e = man.entry(n)
-        chunks = f"  {len(e.chunks)} chunks" if e.chunks else ""
+        chunks = f"  {_n(len(e.chunks), 'chunk')}" if e.chunks else ""
         alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
         lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{chunks}{alias}")
     for n, e in sorted(man.assets.items()):
@@ -192,15 +205,19 @@ def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _verify(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.verify(args.version, repair=args.repair, show_progress=None)
-    lines = [f"checked {r['versions_checked']} versions, {r['objects_checked']} objects, {_human(r['bytes_checked'])}"]
+    lines = [f"checked {_n(r['versions_checked'], 'version')}, {_n(r['objects_checked'], 'object')}, "
+             f"{_human(r['bytes_checked'])}"]
     lines += [f"CORRUPT {o}: {why}" for o, why in r["corrupt"].items()]
-    lines += [f"MISSING {o}" for o in r["missing"]]
+    set_aside = set(r.get("quarantined_missing", ()))
+    lines += [f"MISSING {o}{' (quarantined as damaged)' if o in set_aside else ''}" for o in r["missing"]]
     lines += [f"UNREADABLE manifest of step {s}: {why}" for s, why in r.get("unreadable_manifests", {}).items()]
     if r["damaged_versions"]:
         lines.append(f"damaged versions: {', '.join(map(str, r['damaged_versions']))}")
     if "orphans" in r:
-        lines.append(f"{len(r['orphans'])} unreferenced objects, {len(r['leftovers'])} temporary files "
-                     "(in-flight commits or crash leftovers; reclaimed by gc)")
+        lines.append(f"{_n(len(r['orphans']), 'unreferenced object')}, {_n(len(r['leftovers']), 'temporary file')} "
+                     "(in-flight commits or crash leftovers; reclaimed by gc)"
+                     + (f"; {_n(r['patch_objects'], 'patch object')} (patches between versions, kept by gc)"
+                        if r.get("patch_objects") else ""))
     if args.repair:
         lines += [f"quarantined {o} -> {path}" for o, path in r["quarantined"].items()]
         lines += [f"restored {o}" for o in r["restored"]]
@@ -221,9 +238,9 @@ def _rm(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.du()
-    text = (f"{r['versions']} versions, {r['objects']} objects\n"
+    text = (f"{_n(r['versions'], 'version')}, {_n(r['objects'], 'object')}\n"
             f"logical  {_human(r['logical_bytes'])}\nstored   {_human(r['stored_bytes'])}\n"
-            f"patches  {_human(r['patch_bytes'])} in {r['patch_objects']} objects (of the stored)\n"
+            f"patches  {_human(r['patch_bytes'])} in {_n(r['patch_objects'], 'object')} (of the stored)\n"
             f"temp     {_human(r['temporary_bytes'])}\ndedup    {r['dedup_ratio']:.2f}x")
     return r, text, 0
 
@@ -240,8 +257,19 @@ def _tag(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         return {"deleted": args.tag, "step": step}, f"deleted tag {args.tag} (was step {step})", 0
     if args.version is None:
         raise ParamStoreError("tag needs a version: paramstore tag VERSION NAME (or --delete NAME)")
-    step = store.tag(args.version, args.tag).step
-    return {"tag": args.tag, "step": step}, f"{args.tag} -> {step}", 0
+    # As `git tag`: an existing tag is moved only with --force (and the output says from where).
+    target = store.get(args.version).step
+    try:
+        current: int | None = store.get(args.tag).step
+    except TagNotFoundError:
+        current = None
+    if current is not None and current != target and not args.force:
+        raise InvalidArgumentError(f"tag {args.tag!r} already points at step {current}: pass --force to move it to "
+                                   f"step {target} (paramstore tag --force {target} {args.tag})")
+    step = store.tag(target, args.tag).step
+    moved = current if current is not None and current != step else None
+    text = f"{args.tag} -> {step}" + (f" (moved from step {moved})" if moved is not None else "")
+    return {"tag": args.tag, "step": step, "moved_from": moved}, text, 0
 
 
 def _leases(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -303,7 +331,7 @@ def _prune(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     lines += [f"{'keep':7} {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
     lines += [f"{'remove' if args.dry_run else 'removed':7} {step:>10}" for step in r.removed]
     lines += [f"{'spared':7} {step:>10}  (leased or latest meanwhile)" for step in r.spared]
-    lines.append(f"{verb} {len(r.removed)} versions, kept {len(r.kept)}; run `paramstore gc"
+    lines.append(f"{verb} {_n(len(r.removed), 'version')}, kept {len(r.kept)}; run `paramstore gc"
                  f"{' --tier remote' if args.tier == 'remote' else ''}` to free their objects")
     return r.as_dict(), "\n".join(lines), 0
 
@@ -312,11 +340,11 @@ def _gc(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     verb = "would delete" if args.dry_run else "deleted"
     r = store.gc(dry_run=args.dry_run, tier=args.tier, grace=args.grace)
     if args.tier == "remote":
-        text = (f"{verb} {len(r.objects)} remote objects ({_human(r.bytes_freed)}) and "
+        text = (f"{verb} {_n(len(r.objects), 'remote object')} ({_human(r.bytes_freed)}) and "
                 f"{len(r.temporary_files)} orphaned manifests and stale locks")
     else:
-        text = (f"{verb} {len(r.objects)} objects ({_human(r.bytes_freed)}) and "
-                f"{len(r.temporary_files)} temporary files of dead processes")
+        text = (f"{verb} {_n(len(r.objects), 'object')} ({_human(r.bytes_freed)}) and "
+                f"{_n(len(r.temporary_files), 'temporary file')} of dead processes")
     return r.as_dict(), text, 0
 
 
@@ -372,42 +400,48 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--remote", dest="ls_remote", metavar="URL", nargs="?", const=_BARE, default=argparse.SUPPRESS,
                     help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE); "
                          "without a URL (deprecated): --tier remote")
-    add("push", _push, "upload versions to the remote (default: every one not yet there)").add_argument(
-        "version", type=_version_arg, nargs="*")
-    add("pull", _pull, "download a version from the remote, verified, into this store").add_argument(
-        "version", type=_version_arg)
-    add("show", _show, "show a version and its tensors").add_argument("version", type=_version_arg)
+    add("push", _push, "upload versions to the remote (default: every one not yet there); the first push "
+        "makes the URL a remote").add_argument(
+        "version", type=_version_arg, nargs="*", help="versions to upload: steps, 'latest' or tags (default: "
+                                                      "every local version the remote lacks)")
+    add("pull", _pull, "download a version from the remote, verified, into this store (created if missing)"
+        ).add_argument("version", type=_version_arg, help="the remote's version: a step, 'latest' or a tag")
+    add("show", _show, "show a version and its tensors").add_argument(
+        "version", type=_version_arg, help=_VERSION_HELP)
     sp = add("diff", _diff, "compare two versions: tensors changed, added, removed; bytes; max |Δ|")
-    sp.add_argument("a", type=_version_arg)
-    sp.add_argument("b", type=_version_arg)
+    sp.add_argument("a", type=_version_arg, help="the older version: " + _VERSION_HELP)
+    sp.add_argument("b", type=_version_arg, help="the newer version: " + _VERSION_HELP)
     sp = add("verify", _verify, "rehash objects; report corruption (exit 1), orphans and leftovers")
-    sp.add_argument("version", type=_version_arg, nargs="?")
+    sp.add_argument("version", type=_version_arg, nargs="?", help="the version to check (default: every one)")
     sp.add_argument("--repair", action="store_true",
                     help="move damaged objects to ROOT/quarantine/ (kept; no longer used for dedup) and fetch "
                          "good copies from peers or the remote (--remote URL); exit 1 if versions stay damaged")
     add("rm", _rm, "remove a version that cannot be repaired (refused while leased, and for the latest); "
-        "its objects go at the next gc").add_argument("version", type=_version_arg)
+        "its objects go at the next gc").add_argument("version", type=_version_arg, help=_VERSION_HELP)
     add("du", _du, "logical vs stored bytes and the dedup ratio")
     sp = add("export", _export, "write a version as a Hugging Face model directory (safetensors shards, index, "
              "config and tokenizer files) that from_pretrained loads as it is")
-    sp.add_argument("version", type=_version_arg)
-    sp.add_argument("dir")
-    sp.add_argument("--shard-size-bytes", type=int, default=5 * 10**9)
+    sp.add_argument("version", type=_version_arg, help=_VERSION_HELP)
+    sp.add_argument("dir", help="the directory to write (created if missing)")
+    sp.add_argument("--shard-size-bytes", type=int, default=5 * 10**9, metavar="N",
+                    help="largest safetensors shard, in bytes (default: 5e9, as transformers writes)")
     sp.add_argument("--assets-from", metavar="MODEL_DIR",
                     help="also write this directory's config and tokenizer files (for versions committed without them)")
     sp.add_argument("--weights-only", action="store_true",
                     help="write the shards and index alone (no config: from_pretrained cannot load it as it is)")
-    sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME)")
-    sp.add_argument("version", type=_version_arg, nargs="?")
-    sp.add_argument("tag", metavar="NAME")  # not dest "name": that is --name, the store's name
-    sp.add_argument("--delete", action="store_true")
+    sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME); "
+             "as git tag, an existing tag is moved only with --force")
+    sp.add_argument("version", type=_version_arg, nargs="?", help="the version to tag: a step, 'latest' or a tag")
+    sp.add_argument("tag", metavar="NAME", help="the tag's name")  # not dest "name": that is --name, the store's
+    sp.add_argument("--delete", action="store_true", help="delete tag NAME (its version stays)")
+    sp.add_argument("-f", "--force", action="store_true", help="move NAME if it already points at another version")
     add("leases", _leases, "list live leases: which versions readers hold")
     sp = add("prune", _prune, "remove versions no keep flag keeps (flags compose: keep if any keeps); "
              "the latest, leased and tagged versions are always kept (tagged: unless --prune-tagged)")
-    sp.add_argument("--keep-last", type=int, metavar="N")
+    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest versions")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
     sp.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
-    sp.add_argument("--metric", metavar="NAME")
+    sp.add_argument("--metric", metavar="NAME", help="the metric --keep-best ranks by (as committed: metrics=)")
     sp.add_argument("--mode", choices=("max", "min"), default=None,
                     help="max: higher --metric is better; min: lower is. Needed unless the name says "
                          "(loss, error, perplexity...: min; reward, accuracy, score...: max)")
@@ -419,14 +453,16 @@ def _parser() -> argparse.ArgumentParser:
                          "other keep flags keep them")
     sp.add_argument("--keep-within", metavar="DURATION", help="e.g. 2h, 30m, 1d12h (from the newest version)")
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
-    sp.add_argument("--tier", choices=("local", "remote"), default="local")
+    sp.add_argument("--tier", choices=("local", "remote"), default="local",
+                    help="remote: prune the remote's versions (--remote URL) instead of this host's")
     add("serve", _serve, "serve this host's objects to other hosts (Mooncake transfer engine; "
         "no authentication: private networks only)").add_argument(
         "--host", default=os.environ.get("PARAMSTORE_HOST", "127.0.0.1"),
         help="address other hosts reach this one at (default: $PARAMSTORE_HOST or 127.0.0.1)")
     sp = add("gc", _gc, "delete objects and temporary files no version references")
-    sp.add_argument("--dry-run", action="store_true")
-    sp.add_argument("--tier", choices=("local", "remote"), default="local")
+    sp.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
+    sp.add_argument("--tier", choices=("local", "remote"), default="local",
+                    help="remote: collect the remote's objects (--remote URL) instead of this host's")
     sp.add_argument("--grace", type=float, metavar="SECONDS",
                     help="remote: spare unreferenced objects younger than this (default: the lock TTL, 600)")
     return p
@@ -445,6 +481,69 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
     print(f"paramstore: warning: {message}", file=sys.stderr)
 
 
+def _create(args: argparse.Namespace) -> bool | None:
+    """Whether the command may create the store: ``serve`` does; ``pull`` (a write: restoring into a
+    new root) and ``ls --tier remote`` (which reads the remote alone) leave it to the library (a root
+    backed by a remote is made when first used); every other command reads a store that exists."""
+    if args.command == "serve":
+        return True
+    if args.command == "pull" or (args.command == "ls" and args.tier == "remote"):
+        return None
+    return False
+
+
+def _check_exists(root: str) -> None:
+    """Refuse, with shell advice, a root that holds no store yet (missing or empty); other cases
+    (a file, a directory of other files) are refused by the store with their own message."""
+    path = os.path.abspath(root)
+    if os.path.exists(os.path.join(path, MARKER)):
+        return
+    try:
+        empty = not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
+    except OSError:
+        return
+    if empty:
+        raise NotAStoreError(
+            f"no store exists at {path} (no {MARKER}): check --root (or $PARAMSTORE_ROOT). A command never "
+            "creates a store: its trainer's first commit does, or `paramstore --root "
+            f"{path} --remote URL pull VERSION` restores one from a remote")
+
+
+@contextlib.contextmanager
+def _opened(args: argparse.Namespace, create: bool | None) -> Iterator[ParamStore]:
+    """The store the command works on. Warnings raised while it opens are shown only once it is
+    open: no "not on tmpfs" advice before an error that says no store is there."""
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            store = ParamStore(args.root, create=create, registry=args.registry, name=args.name,
+                               remote=args.remote if _needs_remote(args) or _repairs(args) else None)
+        except BaseException:
+            for w in caught:
+                if not _about_the_filesystem(w.message):
+                    _show_warning(w.message, w.category)
+            raise
+    for w in caught:
+        _show_warning(w.message, w.category)
+    with store:
+        yield store
+
+
+def _about_the_filesystem(message: Warning | str) -> bool:
+    """Whether a warning is the store's "root not on tmpfs" advice (see ``paramstore.store``)."""
+    return isinstance(message, ParamStoreWarning) and "not tmpfs" in str(message)
+
+
+def _steps_here(store: ParamStore) -> str:
+    """Which steps the store holds, for a message about a version it lacks."""
+    steps = [v.step for v in store.versions()]
+    if not steps:
+        return "the store has no version yet"
+    if len(steps) <= 12:
+        return f"steps here: {', '.join(map(str, steps))}"
+    return (f"{len(steps)} versions here, steps {', '.join(map(str, steps[:3]))} ... "
+            f"{', '.join(map(str, steps[-3:]))} (paramstore ls lists them)")
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "tag" and args.delete and args.version is not None:
         if args.tag is not None and args.tag != args.version:
@@ -459,9 +558,16 @@ def _run(args: argparse.Namespace) -> int:
             raise ParamStoreError("a shared registry needs --name (or $PARAMSTORE_NAME): the store's name")
         if _needs_remote(args) and not args.remote:
             raise ParamStoreError(f"{args.command} needs a remote: pass --remote URL or set PARAMSTORE_REMOTE")
-        with ParamStore(args.root, create=args.command == "serve", registry=args.registry, name=args.name,
-                        remote=args.remote if _needs_remote(args) or _repairs(args) else None) as store:
-            result, text, code = args.fn(store, args)
+        create = _create(args)
+        if create is False:
+            _check_exists(args.root)
+        with _opened(args, create) as store:
+            try:
+                result, text, code = args.fn(store, args)
+            except VersionNotFoundError as e:
+                if isinstance(e, TagNotFoundError) or args.command == "pull" or getattr(args, "tier", "") == "remote":
+                    raise
+                raise VersionNotFoundError(f"{e}; {_steps_here(store)}") from None
     except (ParamStoreError, OSError, lmdb.Error) as e:
         if args.json:
             print(json.dumps({"error": type(e).__name__, "message": str(e)}))
