@@ -27,10 +27,11 @@ import weakref
 from typing import Any, Mapping, Union
 
 from .errors import InvalidArgumentError, ParamStoreWarning
-from .validate import check_asset_name
+from .safefs import create_new, read_regular
+from .validate import REFUSED_ASSET_SUFFIXES, check_asset_name
 
 __all__ = ["AssetsArg", "read_assets", "dir_assets", "model_assets", "check_loadable", "write_assets",
-           "WEIGHT_SUFFIXES"]
+           "WEIGHT_SUFFIXES", "MAX_ASSET_BYTES"]
 
 #: What ``assets=`` takes: a directory, or a mapping of file names to bytes (the content) or paths.
 AssetsArg = Union[str, "os.PathLike[str]", Mapping[str, Union[bytes, str, "os.PathLike[str]"]], None]
@@ -38,6 +39,9 @@ AssetsArg = Union[str, "os.PathLike[str]", Mapping[str, Union[bytes, str, "os.Pa
 #: Files of a model directory that are weights, not assets: the store holds the weights itself.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx",
                    ".ot", ".tflite", ".pdparams", ".pkl", ".pickle", ".index.json")
+
+#: The largest asset file read (a tokenizer is a few MB): a FIFO or a huge file is not read whole.
+MAX_ASSET_BYTES = 64 << 20
 
 _CONFIG = "config.json"
 #: model -> (what its config files were made from, the files): see :func:`model_assets`.
@@ -80,17 +84,33 @@ def read_assets(assets: AssetsArg) -> dict[str, bytes]:
 
 
 def dir_assets(directory: str | os.PathLike[str]) -> dict[str, bytes]:
-    """Every regular file at the top of ``directory`` that is not weights (:data:`WEIGHT_SUFFIXES`)
-    nor hidden, as name -> bytes: a model directory's configs, tokenizer and templates.
-    Subdirectories are not entered. Raises InvalidArgumentError if there is none."""
+    """Every regular file at the top of ``directory`` that is not weights (:data:`WEIGHT_SUFFIXES`),
+    code or pickles (``*.py``, ``*.so``, ``*.bin``...: never stored) nor hidden, as name -> bytes: a
+    model directory's configs, tokenizer and templates. Subdirectories are not entered.
+
+    A symbolic link is followed only to a file inside ``directory``, or, for a Hugging Face cache
+    snapshot (``models--*/snapshots/REV/``), inside that model's ``blobs/``: a link planted to
+    ``~/.aws/credentials`` or ``/proc/self/environ`` is skipped with a warning, never read. Each file
+    is at most :data:`MAX_ASSET_BYTES`. Raises InvalidArgumentError if there is no asset file."""
     path = os.fspath(directory)
     if not os.path.isdir(path):
         raise InvalidArgumentError(f"assets directory {path!r} does not exist or is not a directory")
-    out = {}
+    out, skipped = {}, []
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
         if entry.name.startswith(".") or entry.name.endswith(WEIGHT_SUFFIXES) or not entry.is_file():
             continue
-        out[check_asset_name(entry.name)] = _read(entry.path)
+        if entry.name.endswith(REFUSED_ASSET_SUFFIXES):
+            skipped.append(entry.name)
+            continue
+        target = _inside(path, entry)
+        if target is None:
+            warnings.warn(f"paramstore: {entry.path} links outside {path}: not read as an asset", ParamStoreWarning,
+                          stacklevel=3)
+            continue
+        out[check_asset_name(entry.name)] = read_regular(target, limit=MAX_ASSET_BYTES)
+    if skipped:
+        warnings.warn(f"paramstore: {path}: code and pickle files are never kept as assets: {', '.join(skipped)} "
+                      "skipped", ParamStoreWarning, stacklevel=3)
     if not out:
         raise InvalidArgumentError(f"{path} holds no asset files (config, tokenizer...): only weights, "
                                    "subdirectories or hidden files")
@@ -138,6 +158,20 @@ def model_assets(model: Any, dtype: Any = None) -> dict[str, bytes]:
     return dict(out)
 
 
+def _inside(directory: str, entry: os.DirEntry) -> str | None:
+    """The file ``entry`` (of ``directory``) names: itself, or, for a link, its target when that lies
+    inside ``directory`` or in a Hugging Face cache entry's ``blobs/``; None for a link elsewhere."""
+    if not entry.is_symlink():
+        return entry.path
+    home = os.path.realpath(directory)
+    target = os.path.realpath(entry.path)
+    roots = [home]
+    snapshots = os.path.dirname(home)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(os.path.dirname(snapshots)).startswith("models--"):
+        roots.append(os.path.join(os.path.dirname(snapshots), "blobs"))
+    return target if any(target.startswith(r + os.sep) for r in roots) else None
+
+
 def _unwrapped(model: Any) -> Any:
     """The model a wrapper holds (``torch.compile``'s ``_orig_mod``, DDP's and FSDP1's ``module``)."""
     while True:
@@ -171,7 +205,7 @@ def write_assets(directory: str, assets: Mapping[str, bytes]) -> list[str]:
     for name, data in sorted(assets.items()):
         check_asset_name(name)
         tmp = os.path.join(directory, name + ".partial")
-        with open(tmp, "wb") as f:
+        with create_new(tmp) as f:  # never through a link planted there
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -180,8 +214,6 @@ def write_assets(directory: str, assets: Mapping[str, bytes]) -> list[str]:
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read asset file {os.fspath(path)!r}: {e.strerror or e}") from None
+    """An asset file the caller named by path: followed if a link (the caller chose it), but a
+    regular file of at most :data:`MAX_ASSET_BYTES`."""
+    return read_regular(os.path.realpath(os.fspath(path)), limit=MAX_ASSET_BYTES)

@@ -39,6 +39,7 @@ from .format import TensorSpec, layout
 from .manifest import TensorEntry
 from .progress import progress
 from .root import StoreRoot
+from .safefs import check_own_directory, create_new
 from .validate import EXPORT_INDEX
 
 __all__ = ["export", "map_objects", "INDEX_NAME", "DEFAULT_EXPORT_SHARD_BYTES"]
@@ -56,7 +57,8 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     written (``files``: the shards, the assets, then the index).
 
     ``directory`` must be new or empty (leftover ``*.partial`` files of an interrupted export are
-    allowed). ``show_progress``: None shows a bar when stderr is a terminal. ``assets_from``: a
+    allowed) and, if it exists, this user's. Every file is created new there (a leftover or a link
+    planted under its name is unlinked, never written through: :mod:`paramstore.safefs`). ``show_progress``: None shows a bar when stderr is a terminal. ``assets_from``: a
     model directory whose files (every file at its top except weights) are written too, over the
     version's own of the same name. ``weights_only``: write the shards and the index only (no
     assets, no check that ``from_pretrained`` could load the result).
@@ -72,6 +74,7 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     if os.path.exists(directory):
         if not os.path.isdir(directory):
             raise InvalidArgumentError(f"{directory} is a file; export needs a new or empty directory")
+        check_own_directory(directory)
         other = [f for f in os.listdir(directory) if not f.endswith(".partial")]
         if other:
             raise InvalidArgumentError(f"{directory} is not empty ({len(other)} entries, e.g. {sorted(other)[0]!r}); "
@@ -120,7 +123,7 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
                 plan = layout([TensorSpec(n, man.entry(n).dtype, man.entry(n).shape) for n in group],
                               EXPORT_METADATA)
                 tmp = os.path.join(directory, fname + ".partial")
-                with open(tmp, "w+b") as f:  # readable too: a chunked tensor is assembled in a mapping of it
+                with create_new(tmp) as f:  # readable too: a chunked tensor is assembled in a mapping of it
                     f.write(plan.header)
                     for p in plan.placements:
                         n = p.spec.name
@@ -145,8 +148,8 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
         "weight_map": weight_map,
     }
     tmp = os.path.join(directory, INDEX_NAME + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=2)
+    with create_new(tmp) as f:
+        f.write(json.dumps(index, indent=2).encode())
     os.replace(tmp, os.path.join(directory, INDEX_NAME))  # written last: the export is complete
     return {"step": step, "directory": os.path.abspath(directory), "files": [*files, *written, INDEX_NAME],
             "total_size": index["metadata"]["total_size"]}

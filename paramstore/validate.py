@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
 
-__all__ = ["check_name", "check_asset_name", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
+__all__ = ["check_name", "check_asset_name", "REFUSED_ASSET_SUFFIXES", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
            "MAX_TAG_BYTES", "MAX_STEP"]
 
 #: Steps are in [0, MAX_STEP): registry keys are 8-byte big-endian.
@@ -39,16 +39,27 @@ def check_name(name: Any, what: str = "tensor name") -> str:
 EXPORT_INDEX = "model.safetensors.index.json"
 
 
+#: Names no asset may have: code a loader could run (``trust_remote_code``) and pickles or other weight
+#: formats (weights are the store's tensors). Checked for names a caller gives and names read from a
+#: pulled manifest alike, so a bucket cannot ship code next to the weights.
+REFUSED_ASSET_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".so", ".dylib", ".dll", ".sh", ".exe",
+                          ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib", ".npy", ".npz", ".h5",
+                          ".msgpack", ".gguf", ".onnx")
+
+
 def check_asset_name(name: Any) -> str:
     """An asset is a file written beside an export's shards: a plain file name (no directory part,
     at most 240 bytes: an export writes it as ``NAME.partial`` first), not one the export writes
-    itself (``*.safetensors``, the index, ``*.partial``)."""
+    itself (``*.safetensors``, the index, ``*.partial``), and not code or a pickle
+    (:data:`REFUSED_ASSET_SUFFIXES`)."""
     check_name(name, "asset name")
     if "/" in name or "\\" in name or name in (".", "..") or len(name.encode("utf-8")) > 240:
         raise InvalidNameError(f"asset name {name!r} must be a plain file name (no directory part, at most 240 bytes)")
     if name.endswith((".safetensors", ".partial")) or name == EXPORT_INDEX:
         raise InvalidNameError(f"asset name {name!r} is a weights or temporary file name, which an export writes "
                                "itself")
+    if name.lower().endswith(REFUSED_ASSET_SUFFIXES):
+        raise InvalidNameError(f"asset name {name!r} is code or a pickle, which paramstore never stores or writes")
     return name
 
 

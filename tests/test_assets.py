@@ -189,7 +189,9 @@ def test_a_version_without_config_is_refused_then_exported_with_assets_from(stor
     ({"model.safetensors.index.json.partial": b"{}"}, InvalidNameError, "weights or temporary file"),
     ({"t" * 236 + ".json": b"{}"}, InvalidNameError, "at most 240 bytes"),
     ({"config.json": {"model_type": "gpt2"}}, InvalidArgumentError, "bytes .the content. or a path"),
-    ({"config.json": "/nonexistent/config.json"}, InvalidArgumentError, "cannot read asset file"),
+    ({"config.json": "/nonexistent/config.json"}, InvalidArgumentError, "cannot read '/nonexistent/config.json'"),
+    ({"modeling_evil.py": b"import os"}, InvalidNameError, "code or a pickle"),
+    ({"training_args.bin": b"\x80\x04"}, InvalidNameError, "code or a pickle"),
     ("/nonexistent/model", InvalidArgumentError, "not a directory"),
     (42, InvalidArgumentError, "directory or a mapping"),
 ])
