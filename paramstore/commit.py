@@ -144,7 +144,7 @@ class CommitHandle:
         try:
             return self.committed.result(timeout)
         except FutureTimeout:
-            raise WaitTimeoutError(f"step {self.step} not committed within {timeout} s") from None
+            raise WaitTimeoutError(f"step {self.step} not committed within {timeout:.4g} s") from None
 
     def done(self) -> bool:
         """Whether the commit has finished (successfully or not).

@@ -260,7 +260,8 @@ class Persister:
                else "while an upload was still running (the remote is slow or unreachable: commits outpace uploads)")
         return RemoteError(
             f"step {upload.step} was not uploaded to {self._remote.url}: skipped because the upload backlog was "
-            f"full {why}; at most {self._backlog} versions wait for upload (ParamStore(persist_backlog=)) and the "
+            f"full {why}; at most {self._backlog} version{'s wait' if self._backlog != 1 else ' waits'} for upload "
+            "(ParamStore(persist_backlog=)) and the "
             f"newest are kept. It stays in the local store until retention prunes it; store.push({upload.step}) "
             "uploads it", transient=False)
 

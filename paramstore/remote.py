@@ -565,7 +565,7 @@ class Remote:
                 if not live:
                     break
                 if time.monotonic() > deadline:
-                    raise WaitTimeoutError(f"{len(live)} pushes or pulls still hold {self.url} after {timeout} s")
+                    raise WaitTimeoutError(f"{len(live)} push{'' if len(live) == 1 else 'es'} or pulls still hold {self.url} after {timeout:.4g} s")
                 time.sleep(0.1)
             yield held
         finally:

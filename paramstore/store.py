@@ -354,7 +354,7 @@ class ParamStore:
         while not os.path.exists(marker):
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
-                raise WaitTimeoutError(f"no store exists at {self.root} (waited {timeout} s for one to appear; a "
+                raise WaitTimeoutError(f"no store exists at {self.root} (waited {timeout:.4g} s for one to appear; a "
                                        "reader never creates a store): check the path, and that the trainer started")
             self._check_open()
             time.sleep(_STORE_POLL_S if timeout is None else min(_STORE_POLL_S, max(0.0, timeout - waited)))
@@ -584,7 +584,7 @@ class ParamStore:
 
         committer.prepare(collect(model, assets=model_assets(model)), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
-            raise WaitTimeoutError(f"buffers not prepared within {timeout} s")
+            raise WaitTimeoutError(f"buffers not prepared within {timeout:.4g} s")
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait until the last commit's snapshot is taken.
@@ -629,7 +629,7 @@ class ParamStore:
             try:
                 handle.staged.result(timeout)
             except FutureTimeout:
-                raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout} s") from None
+                raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout:.4g} s") from None
 
     @_keyword_timeout(0)
     def flush(self, *, timeout: float | None = None) -> Version | None:
@@ -649,7 +649,7 @@ class ParamStore:
         version = handle.result(timeout)  # raises WaitTimeoutError
         if self._patches and self._patcher_for().wait(
                 version.step, None if deadline is None else max(0.0, deadline - time.monotonic())) is False:
-            raise WaitTimeoutError(f"the patches of step {version.step} were not made within {timeout} s")
+            raise WaitTimeoutError(f"the patches of step {version.step} were not made within {timeout:.4g} s")
         return version
 
     def _before_push(self, step: int) -> None:
@@ -1060,7 +1060,8 @@ class ParamStore:
         """
         self.flush(timeout=timeout)
         if self._persister is not None and not self._persister.wait(timeout):
-            raise WaitTimeoutError(f"{self._persister.pending} versions not persisted within {timeout} s")
+            n = self._persister.pending
+            raise WaitTimeoutError(f"{n} version{'' if n == 1 else 's'} not persisted within {timeout:.4g} s")
 
     # -- wait --------------------------------------------------------------------------------
     def subscribe(self, after: int | None = None, *, min_step: int | None = None,
@@ -1155,7 +1156,7 @@ class ParamStore:
                     return reg.get_version(latest)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise WaitTimeoutError(f"no version with step >= {step} within {timeout} s (latest: {latest})")
+                    raise WaitTimeoutError(f"no version with step >= {step} within {timeout:.4g} s (latest: {latest})")
                 watch.wait(left)
 
     # -- leases and staleness ------------------------------------------------------------------

@@ -220,3 +220,12 @@ def test_a_remote_is_listed_and_pulled_from_a_new_root(store_root, shm_dir, tmp_
     proc = cli(fresh, "--remote", url, "pull", "1")  # the restore the lost-metadata advice names
     assert proc.returncode == 0 and "pulled step 1: " in proc.stdout, proc.stderr
     assert cli(fresh, "verify").returncode == 0
+
+
+def test_timeouts_are_written_round(store_root):
+    from paramstore.errors import WaitTimeoutError
+
+    with ParamStore(store_root) as s:
+        s.commit(1, model(1)).result()
+        with pytest.raises(WaitTimeoutError, match=r"within 0\.2 s \(latest: 1\)"):
+            s.wait_for(5, timeout=0.2000000001)

@@ -468,7 +468,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             asked = "any version" if global_steps is None else (
                 f"step >= {min_step} (global_steps {global_steps} - eta {self.eta})")
             raise WaitTimeoutError(
-                f"paramstore verl backend: no version with {asked} in {self._where()} within {self.timeout} s "
+                f"paramstore verl backend: no version with {asked} in {self._where()} within {self.timeout:.4g} s "
                 f"(latest: {None if latest is None else latest.step}): is the trainer sending weights to the same "
                 f"store, and did its send_weights succeed? ({e})") from e
 
