@@ -862,8 +862,6 @@ class ParamStore:
             >>> v = store.latest()
             >>> v.step, v.num_tensors, v.nbytes
             (1, 4, 232)
-            >>> ParamStore(root + "/not-yet").latest() is None  # nothing committed there yet
-            True
         """
         self._check_open()
         if self._not_created():

@@ -38,12 +38,15 @@ from typing import Any, Iterable
 import torch
 
 from paramstore.errors import InvalidArgumentError
-from paramstore.integrations._stores import open_store
+from paramstore.integrations._stores import request_store
 
 __all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions"]
 
 #: The name of the one tensor a request is made of.
 REQUEST_NAME = "paramstore.request"
+#: A request is a few hundred bytes; a larger tensor under its name is not decoded.
+MAX_REQUEST_BYTES = 64 << 10
+_FIELDS = {"root", "version", "min_step", "timeout", "registry", "name"}
 #: The dotted path to give SGLang's ``--custom-weight-loader`` and ``load_format``.
 LOADER = "paramstore.integrations.sglang.load_weights"
 
@@ -85,8 +88,8 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     if len(items) != 1 or items[0][0] != REQUEST_NAME:
         raise InvalidArgumentError(f"the paramstore loader takes one {REQUEST_NAME!r} tensor made by "
                                    f"paramstore.integrations.sglang.request(), got {[n for n, _ in items][:3]}")
-    body = json.loads(bytes(items[0][1].detach().cpu().tolist()))
-    store = open_store(body["root"], body["registry"], body["name"])
+    body = _body(items[0][1])
+    store = request_store(body["root"], body["registry"], body["name"])
     if body["min_step"] is not None:
         snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"])
     else:
@@ -95,6 +98,28 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         model.load_weights(iter(snap.items()))
         with _lock:
             _loaded[id(model)] = snap.step
+
+
+def _body(t: torch.Tensor) -> dict[str, Any]:
+    """The request a loader tensor carries, every field checked (it comes from the engine's HTTP
+    route: anyone who reaches it); InvalidArgumentError for anything else."""
+    from paramstore.format import loads
+
+    try:
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_REQUEST_BYTES:
+            raise ValueError("not a request tensor")
+        body = loads(t.detach().cpu().numpy().tobytes(), dict, "the request")
+        if set(body) != _FIELDS:
+            raise ValueError(f"fields {sorted(body)[:8]}")
+        version, min_step, timeout = body["version"], body["min_step"], body["timeout"]
+        if not (version is None or isinstance(version, str) or type(version) is int) \
+                or not (min_step is None or type(min_step) is int) \
+                or not (timeout is None or (type(timeout) in (int, float) and timeout >= 0)):
+            raise ValueError("version, min_step or timeout of the wrong type")
+    except ValueError as e:
+        raise InvalidArgumentError(f"not a paramstore request ({e}): make it with "
+                                   "paramstore.integrations.sglang.request()") from None
+    return body
 
 
 def loaded_versions() -> dict[int, int]:

@@ -191,12 +191,13 @@ class _Reader:
     """One worker's store (opened once) and the load of a version from it into a vLLM model."""
 
     def __init__(self, root: str, registry: str | None = None, name: str | None = None) -> None:
-        from paramstore import ParamStore
+        from paramstore.integrations._stores import request_store
 
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise ValueError(f"paramstore: root must be a store directory, got {root!r}")
         self.key = (os.fspath(root), registry, name)
-        self.store = ParamStore(root, registry=registry, name=name)
+        # the request names the store: only one the engine's environment allows, never created elsewhere
+        self.store = request_store(os.fspath(root), registry, name, shared=False)
 
     def load(self, model: torch.nn.Module, model_config: Any, version: int | str = "latest",
              min_step: int | None = None, timeout: float | None = None) -> int:

@@ -9,11 +9,13 @@ a torch module that loads that way, so what runs is paramstore's side of that co
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
 import torch
 
+import paramstore
 from paramstore import ParamStore
 from paramstore.errors import InvalidArgumentError, WaitTimeoutError
 from paramstore.integrations import sglang
@@ -88,3 +90,57 @@ def test_two_worker_processes_wait_for_the_step_then_load_it(store_root):
             for n, t in weights(3).items():
                 assert g[n] == t.numpy().tobytes(), n
         assert store.leases() == []
+
+
+# -- a request chooses nothing the engine did not allow (issue 25, item 6) ----------------------
+def _raw(body: bytes) -> list[tuple[str, torch.Tensor]]:
+    return [(sglang.REQUEST_NAME, torch.frombuffer(bytearray(body), dtype=torch.uint8))]
+
+
+def test_a_request_never_creates_a_store_nor_reaches_an_unlisted_registry(shm_dir, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("PARAMSTORE_ENGINE_ROOTS", raising=False)
+    monkeypatch.delenv("PARAMSTORE_ENGINE_REGISTRIES", raising=False)
+    elsewhere = os.path.join(shm_dir, "made", "by", "a", "caller")
+    with pytest.raises(paramstore.NotAStoreError):
+        sglang.load_weights(Policy(), sglang.request(elsewhere))
+    assert not os.path.exists(os.path.join(shm_dir, "made"))  # no directory tree, no store skeleton
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a "registry" that records connections
+        listener.settimeout(0.3)
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        with pytest.raises(InvalidArgumentError, match="PARAMSTORE_ENGINE_REGISTRIES"):
+            sglang.load_weights(Policy(), sglang.request(elsewhere, registry=url, name="x"))
+        with pytest.raises(socket.timeout):
+            listener.accept()  # nobody connected
+    assert not os.path.exists(os.path.join(shm_dir, "made"))
+
+
+def test_the_engines_roots_bound_what_a_request_opens(shm_dir, monkeypatch):
+    allowed, other = os.path.join(shm_dir, "allowed"), os.path.join(shm_dir, "other")
+    for root in (os.path.join(allowed, "run"), os.path.join(other, "run")):
+        with ParamStore(root) as store:
+            store.commit(1, weights(1)).result()
+    monkeypatch.setenv("PARAMSTORE_ENGINE_ROOTS", allowed)
+    model = Policy()
+    sglang.load_weights(model, sglang.request(os.path.join(allowed, "run"), version=1))
+    assert sglang.loaded_versions()[id(model)] == 1
+    for root in (os.path.join(other, "run"), os.path.join(allowed, "..", "other", "run")):
+        with pytest.raises(InvalidArgumentError, match="only under PARAMSTORE_ENGINE_ROOTS"):
+            sglang.load_weights(model, sglang.request(root, version=1))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"root": ["/x"], "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null}',
+    b'{"root": "/x", "version": {"a": 1}, "min_step": null, "timeout": null, "registry": null, "name": null}',
+    b'{"root": "/x", "version": 1, "min_step": "3", "timeout": null, "registry": null, "name": null}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": -1, "registry": null, "name": null}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": 5, "name": null}',
+    b'{"root": "/x"}',
+    b"[" * 100_000,
+    b"\xff\xfe",
+    b" " * (128 << 10),
+])
+def test_malformed_requests_are_refused(body):
+    with pytest.raises(InvalidArgumentError):
+        sglang.load_weights(Policy(), _raw(body))
