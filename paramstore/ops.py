@@ -74,8 +74,10 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     """Rehash the objects of the given versions (all when None) and check every manifest entry.
 
     Reports ``corrupt`` objects (bytes do not match the name, or a tensor's digest differs from its
-    manifest; for a chunked tensor, each chunk's against its own digest), ``missing`` objects, and, for a whole-store check, ``orphans`` (objects no version
-    references) and ``leftovers`` (files in ``tmp/``: an in-flight commit's, or a crash's).
+    manifest; for a chunked tensor, each chunk's against its own digest; in a whole-store check, live
+    patch objects too), ``missing`` objects, and, for a whole-store check, ``patch_objects`` (how many
+    live ones), ``orphans`` (objects no version or patch record references) and ``leftovers`` (files in
+    ``tmp/``: an in-flight commit's, or a crash's).
     ``ok`` is False when anything is corrupt or missing. ``unreadable_manifests`` (step -> why)
     lists versions whose manifest cannot be parsed (damaged registry). ``advice`` says what to run
     next (empty when all is well): ``paramstore verify --repair`` (see :func:`repair`). Each
@@ -112,6 +114,13 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
                         if c.object not in results:
                             results[c.object] = _hash_or_why(root, c.object)
                             bar.update(sizes.get(c.object, 0))
+    patches: set[str] = set()
+    if whole:  # patch objects are read by checkouts too: a damaged one is reported (and repair quarantines it)
+        patches = {p for pairs in reg.patches().values() for p in pairs.values()} & set(root.tier.list())
+        for p in sorted(patches - set(results)):
+            results[p] = _hash_or_why(root, p)
+            if results[p] is None:  # collected meanwhile with its record: not damage
+                del results[p]
     corrupt: dict[str, str] = {}
     missing = sorted(o for o, r in results.items() if r is None)
     for obj, r in sorted(results.items()):
@@ -120,18 +129,19 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
         elif r is not None:
             got, tensor_digests = r
             if got != obj:
-                corrupt[obj] = f"bytes hash to {got}"
+                corrupt[obj] = ("patch object: " if obj in patches else "") + f"bytes hash to {got}"
             else:
-                bad = [f"step {s} {n!r}" for s, n, span, d in refs[obj] if tensor_digests.get(span) != d]
+                bad = [f"step {s} {n!r}" for s, n, span, d in refs.get(obj, ()) if tensor_digests.get(span) != d]
                 if bad:
                     corrupt[obj] = "tensor digests differ for " + ", ".join(bad[:5])
     checked = [o for o, r in results.items() if r is not None]
-    damaged = sorted({s for o in [*corrupt, *missing] for s, *_ in refs[o]} | set(unreadable))
+    damaged = sorted({s for o in [*corrupt, *missing] for s, *_ in refs.get(o, ())} | set(unreadable))
     # objects an earlier repair set aside: repairing again without a new source of good copies loops
     set_aside = {q.split(".", 1)[0] for q in root.tier.quarantined()}
     quarantined = [o for o in missing if o in set_aside]
-    stuck = sorted({s for o in quarantined for s, *_ in refs[o]}
-                   - {s for o in [*corrupt, *missing] if o not in quarantined for s, *_ in refs[o]} - set(unreadable))
+    stuck = sorted({s for o in quarantined for s, *_ in refs.get(o, ())}
+                   - {s for o in [*corrupt, *missing] if o not in quarantined for s, *_ in refs.get(o, ())}
+                   - set(unreadable))
     report: dict[str, Any] = {
         "ok": not corrupt and not missing and not unreadable,
         "versions_checked": len(selected),
@@ -143,7 +153,7 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
         "damaged_versions": damaged,
         "quarantined_missing": quarantined,
         "advice": " ".join(filter(None, [
-            "" if not set(damaged) - set(stuck) else (
+            "" if not set(damaged) - set(stuck) and not set(corrupt) & patches else (
                 "run `paramstore verify --repair` (store.verify(repair=True)): it moves damaged objects to "
                 f"{os.path.join(root.path, 'quarantine')} so that no commit reuses them, and fetches good copies "
                 "from peers or the remote (--remote URL); checking out a damaged version meanwhile serves wrong "
@@ -151,9 +161,8 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
             _stuck_advice(root, stuck)])),
     }
     if whole:
-        patches = {p for pairs in root.registry.patches().values() for p in pairs.values()}
         present = set(root.tier.list())
-        report["patch_objects"] = len(present & patches)  # live (gc keeps them), not unreferenced
+        report["patch_objects"] = len(patches)  # live (gc keeps them), not unreferenced
         report["orphans"] = sorted(present - set(refs) - patches)
         report["leftovers"] = root.tier.leftovers()
         # More objects that no version explains than objects in use: not what crashes leave (at most a

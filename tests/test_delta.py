@@ -205,7 +205,7 @@ def test_du_show_and_patches_report_patch_bytes(store_root):
     text = subprocess.run([*cli, "show", "2"], capture_output=True, text=True, check=True).stdout
     assert "patches    from 1: " in text
     text = subprocess.run([*cli, "du"], capture_output=True, text=True, check=True).stdout
-    assert "patches " in text and "in 1 objects" in text
+    assert "patches " in text and "in 1 object" in text and "in 1 objects" not in text
 
 
 def test_s3_holds_patches_with_full_bases_and_restores_bit_identical(s3_remote, shm_dir):
@@ -331,3 +331,23 @@ def test_a_malformed_patch_object_falls_back_to_the_whole_object(store_root, tmp
         with snap:
             assert equal(snap, weights(2))
             assert snap.fetch.rejected["patch"] == len(targets) and sorted(snap.fetch.from_remote) == targets
+
+
+def test_verify_reports_a_damaged_patch_object_and_repair_quarantines_it(store_root):
+    """Issue 25, item 3: patch objects are read by checkouts, so verify re-hashes them too."""
+    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        [pairs] = store._root.registry.patches().values()
+        patch = sorted(set(pairs.values()))[0]
+        assert store.verify()["ok"]
+        flip(store._root.tier.object_path(patch), 3, 0x40)
+        report = store.verify()
+        assert not report["ok"] and report["corrupt"][patch].startswith("patch object: bytes hash to")
+        assert patch not in report["orphans"] and "--repair" in report["advice"]
+        repaired = store.verify(repair=True)
+        assert patch in repaired["quarantined"] and repaired["ok"], repaired
+        assert store.verify()["ok"] and not store._root.tier.exists(patch)
+        with store.checkout(2) as snap:  # the version itself was never damaged
+            assert equal(snap, weights(2))
