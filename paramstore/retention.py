@@ -14,16 +14,18 @@ Example:
 from __future__ import annotations
 
 import abc
+import difflib
 import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .errors import InvalidArgumentError
 from .manifest import Version
 
 __all__ = [
     "Policy", "KeepLast", "KeepEvery", "KeepBest", "KeepTagged", "KeepWithin", "AnyOf",
-    "Decision", "decide", "parse_duration", "infer_mode",
+    "Decision", "decide", "parse_duration", "infer_mode", "best_rules", "missing_metrics", "check_commit_metrics",
 ]
 
 Reasons = dict[int, list[str]]
@@ -136,19 +138,20 @@ class KeepBest(Policy):
     Without ``mode`` the direction comes from the metric's name (:func:`infer_mode`: ``loss`` ranks
     by min, ``reward`` by max). A name that says neither still ranks by max, as before 0.2, with a
     DeprecationWarning: pass ``mode=`` (the CLI refuses such a metric without ``--mode``).
-    Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked.
-    Raises (at decision time) if no version at all has the metric: a misspelt metric would
-    otherwise silently keep nothing.
+    Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked:
+    while no version has the metric (a run that evaluates every 100 steps) this rule keeps
+    nothing, and the other rules of an :class:`AnyOf` apply as usual. A misspelt metric is caught
+    where it is given: ``ParamStore.commit(metrics=)`` refuses a commit whose metrics hold a close
+    match of a metric no version has (see :func:`check_commit_metrics`), and an explicit prune
+    refuses a policy ranking by a metric no version has (:func:`missing_metrics`).
 
     Example:
         >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0, metrics={"loss": loss})
         ...             for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6)]]
         >>> KeepBest(1, "loss").keep(versions, now=0.0)
         {2: ['best 1 by loss (min)']}
-        >>> KeepBest(1, "reward").keep(versions, now=0.0)
-        Traceback (most recent call last):
-        ...
-        paramstore.errors.InvalidArgumentError: no version has the metric 'reward'; check its name
+        >>> KeepBest(1, "reward").keep(versions, now=0.0)  # no version has it: nothing ranked
+        {}
     """
 
     n: int
@@ -163,8 +166,6 @@ class KeepBest(Policy):
         if self.mode is None:
             inferred = infer_mode(self.metric)
             if inferred is None:
-                import warnings
-
                 warnings.warn(f"KeepBest({self.n}, {self.metric!r}) without mode= keeps the highest {self.metric}: "
                               "this default is deprecated; pass mode='max' (higher is better) or "
                               "mode='min' (lower is better)", DeprecationWarning, stacklevel=3)
@@ -174,8 +175,6 @@ class KeepBest(Policy):
 
     def keep(self, versions: Sequence[Version], now: float) -> Reasons:
         ranked = [v for v in versions if self.metric in v.metrics]
-        if versions and not ranked:
-            raise InvalidArgumentError(f"no version has the metric {self.metric!r}; check its name")
         sign = -1.0 if self.mode == "max" else 1.0
         ranked.sort(key=lambda v: (sign * v.metrics[self.metric], -v.step))
         out: Reasons = {v.step: [f"best {i + 1} by {self.metric} ({self.mode})"] for i, v in enumerate(ranked[: self.n])}
@@ -291,8 +290,6 @@ class AnyOf(Policy):
 
 def __getattr__(name: str) -> object:
     if name == "Any":
-        import warnings
-
         warnings.warn("paramstore.retention.Any is deprecated (it shadows typing.Any): use AnyOf",
                       DeprecationWarning, stacklevel=2)
         return AnyOf
@@ -360,3 +357,86 @@ def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], n
     for s in sorted(set(leased) & present):
         kept.setdefault(s, []).append("leased")
     return Decision(dict(sorted(kept.items())), [v.step for v in vs if v.step not in kept])
+
+
+def best_rules(policy: Policy) -> list[KeepBest]:
+    """The :class:`KeepBest` rules of ``policy``, inside :class:`AnyOf` too.
+
+    Example:
+        >>> [r.metric for r in best_rules(KeepLast(2) | KeepBest(1, "reward") | KeepBest(1, "loss"))]
+        ['reward', 'loss']
+    """
+    if isinstance(policy, KeepBest):
+        return [policy]
+    if isinstance(policy, AnyOf):
+        return [r for p in policy.policies for r in best_rules(p)]
+    return []
+
+
+def missing_metrics(policy: Policy, versions: Iterable[Version]) -> list[str]:
+    """Metrics ``policy`` ranks by that none of ``versions`` has (none when there are no versions).
+
+    An explicit prune refuses such a policy (a misspelt ``--metric``); background retention does
+    not (versions without a metric are simply not ranked).
+
+    Example:
+        >>> versions = [Version(1, 0.0, 0, "", 0, metrics={"reward": 0.5})]
+        >>> missing_metrics(KeepLast(1) | KeepBest(1, "rewrd", mode="max") | KeepBest(1, "reward"), versions)
+        ['rewrd']
+    """
+    vs = list(versions)
+    seen = {m for v in vs for m in v.metrics}
+    return [r.metric for r in best_rules(policy) if vs and r.metric not in seen]
+
+
+#: How alike a metric name must be to one a commit passes to be taken for its typo (difflib ratio).
+TYPO_CUTOFF = 0.8
+
+
+def check_commit_metrics(policies: Iterable[Policy], metrics: Mapping[str, float],
+                         versions: Callable[[], Iterable[Version]], settled: set[str]) -> None:
+    """On the trainer's thread, before a commit with ``metrics`` writes anything: question each
+    metric a :class:`KeepBest` of ``policies`` ranks by that the commit does not pass and no
+    version so far has (``versions()``, called only then).
+
+    * A close match among the commit's metrics (``"rewrd"`` for ``"reward"``): InvalidArgumentError
+      naming both (the run would otherwise never rank anything by that rule).
+    * No close match (a metric logged later, by evaluations): a RuntimeWarning, once, that versions
+      without it are not ranked by ``KeepBest`` (the policy's other rules still apply).
+
+    ``settled`` holds the metrics that need no more checks (seen, or warned about); it is updated.
+
+    Example:
+        >>> check_commit_metrics([KeepLast(2) | KeepBest(2, "rewrd", mode="max")], {"reward": 0.5}, list, set())
+        Traceback (most recent call last):
+        ...
+        paramstore.errors.InvalidArgumentError: retention ranks versions by 'rewrd' (keep the best 2 by rewrd (max)), \
+but no version has that metric and this commit passes only 'reward': did you mean 'reward'? Fix the name in \
+KeepBest or in commit(metrics=); nothing was written
+    """
+    if not metrics:
+        return
+    rules = [r for p in policies for r in best_rules(p) if r.metric not in settled]
+    settled.update(r.metric for r in rules if r.metric in metrics)
+    rules = [r for r in rules if r.metric not in metrics]
+    if not rules:
+        return
+    had = {m for v in versions() for m in v.metrics}
+    settled.update(r.metric for r in rules if r.metric in had)
+    names = ", ".join(repr(m) for m in sorted(metrics))
+    for r in rules:
+        if r.metric in settled:
+            continue
+        close = difflib.get_close_matches(r.metric, list(metrics), n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            raise InvalidArgumentError(
+                f"retention ranks versions by {r.metric!r} ({r}), but no version has that metric and this commit "
+                f"passes only {names}: did you mean {close[0]!r}? Fix the name in KeepBest or in commit(metrics=); "
+                "nothing was written")
+    for r in rules:
+        if r.metric not in settled:
+            settled.add(r.metric)
+            warnings.warn(f"retention ranks versions by {r.metric!r} ({r}), but this commit passes only {names} and "
+                          f"no version has {r.metric!r} yet: versions without it are not ranked by KeepBest (the "
+                          "policy's other rules still apply). Pass it in commit(metrics=) when you have it; this is "
+                          "said once", RuntimeWarning, stacklevel=3)

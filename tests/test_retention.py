@@ -17,6 +17,7 @@ from paramstore.retention import (
     KeepWithin,
     decide,
     infer_mode,
+    missing_metrics,
     parse_duration,
 )
 
@@ -94,9 +95,13 @@ def test_bad_options(make):
         make()
 
 
-def test_metric_missing_everywhere_is_an_error():
-    with pytest.raises(InvalidArgumentError, match="no version has the metric 'rewrd'"):
-        decide(KeepBest(2, "rewrd", mode="max"), HISTORY, [], now=0.0)
+def test_metric_missing_everywhere_ranks_nothing_and_the_other_rules_apply():
+    # issue 24 item 2: it used to raise, which switched the whole policy off in the background
+    alone = decide(KeepBest(2, "rewrd", mode="max"), HISTORY, [], now=0.0)
+    assert alone.keep == {HISTORY[-1].step: ["latest"]}
+    assert decide(AnyOf(KeepLast(2), KeepBest(2, "rewrd", mode="max")), HISTORY, [], now=0.0).keep == \
+        decide(KeepLast(2), HISTORY, [], now=0.0).keep
+    assert missing_metrics(KeepLast(2) | KeepBest(2, "rewrd", mode="max"), HISTORY) == ["rewrd"]  # explicit prunes refuse
 
 
 @pytest.mark.parametrize("text,seconds", [("90", 90), ("2x", None), ("90s", 90), ("30m", 1800), ("2h", 7200),
