@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from . import liveness
 from .errors import InvalidArgumentError
-from .retention import Policy, decide
+from .manifest import Version
+from .retention import Decision, Policy, decide, missing_metrics
 from .root import StoreRoot
 from .staging import recyclers
 
@@ -97,16 +98,66 @@ def tier_policies(retention: Policy | Mapping[str, Policy] | None) -> dict[str, 
 
 
 def prune(root: StoreRoot, policy: Policy, *, dry_run: bool = False, now: float | None = None) -> PruneReport:
-    """Remove the versions ``policy`` does not keep (never the latest, never a leased one)."""
+    """Remove the versions ``policy`` does not keep (never the latest, never a leased one).
+
+    An explicit prune refuses (InvalidArgumentError, nothing removed) a policy that ranks by a
+    metric no version has: a misspelt ``KeepBest`` metric. Background retention (:class:`Maintainer`)
+    applies such a policy anyway: versions without the metric are not ranked, its other rules apply.
+    """
+    versions = list(root.registry.versions())
+    _check_metrics(policy, versions)
+    return _prune(root, policy, versions, dry_run=dry_run, now=now)
+
+
+def _check_metrics(policy: Policy, versions: list[Version]) -> None:
     if not isinstance(policy, Policy):
         raise InvalidArgumentError(f"prune needs a retention policy, got {policy!r}")
+    missing = missing_metrics(policy, versions)
+    if missing:
+        raise InvalidArgumentError(f"no version has the metric {missing[0]!r}; check its name (nothing was pruned)")
+
+
+def _prune(root: StoreRoot, policy: Policy, versions: list[Version], *, dry_run: bool = False,
+           now: float | None = None, hold: Mapping[int, list[str]] | None = None) -> PruneReport:
+    """:func:`prune` without the metric check; ``hold``: steps kept besides the policy, with reasons."""
     reg = root.registry
-    versions = list(reg.versions())
     leased = [lease.step for lease in reg.leases()]
-    decision = decide(policy, versions, leased, time.time() if now is None else now)
+    decision = _holding(decide(policy, versions, leased, time.time() if now is None else now), hold)
     removed = decision.remove if dry_run else reg.remove_versions(decision.remove)
     spared = sorted(set(decision.remove) - set(removed))
     return PruneReport(decision.keep, removed, dry_run, str(policy), spared)
+
+
+def _holding(decision: Decision, hold: Mapping[int, list[str]] | None) -> Decision:
+    """``decision`` keeping the steps of ``hold`` too (with their reasons)."""
+    if not hold:
+        return decision
+    keep = {s: list(why) for s, why in decision.keep.items()}
+    for s in decision.remove:
+        if s in hold:
+            keep.setdefault(s, []).extend(hold[s])
+    return Decision(dict(sorted(keep.items())), [s for s in decision.remove if s not in hold])
+
+
+def awaiting_remote(policy: Policy, local: list[Version], remote: list[Version], received: Mapping[int, str],
+                    url: str, now: float) -> dict[int, list[str]]:
+    """The local versions that the remote's retention ``policy`` keeps (applied to the local and
+    remote versions together) and that the remote has not received (``received``: the registry's
+    persisted marks, step -> remote URL), with reasons. Local retention keeps them and the upload
+    backlog never skips them: a version the remote is to keep is never lost from both tiers.
+
+    Example:
+        >>> from paramstore.retention import AnyOf, KeepEvery, KeepLast
+        >>> local = [Version(s, created_at=0.0, nbytes=0, digest="", num_tensors=0) for s in (4, 5, 6, 7)]
+        >>> awaiting_remote(AnyOf(KeepLast(1), KeepEvery(5)), local, [], {4: "file:///r", 7: "file:///r"},
+        ...                 "file:///r", now=0.0)
+        {5: ['kept for the remote (step divisible by 5), not uploaded yet']}
+    """
+    present = {v.step for v in local}
+    versions = sorted({**{v.step: v for v in remote}, **{v.step: v for v in local}}.values(), key=lambda v: v.step)
+    kept = policy.keep(versions, now)
+    return {s: [f"kept for the remote ({'; '.join(why)}), not uploaded yet"] for s, why in sorted(kept.items())
+            if s in present and received.get(s) != url}
 
 
 def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
@@ -148,9 +199,15 @@ def prune_remote(remote: "Remote", policy: Policy, *, dry_run: bool = False,
     objects are stored as patches keeps its base versions (transitively) too: they are listed as
     ``spared``.
     """
-    if not isinstance(policy, Policy):
-        raise InvalidArgumentError(f"prune needs a retention policy, got {policy!r}")
-    decision = decide(policy, remote.versions(), [], time.time() if now is None else now)
+    versions = remote.versions()
+    _check_metrics(policy, versions)
+    return _prune_remote(remote, policy, versions, dry_run=dry_run, now=now)
+
+
+def _prune_remote(remote: "Remote", policy: Policy, versions: list[Version], *, dry_run: bool = False,
+                  now: float | None = None) -> PruneReport:
+    """:func:`prune_remote` without the metric check."""
+    decision = decide(policy, versions, [], time.time() if now is None else now)
     bases = remote.bases(list(decision.keep))
     remove = [s for s in decision.remove if s not in bases]
     if not dry_run:
@@ -196,7 +253,7 @@ def versions_kept(policy: Policy | None, *, upto: int = 8) -> int:
     versions = [Version(step, created_at=now, nbytes=0, digest="", num_tensors=0) for step in range(1, upto + 1)]
     try:
         return len(decide(policy, versions, [], now).keep)
-    except Exception:  # noqa: BLE001 - a policy that needs what a fresh run lacks: assume it keeps all
+    except Exception:  # noqa: BLE001 - a Policy of the user's own that fails on a fresh run: assume it keeps all
         return upto
 
 
@@ -227,13 +284,23 @@ class Maintainer:
     (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
     :meth:`reclaim` (a commit that found the filesystem full; the store hands it to its committer) asks for a
     local run and waits for it.
-    Errors are reported once as warnings and kept in ``last_error``; the next poke retries.
+
+    With a remote policy, a local prune also keeps what :meth:`awaiting_remote` lists: the versions
+    the remote policy keeps that the remote has not received. So during a long outage shared memory
+    holds, besides the local policy's versions, those the remote policy keeps (with ``KeepEvery(5)``,
+    one commit in five) until they are uploaded (``store.push(step)``) or pruned explicitly
+    (``store.prune(...)`` does not hold them).
+    A policy whose ``KeepBest`` metric no version has still applies (versions without it are not
+    ranked). Errors are reported once as warnings and kept in ``last_error``; the next poke retries.
     """
 
     def __init__(self, root: StoreRoot, policies: Mapping[str, Policy], remote: "Remote | None" = None) -> None:
         self._root = root
         self._policies = dict(policies)
         self._remote = remote
+        # The remote's versions as last listed (by a remote run, or once by the first local run):
+        # awaiting_remote() never lists the remote itself (it is called on the publisher thread).
+        self._remote_versions: list[Version] | None = None
         # Guards _pending and _stop; the loop waits on it. A poke adds to _pending under it, the loop
         # takes _pending under it, so no poke is lost, and only close() (_stop) ends the loop.
         self._cond = threading.Condition()
@@ -270,6 +337,17 @@ class Maintainer:
                 self._local_asked += 1
                 return self._local_asked
             return None
+
+    def awaiting_remote(self) -> dict[int, list[str]]:
+        """The local versions the remote's policy keeps (over the local versions and the remote's
+        as last listed) that the remote has not received, with reasons (see :func:`awaiting_remote`);
+        empty without a remote policy. The uploader never skips them; local retention keeps them."""
+        policy = self._policies.get("remote")
+        if policy is None or self._remote is None:
+            return {}
+        reg = self._root.registry
+        return awaiting_remote(policy, list(reg.versions()), self._remote_versions or [], reg.persisted(),
+                               self._remote.url, time.time())
 
     def reclaim(self, timeout: float | None = None) -> bool:
         """Run prune + gc of the local tier now and wait for it: a commit that found the
@@ -319,14 +397,14 @@ class Maintainer:
         error = None
         policy = self._policies.get(tier)
         try:
-            if policy is not None:
-                if tier == "local":
-                    prune(self._root, policy)
-                elif self._remote is not None:
-                    prune_remote(self._remote, policy)
+            if tier == "local":
+                self._prune_local(policy)
+            elif self._remote is not None and policy is not None:
+                self._remote_versions = self._remote.versions()
+                _prune_remote(self._remote, policy, self._remote_versions)
         except Exception as e:  # noqa: BLE001
             error = e
-        try:  # even when prune failed (e.g. no version has the metric yet)
+        try:  # even when prune failed (e.g. the registry was busy)
             if tier == "local":
                 gc(self._root)
             elif self._remote is not None and policy is not None:
@@ -334,6 +412,16 @@ class Maintainer:
         except Exception as e:  # noqa: BLE001
             error = error or e
         return error
+
+    def _prune_local(self, policy: Policy | None) -> None:
+        """Prune the local tier by ``policy``, holding what the remote still awaits."""
+        if self._remote is not None and "remote" in self._policies and self._remote_versions is None:
+            try:  # once: later the remote runs keep the list current
+                self._remote_versions = self._remote.versions()
+            except Exception:  # noqa: BLE001 - unreachable: the local versions alone (holds more, not less)
+                self._remote_versions = []
+        if policy is not None:
+            _prune(self._root, policy, list(self._root.registry.versions()), hold=self.awaiting_remote())
 
     def close(self) -> None:
         """Finish the current run and any run asked for, then stop."""

@@ -4,12 +4,24 @@ The :class:`Persister` takes a local lease on a version the moment it is committ
 retention cannot prune it before it is durable remotely), then pushes versions in commit order on
 one thread. Three rules keep a slow or absent remote from filling shared memory:
 
-* **A bounded backlog.** Besides the version being pushed, at most ``backlog`` versions wait
-  (with their leases). When one more is committed, the *oldest* waiting version is skipped: it
-  leaves the queue, its lease is released so local retention may prune it, a RuntimeWarning says
-  so, and its ``handle.persisted`` fails with a RemoteError saying it was skipped because of the
-  backlog (during an outage, or because commits outpace uploads). The newest versions are the
-  ones kept and retried. So at most ``backlog + 1`` versions are held for the uploader.
+* **A bounded backlog that never skips what the remote is to keep.** Besides the version being
+  pushed, ``backlog`` versions may wait (with their leases). When one more is committed, the
+  oldest waiting version *that the remote's retention policy would not keep* is skipped: it leaves
+  the queue, its lease is released so local retention may prune it, a RuntimeWarning says so (and
+  why: commits come faster than uploads, with the last upload's rate, or the remote is failing,
+  with its error), and its ``handle.persisted`` fails with a RemoteError saying it was skipped
+  because of the backlog. A version the remote policy keeps (``keeps``: a ``KeepEvery``
+  milestone, one of ``KeepLast(n)``, a best by ``KeepBest``...) is never skipped: when every
+  waiting version is such a one, the queue grows past ``backlog`` instead (said once, with a
+  RuntimeWarning). We keep rather than apply backpressure: blocking the commit path would stall
+  the trainer for as long as an outage lasts (up to ``retry_for`` per version), while keeping
+  costs shared memory only for versions the remote policy keeps. So the uploader holds at most
+  ``backlog + 1`` versions the remote policy would not keep, plus those it keeps that are not yet
+  uploaded: with ``KeepLast(n)`` or ``KeepBest(n)`` at most ``n``, with ``KeepEvery(k)`` one
+  commit in ``k`` while uploads lag (each is given up ``retry_for`` after it was queued if the
+  remote keeps failing; local retention still keeps it, see :class:`~paramstore.maintenance.Maintainer`).
+  Without a remote policy (the remote keeps every version) the oldest waiting version is skipped,
+  so exactly ``backlog + 1`` versions are held.
 * **One retry loop for the whole queue.** Transient failures (the endpoint down, timeouts,
   server errors) are retried with exponential backoff (0.5 s doubling to 30 s), always on the
   oldest waiting version; each version gives up ``retry_for`` seconds after it was queued (its
@@ -32,7 +44,7 @@ import time
 import warnings
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Container
 
 from .errors import InvalidArgumentError, ParamStoreError, RemoteError, VersionNotFoundError
 from .manifest import Version
@@ -83,6 +95,9 @@ class Persister:
         on_persisted: called (on the push thread) with each version once it is durable remotely.
         on_released: called (no arguments) when the uploader lets go of a version that is not the
             newest local one, so that local retention may prune it.
+        keeps: returns the local steps the remote's retention policy keeps and the remote has not
+            received (the store passes ``Maintainer.awaiting_remote``): the backlog never skips
+            them. None: no remote policy (the oldest waiting version is skipped).
         gather: called with a step before it is pushed, to make every object of the version
             present in the local tier (a sharded version committed on several hosts has blocks
             elsewhere: the store fetches them from its peers). An error fails that upload.
@@ -95,7 +110,8 @@ class Persister:
                  backlog: int = DEFAULT_BACKLOG, resume: bool = True,
                  on_persisted: Callable[[Version], None] | None = None,
                  on_released: Callable[[], None] | None = None,
-                 gather: Callable[[int], object] | None = None) -> None:
+                 gather: Callable[[int], object] | None = None,
+                 keeps: Callable[[], Container[int]] | None = None) -> None:
         self._gather = gather  # makes a version's objects present here first (blocks on other hosts)
         self._root = root
         self._remote = remote
@@ -103,6 +119,7 @@ class Persister:
         self._backlog = check_backlog(backlog)
         self._on_persisted = on_persisted
         self._on_released = on_released
+        self._keeps = keeps
         self._cond = threading.Condition()  # guards everything below
         self._waiting: collections.deque[_Upload] = collections.deque()  # oldest first
         self._pending = 0  # versions queued or being pushed, until their future is resolved
@@ -114,6 +131,10 @@ class Persister:
         self.last_error: BaseException | None = None
         self.resumed: list[int] = []  #: steps queued by the resume scan
         self.skipped = 0  #: versions skipped because of the backlog, since the open
+        self._pushing: tuple[int, float] | None = None  # (step, time.monotonic() it started) of the push under way
+        self._last_push: tuple[int, float] | None = None  # (bytes, seconds) of the last upload that moved bytes
+        self._said_over = False  # the queue grew past the backlog (for versions the remote keeps): said once
+        self._said_skip = False  # with a remote policy, skips (of versions it does not keep) are warned once
         self._thread = threading.Thread(target=self._loop, name="paramstore-persist", daemon=True)
         self._thread.start()
         if resume:
@@ -201,11 +222,14 @@ class Persister:
                 if not self._waiting:
                     return
                 upload = self._waiting.popleft()
+                self._pushing = (upload.step, time.monotonic())
             try:
                 if self._gather is not None:
                     self._gather(upload.step)
-                self._remote.push(self._root, upload.step, show_progress=False)
+                report = self._remote.push(self._root, upload.step, show_progress=False)
                 version = self._root.registry.get_version(upload.step)
+                if report.bytes:
+                    self._last_push = (report.bytes, report.seconds)
             except RemoteError as e:
                 if not e.transient:
                     self._finish(upload, error=e)
@@ -219,6 +243,8 @@ class Persister:
                 with self._cond:
                     self._outage = None
                 self._finish(upload, version=version)
+            finally:
+                self._pushing = None
 
     def _retry_later(self, upload: _Upload, error: RemoteError, delay: float) -> bool:
         """Put ``upload`` back at the head of the queue after a transient failure; fail the
@@ -244,26 +270,61 @@ class Persister:
         return waiting > 0
 
     def _trim(self, room: int = 0) -> list[_Upload]:
-        """Take the oldest waiting versions off the queue until at most ``backlog - room`` wait
-        (the caller holds ``_cond`` and finishes them outside it)."""
-        out = []
-        while len(self._waiting) > self._backlog - room:
-            out.append(self._waiting.popleft())
+        """Take the oldest waiting versions the remote policy would not keep off the queue until at
+        most ``backlog - room`` wait (the caller holds ``_cond`` and finishes them outside it).
+        Versions the remote policy keeps stay, even past the backlog (see the module docstring)."""
+        excess = len(self._waiting) - (self._backlog - room)
+        if excess <= 0:
+            return []
+        kept = self._kept()
+        out = [u for u in self._waiting if u.step not in kept][:excess]
         for u in out:
+            self._waiting.remove(u)
             u.skipped = True
         self.skipped += len(out)
+        if len(out) < excess and not self._said_over:
+            self._said_over = True
+            steps = ", ".join(str(u.step) for u in self._waiting) + (" and the one just committed" if room else "")
+            _warn(f"paramstore: {len(self._waiting) + room} versions wait for upload to {self._remote.url}, more "
+                  f"than persist_backlog={self._backlog}, because the remote retention policy keeps them (steps "
+                  f"{steps}); {self._why()}. They stay in shared memory until uploaded; this is said once",
+                  RuntimeWarning, stacklevel=1)
         return out
 
-    def _skip_error(self, upload: _Upload) -> RemoteError:
+    def _kept(self) -> Container[int]:
+        """Steps the remote policy keeps and the remote lacks (never skipped); empty if unknown."""
+        if self._keeps is None:
+            return ()
+        try:
+            return self._keeps()
+        except Exception as e:  # noqa: BLE001 - cannot tell: keep every waiting version (bounded by retry_for)
+            _warn(f"paramstore: cannot tell which versions the remote policy keeps ({e}); none is skipped",
+                  RuntimeWarning, stacklevel=1)
+            return {u.step for u in self._waiting}
+
+    def _why(self) -> str:
+        """Why versions pile up: the remote failing (with its error) or commits outpacing uploads."""
         outage = self._outage
-        why = (f"during an outage of the remote (last error: {outage})" if outage is not None
-               else "while an upload was still running (the remote is slow or unreachable: commits outpace uploads)")
+        if outage is not None:
+            return f"the remote is failing (last error: {outage}); the waiting versions are retried"
+        pushing, last = self._pushing, self._last_push
+        rate = (f"the last upload moved {last[0] / 1e6:.1f} MB at {last[0] / 1e6 / max(last[1], 1e-6):.1f} MB/s"
+                if last is not None else "no upload has finished yet")
+        now = (f"; step {pushing[0]} has been uploading for {time.monotonic() - pushing[1]:.1f} s"
+               if pushing is not None else "")
+        return f"commits come faster than uploads ({rate}{now})"
+
+    def _skip_error(self, upload: _Upload) -> RemoteError:
+        which = ("the remote retention policy does not keep it" if self._keeps is not None else
+                 "without a remote retention policy the oldest waiting version is skipped")
+        n = self._backlog
         return RemoteError(
             f"step {upload.step} was not uploaded to {self._remote.url}: skipped because the upload backlog was "
-            f"full {why}; at most {self._backlog} version{'s wait' if self._backlog != 1 else ' waits'} for upload "
-            "(ParamStore(persist_backlog=)) and the "
-            f"newest are kept. It stays in the local store until retention prunes it; store.push({upload.step}) "
-            "uploads it", transient=False)
+            f"full ({n} version{'s wait' if n != 1 else ' waits'} besides the one being pushed: "
+            f"ParamStore(persist_backlog=)); {self._why()}; {which}. It stays in the local store until local "
+            f"retention prunes it (until then store.push({upload.step}) uploads it). To upload more versions, raise "
+            "persist_backlog or commit less often; a remote retention policy (e.g. KeepEvery) names the versions "
+            "never to skip", transient=False)
 
     def _finish(self, upload: _Upload, *, version: Version | None = None,
                 error: BaseException | None = None) -> None:
@@ -271,7 +332,13 @@ class Persister:
         try:
             if error is not None:
                 self.last_error = error
-                if upload.resumed or upload.skipped:
+                if upload.skipped and self._keeps is not None:  # the remote would not keep it: said once
+                    if not self._said_skip:
+                        self._said_skip = True
+                        _warn(f"paramstore: {error} (said once: later versions the remote policy does not keep may "
+                              "be skipped the same way; each one's handle.persisted says so)", RuntimeWarning,
+                              stacklevel=1)
+                elif upload.resumed or upload.skipped:
                     _warn(f"paramstore: {error}" if upload.skipped else
                                   f"paramstore: resuming the upload of step {upload.step} failed: {error}",
                                   RuntimeWarning, stacklevel=1)

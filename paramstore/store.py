@@ -34,7 +34,7 @@ from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
 from .manifest import Manifest, Version
 from .persist import DEFAULT_BACKLOG, Persister, check_backlog
 from .remote import Remote, TransferReport
-from .retention import Policy
+from .retention import Policy, check_commit_metrics
 from .root import MARKER, StoreRoot, VersionSpec, check_creatable, open_root
 from .staging import SlabPool
 from .validate import check_bound, check_metadata, check_metrics, check_step, check_tag, check_timeout
@@ -153,12 +153,17 @@ class ParamStore:
         persist_backlog: with a remote, how many committed versions may wait for upload besides
             the one being pushed (an int >= 1, default 2). Each waiting version holds a local
             lease, so retention cannot prune it. When a commit would make the backlog longer
-            (the remote is down, or commits outpace uploads), the *oldest* waiting version is
-            skipped: its lease is released (local retention may prune it), a RuntimeWarning
-            says so, and its ``handle.persisted`` fails with a RemoteError saying it was skipped
-            because of the backlog; the newest versions are kept and retried, by one retry loop
-            for the whole queue. So at most ``persist_backlog + 1`` versions are held in shared
-            memory for the upload. Opening a store with a remote also resumes, in the
+            (the remote is failing, or commits come faster than uploads), the oldest waiting
+            version *that the remote retention policy would not keep* is skipped: its lease is
+            released (local retention may prune it), a RuntimeWarning says so and why, and its
+            ``handle.persisted`` fails with a RemoteError saying it was skipped because of the
+            backlog; the rest are kept and retried, by one retry loop for the whole queue. A
+            version the remote policy keeps (a ``KeepEvery`` milestone...) is never skipped, and
+            local retention keeps it until the remote has it: the queue then grows past the
+            backlog (said once) rather than stall the trainer. So shared memory holds for the
+            upload at most ``persist_backlog + 1`` versions the remote policy would not keep,
+            plus those it keeps not uploaded yet (see :mod:`paramstore.persist`); without a
+            remote policy, the oldest is skipped: ``persist_backlog + 1`` in all. Opening a store with a remote also resumes, in the
             background, the uploads a previous run left unfinished: its newest
             ``persist_backlog`` local versions not persisted to that remote and not older than
             the remote's newest version.
@@ -270,6 +275,7 @@ class ParamStore:
         self._committer: Committer | None = None
         self._shard_size = shard_size_bytes
         self._policies = tier_policies(retention)
+        self._settled_metrics: set[str] = set()  # KeepBest metrics commit() no longer questions
         self._pin, self._recycle = pin_memory, recycle_buffers
         self._remote = remote if isinstance(remote, Remote) or remote is None else Remote(remote, storage_options)
         if "remote" in self._policies and self._remote is None:
@@ -320,7 +326,8 @@ class ParamStore:
                     root, self._remote, retry_for=self._persist_retry_for, backlog=self._persist_backlog, resume=False,
                     on_persisted=self._maintainer.poke_remote if self._maintainer is not None else None,
                     on_released=self._maintainer.poke if self._maintainer is not None else None,
-                    gather=self._before_push)
+                    gather=self._before_push, keeps=self._maintainer.awaiting_remote
+                    if self._maintainer is not None and "remote" in self._policies else None)
                 if self._scrub_rate is not None:
                     self._scrubber = Scrubber(root, self._scrub_rate)
                 self._fetcher = Fetcher(root, self._pool, remote=self._remote, transport=self._get_transport,
@@ -454,6 +461,9 @@ class ParamStore:
             tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
             metrics_d = check_metrics(metrics)
             metadata_d = check_metadata(metadata)
+            if metrics_d and self._policies:  # a KeepBest metric that looks misspelt: refused here
+                check_commit_metrics(self._policies.values(), metrics_d, lambda: () if self._opened is None
+                                     else self._opened.registry.versions(), self._settled_metrics)
             cast = check_cast(dtype)
             files = {**read_assets(assets), **({} if stream else model_assets(model, cast))}
             if os.getpid() != self._owner:
