@@ -88,7 +88,8 @@ class Persister:
         retry_for: seconds after it is queued that a version stops being retried through
             transient failures (its future then fails with the last error).
         backlog: versions that may wait besides the one being pushed (an int >= 1); when one
-            more is queued, the oldest waiting one is skipped (see the module docstring).
+            more is queued, the oldest waiting one that the remote policy would not keep is
+            skipped (see the module docstring).
         resume: queue, in the background, the uploads a previous run left unfinished (at once;
             else when :meth:`resume` is called: the store calls it when it first commits, so
             readers and CLI commands never upload).
@@ -154,8 +155,9 @@ class Persister:
     def submit(self, step: int, future: Future[Version] | None = None) -> Future[Version]:
         """Queue version ``step`` for upload; its local lease is taken now. Returns its future.
 
-        If more than ``backlog`` versions would then wait, the oldest waiting one is skipped (its
-        lease released before this one is taken: never more than ``backlog + 1`` leases)."""
+        If more than ``backlog`` versions would then wait, the oldest waiting one that the remote
+        policy would not keep is skipped (its lease released before this one is taken); versions
+        the remote policy keeps are never skipped (see the module docstring)."""
         future = future if future is not None else Future()
         with self._cond:
             self._pending += 1
@@ -261,8 +263,9 @@ class Persister:
             waiting = len(self._waiting)
         if first and waiting:
             _warn(f"paramstore: pushing step {upload.step} to {self._remote.url} failed ({error}); retrying "
-                          f"the {waiting} waiting versions (the newest {self._backlog} are kept) for up to "
-                          f"{self._retry_for:.0f} s after each was committed", RuntimeWarning, stacklevel=1)
+                  f"the {waiting} waiting versions for up to {self._retry_for:.0f} s after each was committed "
+                  f"(meanwhile at most {self._backlog} wait besides those the remote retention policy keeps)",
+                  RuntimeWarning, stacklevel=1)
         for u in expired:
             self._finish(u, error=error)
         for u in skipped:

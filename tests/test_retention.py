@@ -101,7 +101,8 @@ def test_metric_missing_everywhere_ranks_nothing_and_the_other_rules_apply():
     assert alone.keep == {HISTORY[-1].step: ["latest"]}
     assert decide(AnyOf(KeepLast(2), KeepBest(2, "rewrd", mode="max")), HISTORY, [], now=0.0).keep == \
         decide(KeepLast(2), HISTORY, [], now=0.0).keep
-    assert missing_metrics(KeepLast(2) | KeepBest(2, "rewrd", mode="max"), HISTORY) == ["rewrd"]  # explicit prunes refuse
+    # what an explicit prune refuses
+    assert missing_metrics(KeepLast(2) | KeepBest(2, "rewrd", mode="max"), HISTORY) == ["rewrd"]
 
 
 @pytest.mark.parametrize("text,seconds", [("90", 90), ("2x", None), ("90s", 90), ("30m", 1800), ("2h", 7200),

@@ -73,7 +73,8 @@ def test_a_misspelt_metric_is_refused_at_commit_with_nothing_written(shm_dir):
             store.commit(1, model(1), metrics={"reward": 0.5, "loss": 1.0})
         assert not os.path.exists(root)  # nothing written: not even the store
     remote = f"file://{shm_dir}/remote"
-    with ParamStore(root, remote=remote, retention={"local": KeepLast(2), "remote": KeepBest(1, "los", mode="min")}) as store:
+    retention = {"local": KeepLast(2), "remote": KeepBest(1, "los", mode="min")}
+    with ParamStore(root, remote=remote, retention=retention) as store:
         store.commit(1, model(1)).result()  # no metrics: nothing to compare with
         with pytest.raises(InvalidArgumentError, match="did you mean 'loss'"):
             store.commit(2, model(2), metrics={"loss": 0.5})
