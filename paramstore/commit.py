@@ -40,7 +40,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from . import accel
-from .errors import CommitGroupError, StorageFullError, TornCommitError, WaitTimeoutError
+from .errors import CommitGroupError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version
 from .sharded import CommitGroup, decode, encode, merge_parts
@@ -491,11 +491,40 @@ class Committer:
         digests = self._hash_all(job)
         # From the dedup lookup to the publish, GC must not delete what this commit will reference.
         with self._gc_lock():
-            entries, new_objects, new_tensors = self._store(job, digests)
+            entries, new_objects, new_tensors, reused = self._store(job, digests)
             manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
-            self._registry.publish(version, manifest, new_objects, new_tensors)
+            self._publish_version(version, manifest, new_objects, new_tensors, reused)
             return version
+
+    def _publish_version(self, version: Version, manifest: Manifest, new_objects: dict[str, ObjectInfo],
+                         new_tensors: dict[str, TensorLocation], reused: Mapping[str, int]) -> None:
+        """Publish ``version``; when the registry no longer records objects this commit deduplicated
+        against (``reused``: object -> size; UnregisteredObjectsError: GC on another host of a shared
+        registry forgot them between the dedup lookup and now), register them again with the
+        version and publish once more.
+
+        Registering them again is correct and enough: dedup only uses objects whose file lies on
+        the host of the rank that stores the tensor (see :meth:`_store`), and that host's GC cannot
+        delete the file while the commit holds its GC lock (shared), from the lookup to the publish.
+        So the bytes are there, whole and named by their digest; the registry gets back the
+        object's size and the tensors this version places in it (with their index entries). The
+        alternative, storing those tensors again, would need a copy of every deduplicated tensor
+        kept until the publish (the slabs are compacted or pooled by then). Each retry registers at
+        least one more object, so it ends; an object missing that this commit never used (a bug)
+        fails the commit with the registry's error.
+        """
+        while True:
+            try:
+                self._registry.publish(version, manifest, new_objects, new_tensors)
+                return
+            except UnregisteredObjectsError as e:
+                if not e.digests or not e.digests <= set(reused) - set(new_objects):
+                    raise
+                spans = manifest.spans()
+                for o in e.digests:
+                    new_objects[o] = ObjectInfo(reused[o], tuple(d for _, d in sorted(spans[o].items())))
+                    new_tensors.update({d: TensorLocation(o, b, end - b) for (b, end), d in spans[o].items()})
 
     def _group_publish(self, job: _Job, group: CommitGroup) -> Version:
         """One version from the parts of every rank (see :mod:`paramstore.sharded`): each stores its
@@ -513,10 +542,11 @@ class Committer:
             try:  # whatever fails here, this rank still takes part in the exchange, with its error
                 held.enter_context(self._gc_lock())
                 if job.error is None:
-                    entries, new_objects, new_tensors = self._store(job, digests)
+                    entries, new_objects, new_tensors, reused = self._store(job, digests)
                     part = job.collected.part(entries) | {
                         "objects": {o: [i.size, list(i.tensors)] for o, i in new_objects.items()},
                         "tensors": {d: list(loc) for d, loc in new_tensors.items()},
+                        "reused": reused,
                     }
                 store_id = self._registry.get_meta("store_id") or ""
             except BaseException as e:  # noqa: BLE001
@@ -574,9 +604,10 @@ class Committer:
             entries = merge_parts(parts, group.ranks)
             new_objects = {o: ObjectInfo(size, tuple(ts)) for p in parts for o, (size, ts) in p["objects"].items()}
             new_tensors = {d: TensorLocation(*loc) for p in parts for d, loc in p["tensors"].items()}
+            reused = {o: size for p in parts for o, size in p.get("reused", {}).items()}
             manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
-            self._registry.publish(version, manifest, new_objects, new_tensors)
+            self._publish_version(version, manifest, new_objects, new_tensors, reused)
         except BaseException as e:  # noqa: BLE001 - every rank fails with it
             job.error = job.error or e
             return encode({"error": f"step {job.handle.step}: {e}"})
@@ -620,16 +651,18 @@ class Committer:
         return digests
 
     def _store(self, job: _Job, digests: list[list[str]]
-               ) -> tuple[dict[str, TensorEntry], dict[str, ObjectInfo], dict[str, TensorLocation]]:
+               ) -> tuple[dict[str, TensorEntry], dict[str, ObjectInfo], dict[str, TensorLocation], dict[str, int]]:
         """Deduplicate and place ``job``'s shards as objects (the caller holds the GC lock).
 
         Returns each spec's manifest entry, the objects stored and the index entries of their
-        tensors (for :meth:`Registry.publish`)."""
+        tensors (for :meth:`Registry.publish`), and the sizes of the objects on this host that the
+        entries point into without storing them (deduplicated against: see :meth:`_publish_version`)."""
         flat = [d for ds in digests for d in ds]
         # Only bytes this host holds: with a registry shared by hosts the index also names objects
-        # that live elsewhere.
+        # that live elsewhere. One stat per object.
+        held: dict[str, int | None] = {}
         known = {d: loc for d, loc in self._registry.locate_tensors(sorted(set(flat))).items()
-                 if self._tier.exists(loc.object)}
+                 if self._held_size(held, loc.object) is not None}
         located: dict[str, TensorLocation] = {}  # digests stored by this commit
         new_objects: dict[str, ObjectInfo] = {}
         entries: dict[str, TensorEntry] = {}
@@ -677,7 +710,17 @@ class Committer:
         # Index what this commit stored (also bytes known only at an offset misaligned for their dtype).
         new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
                        if e.object in new_objects}
-        return entries, new_objects, new_tensors
+        reused = {e.object: held[e.object] for e in entries.values() if e.object not in new_objects}
+        return entries, new_objects, new_tensors, reused  # type: ignore[return-value]
+
+    def _held_size(self, held: dict[str, int | None], obj: str) -> int | None:
+        """The size of object ``obj`` on this host (None: not here), looked up once per commit."""
+        if obj not in held:
+            try:
+                held[obj] = self._tier.size(obj)
+            except FileNotFoundError:
+                held[obj] = None
+        return held[obj]
 
 
 class _Item:

@@ -33,6 +33,7 @@ __all__ = [
     "WriterConflictError",
     "CommitGroupError",
     "TornCommitError",
+    "UnregisteredObjectsError",
     "ParamStoreWarning",
 ]
 
@@ -115,6 +116,17 @@ class TornCommitError(ParamStoreError, RuntimeError):
     version counter moved): the version would have mixed the bytes of two steps, so the commit
     failed and nothing was published. Wait for ``handle.staged`` (or use ``store.guard(optimizer)``)
     before changing the parameters."""
+
+
+class UnregisteredObjectsError(ParamStoreError, RuntimeError):
+    """A publish referenced objects the registry no longer records (GC on another host of a shared
+    registry forgot them after this commit deduplicated against them). Nothing was published;
+    ``digests`` are the objects missing. The commit path re-registers them (their files are on its
+    host, kept by its GC lock) and publishes again: callers of ``store.commit`` never see it."""
+
+    def __init__(self, message: str, *, digests: "frozenset[str] | set[str]" = frozenset()) -> None:
+        super().__init__(message)
+        self.digests = frozenset(digests)
 
 
 class ObjectUnavailableError(CorruptObjectError, FileNotFoundError):

@@ -34,7 +34,8 @@ from paramstore.backends.registries import (
     LmdbRegistry, ObjectInfo, Peer, RedisRegistry, Registry, TensorLocation, open_registry,
 )
 from paramstore.errors import (
-    InvalidArgumentError, ParamStoreWarning, RegistryError, StepOrderError, TagNotFoundError, VersionNotFoundError,
+    InvalidArgumentError, ParamStoreWarning, RegistryError, StepOrderError, TagNotFoundError, UnregisteredObjectsError,
+    VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, TensorEntry, Version
 
@@ -205,6 +206,28 @@ def test_objects_referenced_and_forgotten(reg):
 
     # b pointed into o1 and goes; a pointed elsewhere by then and stays
     assert reg.locate_tensors([a, b, c]) == {a: TL(o2, 64), c: TL(o2, 80)}
+
+
+def test_publish_refuses_objects_no_longer_registered(reg):
+    """Issue 25, item 7: GC on another host forgot an object between a commit's dedup lookup and its
+    publish. The publish must fail (nothing of it visible) unless it registers the object again."""
+    a, b, o1, o2 = D("a"), D("b"), D("o1"), D("o2")
+    publish(reg, 1, {a: TL(o1, 64)})
+    publish(reg, 2, {b: TL(o2, 64)})
+    assert reg.remove_versions([1]) == [1]
+    reg.forget_objects({o1})  # another host's GC: o1 is referenced by no version
+    version, manifest, placement = make(3, {a: TL(o1, 64), b: TL(o2, 64)})
+    with reg.watch() as w:
+        with pytest.raises(UnregisteredObjectsError) as err:
+            reg.publish(version, manifest, {}, {})  # deduplicated against o1 and o2: registers none
+        assert err.value.digests == {o1} and o1 in str(err.value)
+        assert not w.wait(0.2)  # nothing changed
+    assert reg.latest_step() == 2 and reg.objects() == {o2: 80} and reg.locate_tensors([a]) == {}
+    with pytest.raises(UnregisteredObjectsError):  # also for a version received from elsewhere
+        reg.publish(version, manifest, {}, {}, require_newest=False)
+    reg.publish(version, manifest, {o1: ObjectInfo(80, (a,))}, {a: TL(o1, 64)})  # registered again: published
+    assert reg.latest_step() == 3 and reg.objects() == {o1: 80, o2: 80}
+    assert reg.locate_tensors([a, b]) == {a: TL(o1, 64), b: TL(o2, 64)}
 
 
 def test_patch_records_live_as_long_as_both_versions(reg):

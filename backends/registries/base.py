@@ -16,6 +16,9 @@ Notes for implementers (a new registry passes ``tests/test_registry_contract.py`
 * **Atomicity.** ``publish``, ``remove_versions``, ``acquire_lease`` and ``forget_objects`` are each
   one transaction (LMDB: a write transaction; Redis: one Lua script). ``acquire_lease`` and
   ``remove_versions`` must exclude each other: a prune either sees the lease or the lease fails.
+  ``publish`` and ``forget_objects`` too: a publish checks, in its transaction, that every object
+  its manifest references is registered or registered by it (UnregisteredObjectsError otherwise),
+  so no version ever references an object the registry does not record.
 * **Liveness.** A lease or a peer belongs to a process; when the process dies the registry forgets
   it without anyone's help (LMDB: pid and start time checked by readers; Redis: TTL keys renewed by
   a heartbeat thread). Document the delay.
@@ -39,7 +42,7 @@ import re
 from typing import Iterable, Iterator, Mapping, NamedTuple
 
 from paramstore.backends.tiers.base import check_digest
-from paramstore.errors import InvalidArgumentError
+from paramstore.errors import InvalidArgumentError, UnregisteredObjectsError
 from paramstore.manifest import Manifest, Version
 
 __all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
@@ -122,6 +125,17 @@ def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
         if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 1 << 64:
             raise InvalidArgumentError(f"the address of {d} must be an int in [0, 2**64), got {address!r}")
     return dict(objects)
+
+
+def unregistered(step: int, digests: Iterable[str]) -> UnregisteredObjectsError:
+    """The error :meth:`Registry.publish` raises for a version at ``step`` that references objects
+    the registry does not record (``digests``) and does not register either."""
+    missing = sorted(digests)
+    more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+    return UnregisteredObjectsError(
+        f"step {step} references {len(missing)} object(s) the registry no longer records ({', '.join(missing[:3])}"
+        f"{more}): GC on another host forgot them after this commit deduplicated against them; nothing was "
+        "published (register them with the version and publish again)", digests=set(missing))
 
 
 def check_patches(base: object, target: object, patches: object) -> dict[str, tuple[str, int]]:
@@ -242,8 +256,12 @@ class Registry(abc.ABC):
     ) -> None:
         """Make ``version`` visible, atomically, with its manifest, tags and index entries.
 
-        Called only after every object the manifest references is durable in the tier.
-        Raises StepOrderError if ``version.step`` is not above the latest step (with
+        Called only after every object the manifest references is durable in the tier. Every object
+        the manifest references must be registered when the transaction runs, before or by this
+        very publish (``new_objects``): otherwise nothing is written and UnregisteredObjectsError
+        names the missing ones (on a registry shared by hosts, another host's GC may forget an
+        object between a commit's dedup lookup and its publish; the committer then registers it
+        again, see ``paramstore.commit``). Raises StepOrderError if ``version.step`` is not above the latest step (with
         ``require_newest``, as for a commit) or, without it, if the step already exists (a
         version restored from a remote may be older than the latest).
         """

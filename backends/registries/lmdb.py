@@ -69,7 +69,7 @@ from paramstore.manifest import Manifest, Version
 from ._inotify import FileWatch
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
-    check_peer, check_peer_id,
+    check_peer, check_peer_id, unregistered,
 )
 
 __all__ = ["LmdbRegistry", "restore_advice"]
@@ -485,9 +485,14 @@ class LmdbRegistry(Registry):
                     f"step {version.step} is not above the latest committed step {latest} "
                     "(another process committed it first)"
                 )
+            refs = sorted(manifest.objects())
+            missing = [o for o in refs
+                       if o not in new_objects and txn.get(bytes.fromhex(o), db=self._dbs["objects"]) is None]
+            if missing:
+                raise unregistered(version.step, missing)
             txn.put(key, json.dumps(version.to_json()).encode(), db=self._dbs["versions"])
             txn.put(key, json.dumps(manifest.to_json()).encode(), db=self._dbs["manifests"])
-            txn.put(key, b"".join(bytes.fromhex(o) for o in sorted(manifest.objects())), db=self._dbs["refs"])
+            txn.put(key, b"".join(bytes.fromhex(o) for o in refs), db=self._dbs["refs"])
             for tag in version.tags:
                 txn.put(tag.encode(), key, db=self._dbs["tags"])
             for d, info in new_objects.items():

@@ -94,7 +94,7 @@ from paramstore.manifest import Manifest, Version, check_manifest
 
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
-    check_peer, check_peer_id,
+    check_peer, check_peer_id, unregistered,
 )
 
 __all__ = ["RedisRegistry", "mask_url"]
@@ -143,7 +143,8 @@ end
 
 # KEYS: steps versions manifests refs tags objects tensors
 # ARGV: step, require_newest, version, manifest, refs, tags, objects, tensors (flat JSON lists), channel
-# Returns nil, or the step that stands in the way.
+# Returns nil, the step that stands in the way, or {objects referenced but not registered} (none of
+# them among those this publish registers: another host's GC forgot them; nothing is written).
 _PUBLISH = _script("""
 local step = ARGV[1]
 if ARGV[2] == '1' then
@@ -152,12 +153,18 @@ if ARGV[2] == '1' then
 elseif redis.call('zscore', KEYS[1], step) then
   return step
 end
+local objects = cjson.decode(ARGV[7])
+local registering, missing = {}, {}
+for i = 1, #objects, 2 do registering[objects[i]] = true end
+for _, o in ipairs(cjson.decode(ARGV[5])) do
+  if not registering[o] and redis.call('hexists', KEYS[6], o) == 0 then missing[#missing + 1] = o end
+end
+if #missing > 0 then return missing end
 redis.call('zadd', KEYS[1], 0, step)
 redis.call('hset', KEYS[2], step, ARGV[3])
 redis.call('hset', KEYS[3], step, ARGV[4])
 redis.call('hset', KEYS[4], step, ARGV[5])
 for _, tag in ipairs(cjson.decode(ARGV[6])) do redis.call('hset', KEYS[5], tag, step) end
-local objects = cjson.decode(ARGV[7])
 for i = 1, #objects, 2 do redis.call('hsetnx', KEYS[6], objects[i], objects[i + 1]) end
 local tensors = cjson.decode(ARGV[8])
 for i = 1, #tensors, 2 do redis.call('hset', KEYS[7], tensors[i], tensors[i + 1]) end
@@ -739,6 +746,8 @@ class RedisRegistry(Registry):
         ])
         if blocker is None:
             return
+        if isinstance(blocker, list):
+            raise unregistered(version.step, blocker)
         if not require_newest:
             raise StepOrderError(f"step {version.step} already exists")
         raise StepOrderError(f"step {version.step} is not above the latest committed step {int(blocker)} "
