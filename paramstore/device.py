@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from . import accel, liveness
+from . import accel, liveness, safefs
 from .errors import DeviceError, InvalidArgumentError
 
 from paramstore.backends.tiers.device import DEFAULT_BUCKET_BYTES, DeviceTier
@@ -289,11 +289,12 @@ def _open(h: Mapping[str, Any], device: torch.device) -> torch.Tensor:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.partial"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write the descriptor ``path`` into ``device/``: readable by the group (a group store's
+    ``device/`` is ``2750``, made with the root; a private store's is made ``0700`` here), through
+    a ``*.partial`` made new, so that a link planted under that name is never followed. A
+    ``device/`` that is a link or someone else's is refused (UnsafeStoreError)."""
+    safefs.own_directory(os.path.dirname(path), 0o700)
+    safefs.write_atomic(path, data, mode=0o640)
 
 
 def check_device_latest(value: object) -> "torch.device | None":

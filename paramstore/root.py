@@ -6,6 +6,9 @@ A store root holds::
     meta/             the LMDB registry (versions, manifests, tags, tensor index) and its events file
     objects/          content-addressed safetensors objects (the shared-memory tier)
     tmp/              slabs being written; leftovers here after a crash are unreferenced
+    device/           CUDA IPC descriptors of a trainer's ``device_latest`` (made by its first export;
+                      with the root in a group store)
+    quarantine/       damaged objects moved aside (made when needed; with the root in a group store)
 
 Put the root on a tmpfs (``/dev/shm/...``) so objects live in shared memory.
 
@@ -14,11 +17,24 @@ and every open compares the two, so metadata that was deleted (a /dev/shm cleane
 refused with :class:`~paramstore.errors.MetadataLostError`, never silently re-created. With a
 shared (Redis) registry the marker remembers the registry's own id the first time it is joined.
 
-Safety: a root is created private (``0700``: the objects and metadata are the owner's alone;
-``shared_group=True`` makes it ``2770`` for a group whose processes run with umask ``007``), and
+Safety: a root is created private (``0700``: the objects and metadata are the owner's alone), and
 a root owned by another user or writable by others is refused
 (:class:`~paramstore.errors.UnsafeStoreError`): whoever owns the directory could swap its
 ``objects/`` under the trainer.
+
+Group stores (``shared_group=True``, for a group whose processes run with umask ``007``): the
+root's owner is the trainer; the group's other members read, lease, check out and open its CUDA
+IPC descriptors. The root is ``3770`` (setgid: what is made in it gets the group; sticky: a member
+may create names in it but never rename or delete the owner's ``meta/``, ``objects/``...); its
+folders ``meta/``, ``objects/`` (and ``objects/<d[:2]>/``), ``tmp/``, ``device/`` and
+``quarantine/`` are ``2750``: members list and read them but add nothing, so no member can plant
+an object under a digest the trainer would deduplicate against, nor a descriptor. Members write
+only the LMDB files in ``meta/`` (``0660``: leases are LMDB writes). Every file the trainer replaces
+atomically (the marker, descriptors) goes through :func:`paramstore.safefs.write_atomic`, so a
+``*.partial`` link a member plants in the root is never followed. A group root without the sticky
+bit (made before it was set) is fixed by its owner's next open and refused to members until then
+(:class:`~paramstore.errors.UnsafeStoreError`): a member cannot fix what it does not own, and until
+its owner does, any member could have swapped its folders.
 """
 
 from __future__ import annotations
@@ -37,14 +53,16 @@ from typing import Any, Iterable, Iterator
 
 from paramstore.backends.registries import Registry, open_registry
 from paramstore.backends.registries.lmdb import LmdbRegistry, restore_advice
-from paramstore.backends.tiers.local import LocalTier
+from paramstore.backends.tiers.local import QUARANTINE_DIR, LocalTier
 
+from . import safefs
 from .errors import (
     CorruptStoreError, InvalidArgumentError, MetadataLostError, NotAStoreError, StorageError,
     TagNotFoundError, UnsafeStoreError, VersionNotFoundError,
 )
 
-__all__ = ["StoreRoot", "VersionSpec", "open_root", "check_creatable", "check_safe", "MARKER", "STORE_FORMAT"]
+__all__ = ["StoreRoot", "VersionSpec", "open_root", "check_creatable", "check_safe",
+           "check_group_root", "MARKER", "STORE_FORMAT"]
 
 #: How a version is named: a step, ``"latest"``, or a tag.
 VersionSpec = int | str
@@ -52,6 +70,15 @@ VersionSpec = int | str
 MARKER = "paramstore.json"
 _STEP = re.compile(r"-?[0-9]+\Z")
 STORE_FORMAT = 1
+#: A group store's root: setgid (what is made in it gets its group) and sticky (a member may create
+#: names in it, never rename or delete the owner's), group ``rwx``.
+GROUP_ROOT_MODE = 0o3770
+#: A group store's folders: the group lists and reads them, only the owner writes into them.
+GROUP_DIR_MODE = 0o2750
+#: The LMDB files the group writes (leases, and the events file a lease change touches).
+GROUP_META_MODE = 0o660
+_GROUP_DIRS = ("meta", "objects", "tmp", "device", QUARANTINE_DIR)
+_GROUP_META_FILES = ("data.mdb", "lock.mdb", "events", "lease-events")
 
 
 @dataclass
@@ -142,13 +169,16 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
 
     ``registry``: None for the LMDB registry in ``<path>/meta``, or a ``redis://`` URL shared by
     several hosts; then ``name`` tells the stores sharing that server apart. ``shared_group``: a
-    new root is made ``2770`` (group members may read and lease) instead of ``0700``.
+    new root is made a group store (``3770``; group members may read and lease, see the module's
+    doc) instead of ``0700``. A group root this user owns gets its modes fixed at every open.
 
     Raises:
         NotAStoreError: ``path`` holds no store (and ``create`` is false, or it holds other files),
             or a store of an unsupported format.
         MetadataLostError: the store's metadata is missing or belongs to another store.
-        UnsafeStoreError: ``path`` is owned by another user or writable by others.
+        UnsafeStoreError: ``path`` is owned by another user or writable by others; a group store
+            whose root lacks the sticky bit or whose folders the group may write (opened by a
+            member), or that holds a folder that is a link or not its owner's.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
@@ -161,15 +191,21 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
         if os.path.isdir(path):
             check_safe(path)  # an empty directory someone else made must not become our store
         try:
-            _create(path, marker, mode=0o2770 if shared_group else 0o700)
+            _create(path, marker, mode=GROUP_ROOT_MODE if shared_group else 0o700)
         except OSError as e:  # a parent that does not exist or cannot be written, a full disk...
             raise StorageError(e.errno, f"cannot create a store at {path}: {e.strerror}; choose a directory "
                                         "you can write to (on /dev/shm for shared memory)", path) from e
     check_safe(path)
+    check_group_root(path)
     info = _read_marker(path, marker)
     if registry is None and "registry_id" in info:
         raise InvalidArgumentError(_needs_registry(path, info))
     meta = os.path.join(path, "meta")
+    if registry is not None and "registry_id" not in info and os.path.exists(os.path.join(meta, "data.mdb")):
+        raise InvalidArgumentError(
+            f"the store at {path} is a single-host store (its versions are in {meta}); it cannot join a shared "
+            f"registry, which would hide them: open it without --registry (registry=), or give the shared store "
+            "a root of its own")
     if registry is None and not os.path.exists(os.path.join(meta, "data.mdb")):
         raise MetadataLostError(
             f"the metadata of the store at {path} is missing ({meta}/data.mdb was deleted, by a /dev/shm cleaner?): "
@@ -208,6 +244,64 @@ def check_safe(path: str) -> None:
     if st.st_mode & stat.S_IWOTH:
         raise UnsafeStoreError(f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): anyone could "
                                f"replace the store's objects. Run: chmod o-w {path}")
+
+
+def check_group_root(path: str) -> None:
+    """A group store's modes (see the module's doc): its owner fixes them; a member refuses a root
+    without the sticky bit or a folder the group may write (UnsafeStoreError). A private root passes."""
+    st = os.stat(path)
+    if not _is_group_root(st):
+        return
+    if st.st_uid == os.geteuid():
+        _secure_group_root(path)
+        return
+    loose = [d for d in _GROUP_DIRS if _group_writable(os.path.join(path, d))]
+    if st.st_mode & stat.S_ISVTX and not loose:
+        return
+    why = "its root lacks the sticky bit" if not st.st_mode & stat.S_ISVTX else ""
+    why += (" and " if why and loose else "") + (f"the group may write {', '.join(loose)}" if loose else "")
+    raise UnsafeStoreError(
+        f"the group store at {path} is not locked against its members: {why}, so any member could have "
+        f"renamed or replaced what its trainer wrote. Its owner (uid {st.st_uid}) fixes it by opening it once "
+        f"(`paramstore --root {path} ls`), or by hand: chmod {GROUP_ROOT_MODE:o} {path}, chmod {GROUP_DIR_MODE:o} "
+        f"on its folders")
+
+
+def _is_group_root(st: os.stat_result) -> bool:
+    return st.st_mode & (stat.S_ISGID | stat.S_IRWXG) == stat.S_ISGID | stat.S_IRWXG
+
+
+def _group_writable(path: str) -> bool:
+    try:
+        return bool(os.lstat(path).st_mode & stat.S_IWGRP)
+    except FileNotFoundError:
+        return False
+
+
+def _secure_group_root(path: str) -> None:
+    """Give a group root of this user's its modes (whatever the umask it was made with): the root
+    ``3770``, its folders and ``objects/<d[:2]>/`` ``2750`` (made if missing), the group's LMDB files
+    ``0660``. Raises UnsafeStoreError for a folder that is a link or that another user made."""
+    _chmod(path, GROUP_ROOT_MODE)
+    for d in _GROUP_DIRS:
+        safefs.own_directory(os.path.join(path, d), GROUP_DIR_MODE)
+        _chmod(os.path.join(path, d), GROUP_DIR_MODE)
+    objects = os.path.join(path, "objects")
+    for sub in os.listdir(objects):
+        if stat.S_ISDIR(os.lstat(os.path.join(objects, sub)).st_mode):
+            safefs.own_directory(os.path.join(objects, sub), GROUP_DIR_MODE)
+            _chmod(os.path.join(objects, sub), GROUP_DIR_MODE)
+    for name in _GROUP_META_FILES:  # meta/ is no longer group-writable: nobody swaps these now
+        f = os.path.join(path, "meta", name)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(f)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                _chmod(f, GROUP_META_MODE)
+
+
+def _chmod(path: str, mode: int) -> None:
+    if stat.S_IMODE(os.lstat(path).st_mode) != mode:
+        os.chmod(path, mode)
 
 
 def _read_marker(path: str, marker: str) -> dict[str, Any]:
@@ -330,27 +424,29 @@ def _not_a_store(path: str, *, create: bool) -> str:
 
 def _creatable(entries: list[str]) -> bool:
     # Empty, or what another process creating the same store at this moment has made so far.
-    return all(e in ("meta", "objects", "tmp") or e.startswith(MARKER + ".") for e in entries)
+    return all(e in ("meta", "objects", "tmp", "device", QUARANTINE_DIR) or e.startswith(MARKER + ".")
+               for e in entries)
 
 
 def _create(path: str, marker: str, *, mode: int) -> None:
     os.makedirs(path, mode=mode, exist_ok=True)
     os.chmod(path, mode)  # makedirs' mode is filtered by the umask
+    group = _is_group_root(os.stat(path))
+    if group:  # its folders first, locked, before anything is written into them
+        _secure_group_root(path)
     store_id = uuid.uuid4().hex
-    reg = LmdbRegistry(os.path.join(path, "meta"), create=True, mode=0o660 if mode & 0o070 else 0o600)
+    reg = LmdbRegistry(os.path.join(path, "meta"), create=True, mode=GROUP_META_MODE if group else 0o600)
     try:
         store_id = reg.swap_meta("store_id", None, store_id) or store_id  # two creators: the first id wins
     finally:
         reg.close()
     LocalTier(path, create=True)
+    if group:
+        _secure_group_root(path)  # the LMDB files, whatever the umask
     _write_json(marker, {"format": STORE_FORMAT, "store_id": store_id})
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``path`` atomically (a temporary file, fsync, rename)."""
-    tmp = f"{path}.{os.getpid()}.partial"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` atomically (see :func:`paramstore.safefs.write_atomic`: a ``*.partial`` link
+    planted in a group root is never followed)."""
+    safefs.write_atomic(path, json.dumps(data).encode(), mode=0o644)

@@ -15,6 +15,10 @@ of one trainer): the run id, not the process, is what two trainers must not shar
 
 Liveness is judged by host name, pid and process start time, as for leases: processes in separate
 PID namespaces that share a host name and a tmpfs would see each other's writer as gone.
+
+In a group store (``shared_group=True``) only the root's owner writes: its folders are not
+group-writable (see :mod:`paramstore.root`), and a member's commit is refused at once with
+:class:`~paramstore.errors.UnsafeStoreError`, before anything is staged.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from . import liveness
-from .errors import InvalidArgumentError, ParamStoreWarning, WriterConflictError
+from .errors import InvalidArgumentError, ParamStoreWarning, UnsafeStoreError, WriterConflictError
 
-__all__ = ["Writer", "claim", "release", "check_run_id", "new_run_id"]
+__all__ = ["Writer", "claim", "release", "check_owner", "check_run_id", "new_run_id"]
 
 _RUN_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}\Z")
 
@@ -96,7 +100,10 @@ def claim(registry: object, run_id: str, *, takeover: bool = False, root: str = 
 
     Raises:
         WriterConflictError: another live writer holds the store and ``takeover`` is false.
+        UnsafeStoreError: ``root`` is a group store another member owns (only its owner writes).
     """
+    if root:
+        check_owner(root)
     me = Writer.this_process(run_id)
     for _ in range(8):  # a compare-and-set loop: retried only when another process changed it meanwhile
         raw = registry.get_meta("writer")  # type: ignore[attr-defined]
@@ -116,6 +123,17 @@ def claim(registry: object, run_id: str, *, takeover: bool = False, root: str = 
         if registry.swap_meta("writer", raw, me.to_text()) == me.to_text():  # type: ignore[attr-defined]
             return me
     raise WriterConflictError(f"store {root}: could not claim it as writer (another process keeps changing it)")
+
+
+def check_owner(root: str) -> None:
+    """Refuse to write the store at ``root`` unless this user owns it (UnsafeStoreError): another
+    user's root opens only as a group store, which its members read but never write."""
+    owner = os.stat(root).st_uid
+    if owner != os.geteuid():
+        raise UnsafeStoreError(
+            f"the group store at {root} belongs to uid {owner}: only its owner commits to it (its folders are "
+            "not group-writable, so that no member can plant an object or a descriptor); members read, lease and "
+            f"check out. Commit as uid {owner}, or to a store of your own (uid {os.geteuid()})")
 
 
 def release(registry: object, run_id: str) -> None:

@@ -120,7 +120,7 @@ class LocalTier(Tier):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
+            self._make_object_dir(os.path.dirname(final))
             os.rename(path, final)  # atomic: readers see no object or the whole object
         except BaseException:
             if copied:
@@ -132,6 +132,19 @@ class LocalTier(Tier):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(source)
         return True
+
+    def _make_object_dir(self, path: str) -> None:
+        """Make ``objects/<d[:2]>`` if missing, with the mode of ``objects/`` itself whatever the
+        umask: in a group store (``2750``) members read objects but never add one under a digest
+        the trainer would then deduplicate against."""
+        if os.path.isdir(path):
+            return
+        os.makedirs(self.objects_dir, exist_ok=True)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            return
+        os.chmod(path, os.stat(self.objects_dir).st_mode & 0o7777)
 
     def delete(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
