@@ -235,7 +235,8 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
                 f"version (`paramstore rm {step}`)")
     else:
         where = "missing from this store (deleted outside paramstore?)"
-        todo = "run `paramstore verify` to see what else is damaged, and `paramstore pull` it from a remote if one has it"
+        todo = (f"run `paramstore --root {root.path} verify` to see what else is damaged, and "
+                f"`paramstore --root {root.path} --remote URL pull {step}` from a remote that has it")
     return f"{what}: {where}; {todo}"
 
 

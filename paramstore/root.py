@@ -201,7 +201,7 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
     if registry is None and "registry_id" in info:
         raise InvalidArgumentError(_needs_registry(path, info))
     meta = os.path.join(path, "meta")
-    if registry is not None and "registry_id" not in info and os.path.exists(os.path.join(meta, "data.mdb")):
+    if registry is not None and "registry_id" not in info and _has_local_versions(meta):
         raise InvalidArgumentError(
             f"the store at {path} is a single-host store (its versions are in {meta}); it cannot join a shared "
             f"registry, which would hide them: open it without --registry (registry=), or give the shared store "
@@ -347,6 +347,17 @@ def _check_identity(path: str, marker: str, info: dict[str, Any], reg: Registry,
     if joined != info:
         _write_json(marker, joined)
     return joined
+
+
+def _has_local_versions(meta: str) -> bool:
+    """Whether the LMDB registry in ``meta`` (every root has one) records versions: a single-host store."""
+    if not os.path.exists(os.path.join(meta, "data.mdb")):
+        return False
+    reg = LmdbRegistry(meta)
+    try:
+        return reg.latest_step() is not None
+    finally:
+        reg.close()
 
 
 def _needs_registry(path: str, info: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import paramstore
 from paramstore import ParamStore
 from paramstore.errors import MetadataLostError, RemoteError
 
@@ -41,6 +42,17 @@ def test_cache_root_of_a_shared_registry_store_names_its_registry(redis_url, sto
     ok = cli(store_root, "--registry", redis_url, "--name", "cache-a", "ls", "--json")
     assert ok.returncode == 0, ok.stderr
     assert [r["step"] for r in json.loads(ok.stdout)] == [1]
+
+
+def test_a_single_host_store_never_joins_a_shared_registry(redis_url, store_root):
+    with ParamStore(store_root) as s:
+        s.commit(1, model(1)).result(timeout=60)
+    with pytest.raises(paramstore.InvalidArgumentError, match="single-host store .* cannot join a shared registry"):
+        ParamStore(store_root, registry=redis_url, name="joined").versions()
+    proc = cli(store_root, "--registry", redis_url, "--name", "joined", "ls")
+    assert proc.returncode != 0 and "cannot join a shared registry" in proc.stderr
+    with ParamStore(store_root) as s:  # its versions are still its own
+        assert [v.step for v in s.versions()] == [1]
 
 
 def test_a_mistyped_store_name_lists_the_stores_there(redis_url, store_root):
