@@ -102,7 +102,8 @@ class ParamStore:
             version records its writer's run id (``Version.writer``).
         takeover: commit even though another live writer holds the store (it is refused from
             then on).
-        shared_group: create the root group-accessible (``2770``) instead of private (``0700``).
+        shared_group: create the root as a group store (``3770``: its group's members read, lease
+            and check out; only its owner commits; see :mod:`paramstore.root`) instead of private (``0700``).
         group_timeout: seconds the ranks of a sharded commit wait for each other (a rank that
             dies is noticed at once; one that stops without dying, after this long).
         scrub_rate: re-hash this host's objects in the background at this many bytes per second
