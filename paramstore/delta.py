@@ -374,23 +374,47 @@ def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "
             return  # an intermediate version is incomplete: the rest moves whole
 
 
+#: (store root, writer run id) of the writers a wait for patches ran out on: not waited for again
+#: until a version of theirs is found with its patches (a writer on another host cannot be checked).
+_STALLED: set[tuple[str, str]] = set()
+
+
 def await_patches(root: "StoreRoot", step: int, timeout: float) -> bool:
     """Wait (up to ``timeout`` seconds) for the patches of ``step`` when its writer makes patches
-    (the registry's ``"patches"`` value names the writer's run id: :class:`Patcher` sets it) and an
-    older version exists. The writer records even an empty set, so this returns as soon as they are
-    made. True if ``step`` has a patch record now."""
+    (the registry's ``"patches"`` value names the writer's run id: :class:`Patcher` sets it), is
+    still the store's writer and alive (:func:`_patcher_gone`), and an older version exists. The
+    writer records even an empty set, so this returns as soon as they are made. A wait that runs
+    out is remembered for the store and writer: the next checkouts do not wait for it (until one
+    finds its patches made). True if ``step`` has a patch record now."""
     reg = root.registry
     writer = reg.get_version(step).writer
-    if not writer or reg.get_meta("patches") != writer or not any(v.step < step for v in reg.versions()):
-        return bool(reg.patches(step))
+    key = (root.path, writer)
+    if reg.patches(step):
+        _STALLED.discard(key)
+        return True
+    if (not writer or key in _STALLED or reg.get_meta("patches") != writer or _patcher_gone(reg, writer)
+            or not any(v.step < step for v in reg.versions())):
+        return False
     deadline = time.monotonic() + timeout
     with reg.watch() as watch:
         while not reg.patches(step):
             left = deadline - time.monotonic()
             if left <= 0:
+                _STALLED.add(key)
                 return False
             watch.wait(min(left, 1.0))
     return True
+
+
+def _patcher_gone(reg: Any, writer: str) -> bool:
+    """Whether the writer ``writer`` (a run id) makes no more patches: the store's writer record
+    names another run, or none (released at a clean close), or its process on this host is dead
+    (checked as :mod:`paramstore.writer` does; one on another host is assumed alive)."""
+    from .writer import Writer
+
+    raw = reg.get_meta("writer")
+    current = Writer.from_text(raw) if raw else None
+    return current is None or current.run_id != writer or not current.alive()
 
 
 def patch_summary(root: "StoreRoot", target: int | None = None) -> dict[tuple[int, int], dict[str, int]]:
