@@ -293,10 +293,17 @@ def _secure_group_root(path: str) -> None:
             _chmod(os.path.join(objects, sub), GROUP_DIR_MODE)
     for name in _GROUP_META_FILES:  # meta/ is no longer group-writable: nobody swaps these now
         f = os.path.join(path, "meta", name)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             st = os.lstat(f)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                _chmod(f, GROUP_META_MODE)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):  # swapped by a member while meta/ was group-writable
+            raise UnsafeStoreError(f"{f} is not a regular file (a link?): a member of the store's group replaced "
+                                   "it while meta/ was group-writable, so that the trainer's writes go elsewhere. "
+                                   "Remove the link (the events files are made again at the next open; "
+                                   f"data.mdb or lock.mdb: restore meta/), then run paramstore --root {path} verify")
+        if st.st_uid == os.geteuid():
+            _chmod(f, GROUP_META_MODE)
 
 
 def _chmod(path: str, mode: int) -> None:

@@ -226,6 +226,28 @@ def test_a_device_folder_made_by_a_member_is_refused(group_root):
         assert f.read() == b"the trainer's own file"
 
 
+def test_a_link_a_member_left_in_meta_is_refused_by_the_owners_open(group_root):
+    # A store from before meta/ was locked (2770, no sticky bit): a member swapped the events file,
+    # which every commit writes, for a link to a file of the trainer's.
+    root = group_root
+    make_store(root)
+    os.chmod(root, 0o2770)
+    os.chmod(os.path.join(root, "meta"), 0o2770)
+    target = victim(root)
+    events = os.path.join(root, "meta", "events")
+
+    def swap() -> None:
+        os.rename(events, events + ".old")
+        os.symlink(target, events)
+
+    assert as_member(swap) == ("ok", None)
+    with pytest.raises(UnsafeStoreError, match="events"):
+        with ParamStore(root) as s:
+            s.commit(2, weights(2.0)).result()
+    with open(target, "rb") as f:
+        assert f.read() == b"the trainer's own file"
+
+
 # -- stores made before the sticky bit ----------------------------------------------------------
 def test_a_group_root_without_the_sticky_bit_is_fixed_by_its_owner_and_refused_to_members(group_root):
     root = group_root
