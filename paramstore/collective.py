@@ -55,7 +55,7 @@ from .root import StoreRoot, VersionSpec
 from .snapshot import MADV_POPULATE_READ  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
 
 from paramstore.backends.registries.base import check_digests
-from paramstore.backends.transports.collective import Collective
+from paramstore.backends.transports.collective import MAX_MESSAGE_BYTES, Collective
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +69,19 @@ PROTOCOL = 1
 
 #: Bytes per bucket unless the caller says otherwise.
 DEFAULT_BUCKET_BYTES = 64 << 20
+
+#: The largest bucket a source may ask for: every receiver allocates two bounce buffers of
+#: ``min(bucket, stream)`` bytes (on its device), so the source cannot choose more than this.
+MAX_BUCKET_BYTES = 1 << 30
+
+#: The longest message of the rounds that carry a few fields (hello; and, plus
+#: :data:`REPLY_BYTES_PER_OBJECT` per object of the offer, status, outcome and registration): a
+#: member that announces more fails the round before any member allocates it (world x its length).
+SHORT_MESSAGE_BYTES = 1 << 20
+#: Room per object of the offer in a reply (its digest in ``lack``, or its digest and reason in ``bad``).
+REPLY_BYTES_PER_OBJECT = 512
+#: The longest offer (version, manifest, sizes): twice the largest manifest a remote accepts.
+MAX_OFFER_BYTES = 128 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -113,8 +126,8 @@ def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: 
         (1, 1, [], {})
         >>> dist.destroy_process_group()
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise InvalidArgumentError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 1 <= bucket_bytes <= MAX_BUCKET_BYTES:
+        raise InvalidArgumentError(f"bucket_bytes must be an int in [1, {MAX_BUCKET_BYTES}], got {bucket_bytes!r}")
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < coll.size:
         raise InvalidArgumentError(f"src must be a rank of the group (0..{coll.size - 1}), got {src!r}")
     t0 = time.monotonic()
@@ -134,6 +147,7 @@ class _Broadcast:
         self.root, self.pool, self.coll, self.src, self.bucket_bytes = root, pool, coll, src, bucket_bytes
         self.rank = coll.rank
         self.is_src = self.rank == src
+        self.objects = 0  # objects in the offer (the same on every member): bounds the replies
 
     # -- the rounds --------------------------------------------------------------------------
     def run(self, version: VersionSpec, resolve: Callable[[VersionSpec], int], t0: float) -> FetchReport:
@@ -142,8 +156,8 @@ class _Broadcast:
         try:
             if self.is_src:
                 offer, lease = self._offer(version, resolve)
-            got = _decode(self.coll.broadcast_bytes(_encode(offer) if self.is_src else None, self.src),
-                          f"rank {self.src}'s offer")
+            got = _decode(self.coll.broadcast_bytes(_encode(offer) if self.is_src else None, self.src,
+                                                    limit=MAX_OFFER_BYTES), f"rank {self.src}'s offer")
             if "error" in got:
                 raise BroadcastError(f"collective checkout of {version!r}: the source, rank {self.src}, cannot "
                                      f"send it: {got['error']}", rank=self.src)
@@ -155,7 +169,8 @@ class _Broadcast:
 
     def _agree(self) -> None:
         mine = {"src": self.src, "protocol": PROTOCOL}
-        views = [_decode(b, f"rank {r}'s hello") for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine)))]
+        hello = self.coll.all_gather_bytes(_encode(mine), limit=SHORT_MESSAGE_BYTES)
+        views = [_decode(b, f"rank {r}'s hello") for r, b in enumerate(hello)]
         odd = [r for r, v in enumerate(views) if v != mine]
         if odd:
             said = "; ".join(f"rank {r}: src {views[r].get('src')!r}, protocol {views[r].get('protocol')!r}"
@@ -192,6 +207,8 @@ class _Broadcast:
                 "bucket_bytes": self.bucket_bytes}, lease
 
     def _transfer(self, offer: Mapping[str, Any], t0: float) -> FetchReport:
+        offered = offer.get("sizes")
+        self.objects = len(offered) if isinstance(offered, dict) else 0
         # -- status: check the offer, say what is lacking -----------------------------------------
         status: dict[str, Any]
         manifest: Manifest | None = None
@@ -236,7 +253,10 @@ class _Broadcast:
         return report
 
     def _exchange(self, mine: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
-        return [_decode(b, f"rank {r}'s {what}") for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine)))]
+        """Every member's reply of round ``what``, each at most :func:`_reply_limit` bytes."""
+        limit = _reply_limit(self.objects)
+        return [_decode(b, f"rank {r}'s {what}")
+                for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine), limit=limit))]
 
     def _raise_errors(self, statuses: list[dict[str, Any]], step: Any, verb: str) -> None:
         failed = [(r, s) for r, s in enumerate(statuses) if s.get("error") or s.get("bad")]
@@ -597,11 +617,17 @@ def _parse_offer(offer: Mapping[str, Any], src: int) -> tuple[Version, Manifest,
     if not isinstance(sizes, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                                               for n in sizes.values()):
         raise ParamStoreError(f"the offer {where} has bad object sizes")
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-        raise ParamStoreError(f"the offer {where} has a bad bucket size {bucket!r}")
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 1 <= bucket <= MAX_BUCKET_BYTES:
+        raise ParamStoreError(f"the offer {where} has a bad bucket size {bucket!r} (1 to {MAX_BUCKET_BYTES})")
     check_digests(sizes)
     check_manifest(manifest, version, sizes, where=where)
     return version, manifest, dict(sizes), bucket
+
+
+def _reply_limit(objects: int) -> int:
+    """The longest reply of the status, outcome and registration rounds, for an offer of ``objects``
+    objects (the same on every member: the offer is)."""
+    return min(MAX_MESSAGE_BYTES, SHORT_MESSAGE_BYTES + REPLY_BYTES_PER_OBJECT * objects)
 
 
 def _encode(obj: Any) -> bytes:
@@ -611,7 +637,7 @@ def _encode(obj: Any) -> bytes:
 def _decode(data: bytes, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(data.decode())
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise BroadcastError(f"{what} is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise BroadcastError(f"{what} is not a JSON object")

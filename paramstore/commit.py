@@ -40,10 +40,12 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from . import accel
-from .errors import CommitGroupError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError
+from .errors import (
+    CommitGroupError, CorruptObjectError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError,
+)
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
-from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version
-from .sharded import CommitGroup, decode, encode, merge_parts
+from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
+from .sharded import CommitGroup, check_part, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
 from .tensors import ST_TO_TORCH, Collected, Taker, check_pair, in_place_version
 
@@ -601,12 +603,19 @@ class Committer:
                 if part["store"] != parts[0]["store"]:
                     raise CommitGroupError(f"rank {rank} commits to another store than rank {group.lead}: ranks "
                                            "on several hosts need one shared registry (registry='redis://...')")
+            for rank, part in zip(group.ranks, parts):
+                check_part(part, rank)
             entries = merge_parts(parts, group.ranks)
             new_objects = {o: ObjectInfo(size, tuple(ts)) for p in parts for o, (size, ts) in p["objects"].items()}
             new_tensors = {d: TensorLocation(*loc) for p in parts for d, loc in p["tensors"].items()}
-            reused = {o: size for p in parts for o, size in p.get("reused", {}).items()}
+            reused = {o: size for p in parts for o, size in p["reused"].items()}
             manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
+            try:  # every chunk: its length that of its dtype and sizes, inside an object a rank stored or holds
+                check_manifest(manifest, version, {**reused, **{o: i.size for o, i in new_objects.items()}},
+                               where="merged from the ranks' parts")
+            except CorruptObjectError as e:
+                raise CommitGroupError(f"the ranks' parts do not make a valid version: {e}") from None
             self._publish_version(version, manifest, new_objects, new_tensors, reused)
         except BaseException as e:  # noqa: BLE001 - every rank fails with it
             job.error = job.error or e

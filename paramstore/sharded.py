@@ -32,8 +32,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .errors import CommitGroupError, InvalidTensorError
+from .errors import CommitGroupError, InvalidTensorError, ParamStoreError
+from .format import ITEMSIZE
 from .manifest import ASSET_PREFIX, Chunk, TensorEntry, check_tiling
+
+from paramstore.backends.registries.base import check_digests
 
 __all__ = ["Block", "local_block", "is_dtensor", "CommitGroup", "group_ranks", "merge_parts", "chunk_name"]
 
@@ -231,13 +234,56 @@ class CommitGroup:
             pass
 
 
+def check_part(part: Any, rank: int) -> None:
+    """Raise CommitGroupError unless ``part`` (rank ``rank``'s, as received) has the form a part has:
+    ``names`` (name -> [dtype paramstore stores, shape]), ``blocks`` (name -> chunk JSON list),
+    ``objects`` (digest -> [size, tensor digests]), ``tensors`` (digest -> [object, offset, length])
+    and ``reused`` (digest -> size). What the chunks say is checked after the merge
+    (:func:`~paramstore.manifest.check_manifest`: lengths, dtypes, offsets inside objects)."""
+    def bad(why: str) -> CommitGroupError:
+        return CommitGroupError(f"rank {rank} sent a malformed part: {why}")
+
+    def count(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict)
+                                             for k in ("names", "blocks", "objects", "tensors", "reused")):
+        raise bad("not an object with names, blocks, objects, tensors and reused")
+    for name, spec in part["names"].items():
+        if (not isinstance(spec, list) or len(spec) != 2 or spec[0] not in ITEMSIZE or not isinstance(spec[1], list)
+                or not all(count(n) for n in spec[1])):
+            raise bad(f"tensor {name!r} has no dtype and shape: {spec!r}"[:300])
+    for name, blocks in part["blocks"].items():
+        if name not in part["names"] or not isinstance(blocks, list):
+            raise bad(f"blocks of {name!r}, which it does not name"[:300])
+    try:
+        for o, info in part["objects"].items():
+            if not isinstance(info, list) or len(info) != 2 or not count(info[0]) or not isinstance(info[1], list):
+                raise bad(f"object {o!r} has no size and tensors"[:300])
+            check_digests([o, *info[1]])
+        for d, loc in part["tensors"].items():
+            if not isinstance(loc, list) or len(loc) != 3 or not all(count(n) for n in loc[1:]):
+                raise bad(f"tensor {d!r} has no location"[:300])
+            check_digests([d, loc[0]])
+        if not all(count(n) for n in part["reused"].values()):
+            raise bad("an object it reuses has a bad size")
+        check_digests(part["reused"])
+    except ParamStoreError as e:
+        if isinstance(e, CommitGroupError):
+            raise
+        raise bad(str(e)) from None
+
+
 def merge_parts(parts: list[Mapping[str, Any]], ranks: tuple[int, ...]) -> dict[str, TensorEntry]:
     """The manifest entries of a sharded commit from every rank's part.
 
     Each part has ``names`` (every tensor name with its dtype and global shape, as that rank saw
     them) and ``blocks`` (name -> list of chunk JSON it stored). Raises CommitGroupError when the
-    ranks disagree on names, dtypes or shapes, or a tensor's blocks do not tile it.
+    ranks disagree on names, dtypes or shapes, or a tensor's blocks do not tile it (or a part is
+    malformed: it came over the network).
     """
+    for rank, part in zip(ranks, parts):
+        _check_part(part, rank)
     first = parts[0]["names"]
     for rank, part in zip(ranks[1:], parts[1:]):
         if part["names"] != first:
@@ -257,7 +303,7 @@ def merge_parts(parts: list[Mapping[str, Any]], ranks: tuple[int, ...]) -> dict[
         got = chunks[name]
         if not got:
             raise CommitGroupError(f"no rank stored tensor {name!r}")
-        whole = [c for c in got if c.sizes == shape]
+        whole = [c for c in got if c.sizes == shape and not any(c.offsets)]
         if whole and len(got) == 1:
             entries[name] = TensorEntry.chunked(dtype, shape, got)
             continue
@@ -269,9 +315,27 @@ def merge_parts(parts: list[Mapping[str, Any]], ranks: tuple[int, ...]) -> dict[
     return entries
 
 
+def _check_part(part: Any, rank: int) -> None:
+    """CommitGroupError unless ``part`` has the fields :func:`merge_parts` reads, of their types:
+    ``names`` maps names to ``[dtype, shape]``, ``blocks`` maps some of them to lists."""
+    names, blocks = (part.get("names"), part.get("blocks")) if isinstance(part, dict) else (None, None)
+    if not isinstance(names, dict) or not isinstance(blocks, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], list)
+            and all(type(n) is int and n >= 0 for n in v[1]) for v in names.values()) or not all(
+            n in names and isinstance(b, list) for n, b in blocks.items()):
+        raise CommitGroupError(f"rank {rank} sent a malformed part of a sharded commit")
+
+
 def encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
 def decode(data: bytes) -> Any:
-    return json.loads(data)
+    """The JSON object a member sent; CommitGroupError for anything else (bad JSON or UTF-8, too
+    deep, not an object)."""
+    from .format import loads
+
+    try:
+        return loads(data, dict, "a message of a sharded commit")
+    except ValueError as e:
+        raise CommitGroupError(str(e)) from None

@@ -67,3 +67,116 @@ def test_await_patches_waits_once_for_a_writer_it_cannot_check(store_root):
         t0 = time.monotonic()
         assert not await_patches(reader._root, 2, 3.0)
         assert time.monotonic() - t0 < 0.5
+
+
+# -- collective messages and buckets ---------------------------------------------------------
+HUGE = 512 << 20  # announced, never sent: under the transport's absolute cap of 1 GiB
+
+
+def _victim_or_liar(rank: int, world: int, base: str, lie: str) -> dict:
+    """Rank 0 sends version 1 (a real collective checkout); rank 1 speaks the protocol by hand
+    through the real group and lies: announces a huge status message, or offers a huge bucket."""
+    import json
+    import resource
+
+    from paramstore.backends.transports.collective import FRAME_BYTES, TorchCollective
+    from paramstore.collective import broadcast_version
+    from paramstore.errors import BroadcastError
+
+    coll = TorchCollective(timeout=20)
+    if rank == 1:
+        if lie == "bucket":  # the source: offers its real version with a bucket of 1 TiB
+            store = ParamStore(f"{base}/liar", create=True)
+            store.commit(1, {"w": torch.ones(1000)}).result(30)
+            from paramstore.collective import _Broadcast
+
+            try:  # past broadcast_version's own argument check: a source that lies
+                _Broadcast(store._root, store._pool, coll, 1, 1 << 40).run(1, store._resolve, time.monotonic())
+            except BroadcastError as e:
+                return {"raised": str(e)}
+            return {"raised": None}
+        coll.all_gather_bytes(json.dumps({"protocol": 1, "src": 0}, separators=(",", ":"), sort_keys=True).encode())
+        coll.broadcast_bytes(None, 0)  # the offer
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame[:8] = torch.frombuffer(bytearray(HUGE.to_bytes(8, "little")), dtype=torch.uint8)
+        frames = [torch.empty(FRAME_BYTES, dtype=torch.uint8) for _ in range(world)]
+        coll._all_gather(frames, frame)  # the status round's first frame: "my message is 512 MiB"
+        time.sleep(3)
+        return {}
+    store = ParamStore(f"{base}/victim", create=True)
+    if lie == "status":
+        store.commit(1, {"w": torch.ones(1000)}).result(30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    t0 = time.monotonic()
+    try:
+        src = 0 if lie == "status" else 1
+        broadcast_version(store._root, store._pool, coll, src, 1, resolve=store._resolve)
+        raised = None
+    except BroadcastError as e:
+        raised = str(e)
+    return {"raised": raised, "grew": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before,
+            "seconds": time.monotonic() - t0, "tmp": os.listdir(store._root.tier.tmp_dir)}
+
+
+def test_a_member_announcing_a_huge_message_makes_nobody_allocate_it(shm_dir):
+    from test_collective import run_members
+
+    got, _ = run_members(2, _victim_or_liar, shm_dir, "status", timeout=60)
+    victim = got[0]
+    assert victim["raised"] and f"announced a message of {HUGE} bytes" in victim["raised"], victim
+    assert victim["grew"] < 64 << 20, victim  # not 512 MiB (nor 2 x 512 MiB)
+
+
+def test_a_source_offering_a_huge_bucket_is_refused(shm_dir):
+    from test_collective import run_members
+
+    got, _ = run_members(2, _victim_or_liar, shm_dir, "bucket", timeout=60)
+    victim = got[0]
+    assert victim["raised"] and "bucket" in victim["raised"] and "1099511627776" in victim["raised"], victim
+    assert victim["grew"] < 64 << 20, victim  # no 1 TiB (nor min(1 TiB, stream)) bounce buffers
+    assert got[1]["raised"], got[1]  # every member fails alike
+
+
+# -- a sharded commit's parts ----------------------------------------------------------------
+def _lying_rank(rank: int, world: int, root: str) -> dict:
+    """Two ranks commit steps 1-3 together; rank 1 lies in its part of steps 1 and 2 (sent through
+    the real commit group): a chunk's length, then the size of the objects it stored."""
+    import paramstore.commit as commit_mod
+    from paramstore.sharded import encode
+    from ranks import sharded_model
+
+    lies = {1: "nbytes", 2: "object size"}
+
+    def lying_encode(obj):
+        lie = lies.get(obj.get("step")) if isinstance(obj, dict) and "blocks" in obj else None
+        if lie == "nbytes":
+            chunk = next(iter(obj["blocks"].values()))[0]
+            chunk["nbytes"] *= 2
+        elif lie == "object size":
+            for info in obj["objects"].values():
+                info[0] = 64
+        return encode(obj)
+
+    if rank == 1:
+        commit_mod.encode = lying_encode
+    out = {}
+    with ParamStore(root) as store:
+        for step in (1, 2, 3):
+            try:
+                store.commit(step, sharded_model(world, step)).result(timeout=60)
+                out[step] = "published"
+            except CommitGroupError as e:
+                out[step] = str(e)
+        out["versions"] = [v.step for v in store.versions()]
+    return out
+
+
+def test_a_sharded_commit_refuses_parts_that_lie(shm_dir):
+    from ranks import run_ranks
+
+    got = run_ranks(2, _lying_rank, os.path.join(shm_dir, "store"))
+    for rank in (0, 1):
+        r = got[rank]
+        assert "do not make a valid version" in r[1] and "says" in r[1], r[1]  # a chunk's length
+        assert "do not make a valid version" in r[2] and "does not lie in object" in r[2], r[2]
+        assert r[3] == "published" and r["versions"] == [3], r

@@ -309,8 +309,8 @@ def _killed_member(rank: int, world: int, base: str, victim: int) -> dict[str, A
                 time.sleep(0.02)
             return self.inner.broadcast(tensor, src, async_op=async_op)
 
-        def all_gather_bytes(self, payload):
-            return self.inner.all_gather_bytes(payload)
+        def all_gather_bytes(self, payload, **kw):
+            return self.inner.all_gather_bytes(payload, **kw)
 
         def abort(self, reason=""):
             self.inner.abort(reason)

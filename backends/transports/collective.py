@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["Collective", "Pending", "TorchCollective"]
 
 #: The most bytes :meth:`Collective.broadcast_bytes` and :meth:`Collective.all_gather_bytes` accept
-#: in one message (a manifest of a few hundred thousand tensors fits).
+#: in one message (a manifest of a few hundred thousand tensors fits): the default and the ceiling
+#: of their ``limit``. A caller passes the ``limit`` its protocol needs (a few MiB for a short JSON
+#: reply), so that a member announcing more makes nobody allocate it.
 MAX_MESSAGE_BYTES = 1 << 30
 
 #: The key of a group's rendezvous store under which the first member that fails writes
@@ -70,6 +72,13 @@ def _frame(data: bytes) -> "torch.Tensor":
 
     head = len(data).to_bytes(8, "little") + data[: FRAME_BYTES - 8]
     return torch.frombuffer(bytearray(head.ljust(FRAME_BYTES, b"\0")), dtype=torch.uint8)
+
+
+def _limit(limit: object) -> int:
+    """A message ``limit`` checked: an int in [0, :data:`MAX_MESSAGE_BYTES`]."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_MESSAGE_BYTES:
+        raise InvalidArgumentError(f"a message limit must be an int in [0, {MAX_MESSAGE_BYTES}], got {limit!r}")
+    return limit
 
 
 class Pending:
@@ -126,22 +135,25 @@ class Collective(abc.ABC):
         """
 
     @abc.abstractmethod
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def all_gather_bytes(self, payload: bytes, *, limit: int = MAX_MESSAGE_BYTES) -> list[bytes]:
         """Every member's ``payload``, in rank order, on every member.
 
         Payloads may differ in length (empty ones included).
 
         Args:
-            payload: this member's message (at most :data:`MAX_MESSAGE_BYTES`).
+            payload: this member's message (at most ``limit`` bytes).
+            limit: the longest message the caller's protocol allows (at most
+                :data:`MAX_MESSAGE_BYTES`; every member passes the same). A member that announces a
+                longer one fails the exchange before anything of that length is allocated.
 
         Returns:
             ``size`` byte strings; entry ``r`` is member ``r``'s payload.
 
         Raises:
-            BroadcastError: the exchange failed, or a payload is too large.
+            BroadcastError: the exchange failed, or a payload is longer than ``limit``.
         """
 
-    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
+    def broadcast_bytes(self, payload: bytes | None, src: int, *, limit: int = MAX_MESSAGE_BYTES) -> bytes:
         """Member ``src``'s ``payload`` on every member (others pass None, or anything: ignored).
 
         Note for implementers: the default makes one :meth:`broadcast` of a :data:`FRAME_BYTES`
@@ -149,29 +161,31 @@ class Collective(abc.ABC):
         the rest of a longer payload; override it where the group has something better.
 
         Args:
-            payload: the message, on ``src`` (at most :data:`MAX_MESSAGE_BYTES`).
+            payload: the message, on ``src`` (at most ``limit`` bytes).
             src: the sending member's rank.
+            limit: the longest message the caller's protocol allows (see :meth:`all_gather_bytes`).
 
         Returns:
             ``src``'s payload.
 
         Raises:
-            BroadcastError: the transfer failed, or the payload is too large.
+            BroadcastError: the transfer failed, or the payload is longer than ``limit``.
         """
         import torch
 
+        limit = _limit(limit)
         mine = self.rank == src
         data = bytes(payload or b"") if mine else b""
-        if mine and len(data) > MAX_MESSAGE_BYTES:
-            raise BroadcastError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}", rank=self.rank)
+        if mine and len(data) > limit:
+            raise BroadcastError(f"a message of {len(data)} bytes is larger than {limit}", rank=self.rank)
         frame = _frame(data) if mine else torch.zeros(FRAME_BYTES, dtype=torch.uint8)
         frame = frame.to(self.device)
         self.broadcast(frame, src)
         head = frame.cpu().numpy().tobytes()
         n = int.from_bytes(head[:8], "little")
-        if n > MAX_MESSAGE_BYTES:
-            raise BroadcastError(f"rank {src} announced a message of {n} bytes (more than {MAX_MESSAGE_BYTES})",
-                                 rank=src)
+        if n > limit:
+            self.abort(f"rank {src} announced a message of {n} bytes")
+            raise BroadcastError(f"rank {src} announced a message of {n} bytes (more than {limit})", rank=src)
         if n <= FRAME_BYTES - 8:
             return data if mine else head[8:8 + n]
         rest = (torch.frombuffer(bytearray(data[FRAME_BYTES - 8:]), dtype=torch.uint8) if mine
@@ -274,12 +288,13 @@ class TorchCollective(Collective):
             pending.wait()
         return pending
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def all_gather_bytes(self, payload: bytes, *, limit: int = MAX_MESSAGE_BYTES) -> list[bytes]:
         import torch
 
+        limit = _limit(limit)
         data = bytes(payload)
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise BroadcastError(f"a message of {len(data)} bytes is larger than {MAX_MESSAGE_BYTES}", rank=self.rank)
+        if len(data) > limit:
+            raise BroadcastError(f"a message of {len(data)} bytes is larger than {limit}", rank=self.rank)
         # One all_gather of FRAME_BYTES frames (length + head) carries short messages whole; only if
         # some member's is longer, a second one carries every member's rest (padded to the longest).
         frames = [torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self._device) for _ in range(self._size)]
@@ -287,9 +302,10 @@ class TorchCollective(Collective):
         heads = [f.cpu().numpy().tobytes() for f in frames]
         lengths = [int.from_bytes(h[:8], "little") for h in heads]
         top = max(lengths)
-        if top > MAX_MESSAGE_BYTES:
-            raise BroadcastError(f"a member announced a message of {top} bytes (more than {MAX_MESSAGE_BYTES})",
-                                 rank=lengths.index(top))
+        if top > limit:  # before anything of that length is allocated (every member: size x top)
+            liar = lengths.index(top)
+            self.abort(f"rank {liar} announced a message of {top} bytes")
+            raise BroadcastError(f"rank {liar} announced a message of {top} bytes (more than {limit})", rank=liar)
         room = FRAME_BYTES - 8
         if top <= room:
             return [h[8:8 + n] for h, n in zip(heads, lengths)]
