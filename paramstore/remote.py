@@ -649,7 +649,7 @@ def _parse_holder(body: bytes) -> dict[str, Any]:
     """A lock body as a dict (empty if it is not one: such a lock is judged by its TTL only)."""
     try:
         holder = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
 
@@ -742,7 +742,9 @@ def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
         if set(raw) != fields:
             raise CorruptObjectError(f"fields {sorted(raw)}, expected {', '.join(sorted(fields))}")
         tags, objects = raw["tags"], raw["objects"]
-        patches = {o: tuple(p) for o, p in raw.get("patches", {}).items()} \
+        if not isinstance(tags, list) or not isinstance(objects, dict):
+            raise CorruptObjectError("tags must be a JSON list and objects a JSON object")
+        patches = {o: tuple(p) if isinstance(p, list) else () for o, p in raw.get("patches", {}).items()} \
             if isinstance(raw.get("patches", {}), dict) else None
         if patches is None or any(len(p) != 3 for p in patches.values()):
             raise CorruptObjectError("patches must map objects to [patch object, base step, size]")
@@ -750,8 +752,6 @@ def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:
         if not set(patches) <= set(objects) or any(
                 not (_count(b) and b < step and _count(n) and n > 0) for _, b, n in patches.values()):
             raise CorruptObjectError("a patch names an object the version lacks, a base not below it, or a bad size")
-        if not isinstance(tags, list) or not isinstance(objects, dict):
-            raise CorruptObjectError("tags must be a JSON list and objects a JSON object")
         version = Version.from_json(raw["version"], tuple(check_tag(t) for t in tags))
         check_digests(objects)
         bad = [n for n in objects.values() if isinstance(n, bool) or not isinstance(n, int) or n <= 0]

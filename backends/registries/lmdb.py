@@ -98,7 +98,7 @@ def _guarded(fn: _F) -> _F:
         except (lmdb.DiskError, lmdb.MapFullError) as e:
             raise StorageFullError(errno.ENOSPC, f"the registry at {self._path} cannot grow: {e}; free space on "
                                                  "its filesystem (prune and gc)", self._path) from e
-        except (*_DAMAGE, ValueError, KeyError, TypeError, struct.error) as e:  # JSON/UTF-8 errors are ValueErrors
+        except (*_DAMAGE, ValueError, KeyError, TypeError, RecursionError, struct.error) as e:  # JSON/UTF-8: ValueErrors
             raise CorruptStoreError(f"the registry at {self._path} is damaged ({type(e).__name__}: {e}); "
                                     f"{restore_advice(self._root)}") from e
         except lmdb.Error as e:  # not damage: too many readers, permissions, ...
