@@ -229,18 +229,20 @@ def open_exported(root: "StoreRoot", step: int, device: torch.device,
     try:
         path = os.path.join(root.path, DESCRIPTOR_DIR, f"{_uuid(device)}.json")
         with open(path, "rb") as f:
-            raw = f.read(_MAX_DESCRIPTOR_BYTES + 1)
+            raw = f.read(min(os.fstat(f.fileno()).st_size, _MAX_DESCRIPTOR_BYTES) + 1)  # (read(n) allocates n)
     except (FileNotFoundError, DeviceError):
         return None
     try:
         d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
         if d.get("format") != _FORMAT or d.get("step") != step or set(d["objects"]) != objects:
             return None
         pid, start = d["owner"]
         if pid == os.getpid() or not liveness.alive(int(pid), int(start)):
             return None  # our own export (the copy cache has it) or a dead owner's
         return {o: _open(h, device) for o, h in d["objects"].items()}
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         warnings.warn(f"{path}: unreadable device descriptor ({e}); copying to {device} instead",
                       RuntimeWarning, stacklevel=2)
         return None

@@ -317,7 +317,7 @@ def _read_marker(path: str, marker: str) -> dict[str, Any]:
             info = json.load(f)
     except OSError as e:
         raise NotAStoreError(f"{marker} is unreadable: {e}") from e
-    except ValueError as e:  # bad JSON or bad UTF-8
+    except (ValueError, RecursionError) as e:  # bad JSON or bad UTF-8, or nested too deeply
         raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: "
                                 f"{restore_advice(path)}") from e
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:

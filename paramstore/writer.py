@@ -81,9 +81,11 @@ class Writer:
         """The writer recorded as ``text``; None if the record is unreadable (then anyone may claim)."""
         try:
             d = json.loads(text)
-            return cls(check_run_id(d["run_id"]), str(d["host"]), int(d["pid"]),
-                       None if d["start"] is None else float(d["start"]), float(d["since"]))
-        except (ValueError, KeyError, TypeError, InvalidArgumentError):
+            w = cls(check_run_id(d["run_id"]), str(d["host"]), int(d["pid"]),
+                    None if d["start"] is None else float(d["start"]), float(d["since"]))
+            time.localtime(w.since)  # describe() shows it: a time out of range is unreadable too
+            return w
+        except (ValueError, KeyError, TypeError, OverflowError, OSError, RecursionError, InvalidArgumentError):
             return None
 
     def alive(self) -> bool:
