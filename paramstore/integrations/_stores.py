@@ -76,7 +76,8 @@ def request_store(root: Any, registry: Any = None, name: Any = None, *, shared: 
     """
     from paramstore.store import ParamStore
 
-    if not isinstance(root, str) or not root or not all(v is None or isinstance(v, str) for v in (registry, name)):
+    if not isinstance(root, str) or not root or "\0" in root \
+            or not all(v is None or isinstance(v, str) for v in (registry, name)):
         raise InvalidArgumentError(f"a paramstore request names its store by root (a path) and optionally registry "
                                    f"and name (strings), got root={root!r}, registry={registry!r}, name={name!r}")
     real = os.path.realpath(root)

@@ -349,6 +349,11 @@ class ParamStoreUpdateInfo(_UpdateBase):
     timeout: float | None = None
 
     def __post_init__(self) -> None:
+        if not (type(self.version) is int or isinstance(self.version, str)) \
+                or not (self.min_step is None or type(self.min_step) is int) \
+                or not (self.timeout is None or (type(self.timeout) in (int, float) and self.timeout >= 0)):
+            raise ValueError(f"paramstore update_info: version must be an int or a string, min_step an int and "
+                             f"timeout a number >= 0, got {self.version!r}, {self.min_step!r}, {self.timeout!r}")
         if self.min_step is not None and self.version != "latest":
             raise ValueError("paramstore update_info: pass either version or min_step, not both")
         if self.timeout is not None and self.min_step is None:
