@@ -255,7 +255,7 @@ class _Broadcast:
     def _exchange(self, mine: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
         """Every member's reply of round ``what``, each at most :func:`_reply_limit` bytes."""
         limit = _reply_limit(self.objects)
-        return [_decode(b, f"rank {r}'s {what}")
+        return [_reply(_decode(b, f"rank {r}'s {what}"), r, what)
                 for r, b in enumerate(self.coll.all_gather_bytes(_encode(mine), limit=limit))]
 
     def _raise_errors(self, statuses: list[dict[str, Any]], step: Any, verb: str) -> None:
@@ -632,6 +632,16 @@ def _reply_limit(objects: int) -> int:
 
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _reply(msg: dict[str, Any], rank: int, what: str) -> dict[str, Any]:
+    """A member's reply if the fields a round reads have their types (``lack``: digests, ``bad``:
+    digest -> why, ``error``: text); else an error naming the member, which fails the round."""
+    lack, bad, error = msg.get("lack", []), msg.get("bad", {}), msg.get("error", "")
+    if isinstance(lack, list) and all(isinstance(o, str) for o in lack) and isinstance(bad, dict) \
+            and all(isinstance(v, str) for v in bad.values()) and isinstance(error, str):
+        return msg
+    return {"error": f"rank {rank} sent a malformed {what}"}
 
 
 def _decode(data: bytes, what: str) -> dict[str, Any]:

@@ -250,7 +250,8 @@ def check_part(part: Any, rank: int) -> None:
                                              for k in ("names", "blocks", "objects", "tensors", "reused")):
         raise bad("not an object with names, blocks, objects, tensors and reused")
     for name, spec in part["names"].items():
-        if (not isinstance(spec, list) or len(spec) != 2 or spec[0] not in ITEMSIZE or not isinstance(spec[1], list)
+        if (not isinstance(spec, list) or len(spec) != 2 or not isinstance(spec[0], str) or spec[0] not in ITEMSIZE
+                or not isinstance(spec[1], list)
                 or not all(count(n) for n in spec[1])):
             raise bad(f"tensor {name!r} has no dtype and shape: {spec!r}"[:300])
     for name, blocks in part["blocks"].items():

@@ -108,12 +108,12 @@ def check_peer(peer: object) -> Peer:
 
 def check_digests(digests: Iterable[str]) -> list[str]:
     """The distinct object digests (64 lowercase hex digits) in ``digests``, in order."""
-    if isinstance(digests, (str, bytes)):
-        raise InvalidArgumentError("expected an iterable of digests, got a single string")
-    out = list(dict.fromkeys(digests))
-    for d in out:
+    if isinstance(digests, (str, bytes)) or not isinstance(digests, Iterable):
+        raise InvalidArgumentError(f"expected an iterable of digests, got a {type(digests).__name__}")
+    out = list(digests)
+    for d in out:  # before dict.fromkeys: a list or dict among them (hostile JSON) is not hashable
         check_digest(d)
-    return out
+    return list(dict.fromkeys(out))
 
 
 def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
