@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test test-integrations bench clean
+.PHONY: install sysdeps demo test test-integrations bench fuzz clean
 
 # Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
 # tests start their own), libibverbs1 (Mooncake's wheels link it even for TCP) and iproute2
@@ -89,6 +89,14 @@ bench: install
 	$(BIN)/python tools/bench_patch.py
 	$(BIN)/python tools/bench_device.py  # GPU rows only where a GPU is; the gloo broadcast everywhere
 	$(BIN)/python tools/bench_cluster.py  # needs root (network namespaces)
+
+# Every parser of untrusted bytes (patch frames, safetensors headers, manifests, version records,
+# registry entries, collective messages, engine requests...) fed hostile inputs for FUZZ_SECONDS each
+# (make test runs a few of each: tests/test_fuzz.py). Fails on any error that is not the package's,
+# or an input that made the parser allocate over its bound; the report: build/fuzz.md.
+FUZZ_SECONDS ?= 60
+fuzz: install
+	$(BIN)/python tools/fuzz.py --seconds $(FUZZ_SECONDS) --markdown build/fuzz.md
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache
