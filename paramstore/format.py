@@ -262,7 +262,7 @@ def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tu
     try:
         spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
                        for e in entries.values())
-    except (KeyError, TypeError, IndexError, ValueError) as e:
+    except (KeyError, TypeError, IndexError, ValueError, OverflowError) as e:  # (int() of Infinity: OverflowError)
         raise ValueError(f"malformed header entry: {e!r}") from e
     pos = start
     for b, e in spans:
