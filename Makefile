@@ -96,7 +96,7 @@ bench: install
 # or an input that made the parser allocate over its bound; the report: build/fuzz.md.
 FUZZ_SECONDS ?= 60
 fuzz: install
-	$(BIN)/python tools/fuzz.py --seconds $(FUZZ_SECONDS) --markdown build/fuzz.md
+	$(BIN)/python tools/fuzz.py --seconds $(FUZZ_SECONDS) --markdown build/fuzz.md --json build/fuzz.json
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache

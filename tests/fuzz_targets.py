@@ -399,6 +399,9 @@ class _FakeMaps:
         self._objects = objects
 
     def get(self, digest: str) -> memoryview:
+        from paramstore.backends.tiers.base import object_key
+
+        object_key(digest)  # what the tier checks (InvalidArgumentError for a name that is not a digest)
         if digest not in self._objects:
             raise FileNotFoundError(digest)
         return memoryview(self._objects[digest])
@@ -410,7 +413,10 @@ def _feed_patch_object(i: dict[str, Any]) -> None:
     got = _read_patch(memoryview(i["object"]))
     _expect(isinstance(got.size, int) and got.size >= 0 and isinstance(got.target, str), "bad size or target")
     if got.size <= 1 << 20:  # what rebuild() does next, into a buffer of the size its record names
-        _apply(_FakeMaps(i["bases"]), got, memoryview(bytearray(got.size)))
+        try:
+            _apply(_FakeMaps(i["bases"]), got, memoryview(bytearray(got.size)))
+        except (ValueError, FileNotFoundError) as e:  # documented by rebuild(): a malformed patch, a base not here
+            raise _Documented(str(e)) from None
 
 
 def _patch_object_bound(i: dict[str, Any]) -> int:
@@ -504,7 +510,7 @@ def _feed_manifest(i: dict[str, Any]) -> None:
         except ValueError as e:  # documented: what json.loads raises (bad JSON or UTF-8)
             if isinstance(e, ParamStoreError):
                 raise
-            raise _JsonError(str(e)) from None
+            raise _Documented(str(e)) from None
     else:
         m = Manifest.from_json(i["manifest"])
     v = Version.from_json(i["version"], ("tag",))
@@ -514,8 +520,9 @@ def _feed_manifest(i: dict[str, Any]) -> None:
     check_manifest(m, v, sizes, where="fuzz")
 
 
-class _JsonError(ParamStoreError):
-    """(The fuzz's marker for ``json.loads``' documented ValueError from Manifest.parse.)"""
+class _Documented(ParamStoreError):
+    """(The fuzz's marker for a documented ValueError: ``json.loads``' from Manifest.parse, a vLLM
+    info's from its checks, ``delta._apply``'s, which ``delta.rebuild`` reports as CorruptObjectError.)"""
 
 
 # -- registries --------------------------------------------------------------------------------------
@@ -757,7 +764,7 @@ def _feed_vllm(i: dict[str, Any]) -> None:
         try:
             u = ParamStoreUpdateInfo(**update)
         except ValueError as e:  # documented: __post_init__ refuses a bad combination
-            raise _JsonError(str(e)) from None
+            raise _Documented(str(e)) from None
         _expect((type(u.version) is int or isinstance(u.version, str))
                 and (u.min_step is None or type(u.min_step) is int)
                 and (u.timeout is None or (type(u.timeout) in (int, float) and u.timeout >= 0)),
@@ -766,7 +773,7 @@ def _feed_vllm(i: dict[str, Any]) -> None:
         try:
             info = ParamStoreInitInfo(**init)
         except ValueError as e:
-            raise _JsonError(str(e)) from None
+            raise _Documented(str(e)) from None
         old = os.environ.get(_stores.ROOTS_ENV)
         os.environ[_stores.ROOTS_ENV] = _engine_roots()
         try:

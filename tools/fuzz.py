@@ -8,7 +8,9 @@ allocated against its bound.
 
     python tools/fuzz.py --seconds 60                    # every target, 60 s each
     python tools/fuzz.py --seconds 10 --target patch     # the targets whose name contains "patch"
-    python tools/fuzz.py --markdown fuzz.md              # also write the report as a markdown table
+    python tools/fuzz.py --markdown out/fuzz.md --json out/fuzz.json   # also the table, and the run as JSON
+
+(``tools/docgen.py fuzz out/fuzz.md --json out/fuzz.json`` puts the table into docs/benchmarks.md.)
 
 Exits 1 when some input raised a non-package error or went over its memory bound.
 """
@@ -16,6 +18,7 @@ Exits 1 when some input raised a non-package error or went over its memory bound
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,11 +26,13 @@ import warnings
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import NonInteractiveExampleWarning  # noqa: E402
 
+from benchlib import machine, write_outputs  # noqa: E402
 from fuzz_targets import TARGETS, Target, describe, run_one  # noqa: E402
 
 SHOW = 3  # failing inputs printed per target
@@ -121,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="time budget per target (default 60)")
     ap.add_argument("--target", action="append", default=[], help="only targets whose name contains this")
     ap.add_argument("--markdown", metavar="FILE", help="also write the report as a markdown table")
+    ap.add_argument("--json", metavar="FILE", help="also write the run (reports, machine) as JSON")
     args = ap.parse_args(argv)
+    t0 = time.monotonic()
     targets = [t for t in TARGETS if not args.target or any(s in t.name for s in args.target)]
     reports = []
     for t in targets:
@@ -132,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
               f"worst peak/bound {r.worst_ratio:.2f}", flush=True)
         for f in r.failures:
             print(f"    {f}", flush=True)
-    if args.markdown:
-        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(markdown(reports, args.seconds))
+    res = {"argv": ["tools/fuzz.py", *(sys.argv[1:] if argv is None else argv)], "machine": machine(),
+           "total_seconds": time.monotonic() - t0, "reports": [dataclasses.asdict(r) for r in reports]}
+    write_outputs(args.json, res, args.markdown, markdown(reports, args.seconds))
     return 1 if any(r.other or r.over for r in reports) else 0
 
 
