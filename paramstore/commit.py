@@ -41,7 +41,7 @@ import torch
 
 from . import accel
 from .errors import (
-    CommitGroupError, CorruptObjectError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError,
+    CommitGroupError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError,
 )
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
@@ -562,9 +562,7 @@ class Committer:
                 outcome = decode(group.broadcast(said))
             except CommitGroupError as e:  # the version may be published all the same
                 outcome = self._outcome_without_broadcast(job, group, said, part, e)
-        if "error" in outcome:
-            raise CommitGroupError(outcome["error"]) from job.error
-        return Version.from_json(outcome["version"], tuple(outcome["tags"]))
+        return _outcome_version(outcome, job.error)
 
     def _outcome_without_broadcast(self, job: _Job, group: CommitGroup, said: bytes, part: dict[str, Any],
                                    error: CommitGroupError) -> dict[str, Any]:
@@ -730,6 +728,20 @@ class Committer:
             except FileNotFoundError:
                 held[obj] = None
         return held[obj]
+
+
+def _outcome_version(outcome: dict[str, Any], error: BaseException | None) -> Version:
+    """The version a sharded commit's lead announced, or its error raised (CommitGroupError, also
+    for an outcome that is neither: a member never trusts a malformed message)."""
+    if "error" in outcome:
+        raise CommitGroupError(str(outcome["error"])) from error
+    tags = outcome.get("tags")
+    try:
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise ValueError("tags are not a list of names")
+        return Version.from_json(outcome.get("version"), tuple(tags))
+    except (ValueError, KeyError, TypeError, ParamStoreError) as e:
+        raise CommitGroupError(f"the lead's outcome of a sharded commit is malformed: {e}") from error
 
 
 class _Item:

@@ -180,3 +180,13 @@ def test_a_sharded_commit_refuses_parts_that_lie(shm_dir):
         assert "do not make a valid version" in r[1] and "says" in r[1], r[1]  # a chunk's length
         assert "do not make a valid version" in r[2] and "does not lie in object" in r[2], r[2]
         assert r[3] == "published" and r["versions"] == [3], r
+
+
+@pytest.mark.parametrize("outcome", [{"version": 3, "tags": []}, {"version": {}, "tags": [1]}, {"tags": None},
+                                     {"version": {"step": "x"}, "tags": []}, {}])
+def test_a_malformed_outcome_from_the_lead_is_a_group_error(outcome):
+    """What a sharded commit's lead broadcasts is checked like any message from another member."""
+    from paramstore.commit import _outcome_version
+
+    with pytest.raises(CommitGroupError, match="outcome of a sharded commit is malformed"):
+        _outcome_version(outcome, None)
