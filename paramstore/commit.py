@@ -41,7 +41,8 @@ import torch
 
 from . import accel
 from .errors import (
-    CommitGroupError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError, WaitTimeoutError,
+    CommitGroupError, CorruptObjectError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError,
+    WaitTimeoutError,
 )
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest

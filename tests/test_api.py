@@ -151,7 +151,7 @@ def test_fetch_report_is_returned_with_the_snapshot(three):
 def test_a_missing_object_says_what_to_do(three):
     obj = three.manifest(2).entry("a.weight").object
     os.unlink(three._root.tier.object_path(obj))
-    with pytest.raises(ObjectUnavailableError, match="paramstore verify"):
+    with pytest.raises(ObjectUnavailableError, match=r"paramstore --root \S+ verify"):
         three.checkout(2)
     assert three.leases() == []  # the lease taken for it was released
 
