@@ -816,11 +816,11 @@ class _Watch:
     def __init__(self, collected: Collected) -> None:
         self._at_commit: dict[str, int] = {}
         self._device: dict[str, torch.Tensor] = {}  # accelerator sources, until their copies are checked
-        for spec, t in zip(collected.specs, collected.sources):
+        for spec, t in zip(collected.specs, collected.sources):  # on the caller's thread: ~0.1 us a tensor
             v = in_place_version(t)
             if v is not None:
                 self._at_commit[spec.name] = v
-                if accel.is_accelerator(t.device):
+                if not t.is_cpu and accel.is_accelerator(t.device):
                     self._device[spec.name] = t
         self._fenced: dict[str, int | None] | None = None
         self._lock = threading.Lock()
