@@ -84,7 +84,10 @@ def test_patches_are_kept_only_when_smaller(store_root):
         assert store._root.registry.patches() == {(1, 2): {}}  # made, none kept: readers stop waiting
 
 
-def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp_path):
+def patches_damaged_then_checked_out(store_root: str, tmp_path, damage, warning: str) -> None:
+    """Versions 1 and 2 (patches 1 -> 2 made, whole objects in a file:// remote); ``damage(path)``
+    every patch object, take version 2's new objects away, check 2 out: each patch is refused
+    (``warning``), the objects come whole from the remote, and the weights are right."""
     remote = Remote(f"file://{tmp_path}/remote", full_every=1)  # the remote holds whole objects only
     with ParamStore(store_root, remote=remote, shard_size_bytes=1 << 20) as store:  # patches: on with a remote
         store.commit(1, weights(1))
@@ -93,16 +96,20 @@ def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp
         store.wait_persisted(timeout=60)
         [(pair, pairs)] = store._root.registry.patches().items()
         assert pair == (1, 2)
-        for patch in set(pairs.values()):  # flip a byte of every patch's data
-            flip(store._root.tier.object_path(patch), 3, 0x40)
+        for patch in set(pairs.values()):
+            damage(store._root.tier.object_path(patch))
         targets = new_objects(store, 2, 1)
         drop(store, targets)
-        with pytest.warns(RuntimeWarning, match="fetched whole"):
+        with pytest.warns(RuntimeWarning, match=warning):
             snap = store.checkout(2)
         with snap:
             assert equal(snap, weights(2))
             assert snap.fetch.from_patches == [] and snap.fetch.rejected["patch"] == len(targets)
             assert sorted(snap.fetch.from_remote) == targets  # whole, from the remote
+
+
+def test_a_corrupted_patch_is_detected_and_the_whole_object_used(store_root, tmp_path):
+    patches_damaged_then_checked_out(store_root, tmp_path, lambda path: flip(path, 3, 0x40), "fetched whole")
 
 
 def test_a_chain_rebuilds_v_from_v_minus_2(store_root):
@@ -315,22 +322,8 @@ def rewrite_patch(path: str, change) -> None:
 
 @pytest.mark.parametrize("how", sorted(HOSTILE))
 def test_a_malformed_patch_object_falls_back_to_the_whole_object(store_root, tmp_path, how):
-    remote = Remote(f"file://{tmp_path}/remote", full_every=1)  # the remote holds whole objects
-    with ParamStore(store_root, remote=remote, shard_size_bytes=1 << 20) as store:
-        store.commit(1, weights(1))
-        store.commit(2, weights(2))
-        store.flush()
-        store.wait_persisted(timeout=60)
-        [pairs] = store._root.registry.patches().values()
-        for patch in set(pairs.values()):
-            rewrite_patch(store._root.tier.object_path(patch), HOSTILE[how])
-        targets = new_objects(store, 2, 1)
-        drop(store, targets)
-        with pytest.warns(RuntimeWarning, match="malformed patch object|rebuilds"):
-            snap = store.checkout(2)
-        with snap:
-            assert equal(snap, weights(2))
-            assert snap.fetch.rejected["patch"] == len(targets) and sorted(snap.fetch.from_remote) == targets
+    patches_damaged_then_checked_out(store_root, tmp_path, lambda path: rewrite_patch(path, HOSTILE[how]),
+                                     "malformed patch object|rebuilds")
 
 
 def test_verify_reports_a_damaged_patch_object_and_repair_quarantines_it(store_root):
