@@ -19,7 +19,9 @@ one thread. Three rules keep a slow or absent remote from filling shared memory:
   ``backlog + 1`` versions the remote policy would not keep, plus those it keeps that are not yet
   uploaded: with ``KeepLast(n)`` or ``KeepBest(n)`` at most ``n``, with ``KeepEvery(k)`` one
   commit in ``k`` while uploads lag (each is given up ``retry_for`` after it was queued if the
-  remote keeps failing; local retention still keeps it, see :class:`~paramstore.maintenance.Maintainer`).
+  remote keeps failing; local retention still keeps it, see :class:`~paramstore.maintenance.Maintainer`,
+  and the first push that goes through afterwards queues it again: it is uploaded once the remote
+  is back, and local retention may then prune it).
   Without a remote policy (the remote keeps every version) the oldest waiting version is skipped,
   so exactly ``backlog + 1`` versions are held.
 * **One retry loop for the whole queue.** Transient failures (the endpoint down, timeouts,
@@ -130,7 +132,8 @@ class Persister:
         self._closing = False
         self._outage: RemoteError | None = None  # the last transient failure, until a push succeeds
         self.last_error: BaseException | None = None
-        self.resumed: list[int] = []  #: steps queued by the resume scan
+        self.resumed: list[int] = []  #: steps queued by the resume scan, or again after an outage
+        self._refused: set[int] = set()  # steps the remote refused outright: never queued again
         self.skipped = 0  #: versions skipped because of the backlog, since the open
         self._pushing: tuple[int, float] | None = None  # (step, time.monotonic() it started) of the push under way
         self._last_push: tuple[int, float] | None = None  # (bytes, seconds) of the last upload that moved bytes
@@ -234,6 +237,7 @@ class Persister:
                     self._last_push = (report.bytes, report.seconds)
             except RemoteError as e:
                 if not e.transient:
+                    self._refused.add(upload.step)
                     self._finish(upload, error=e)
                 elif self._retry_later(upload, e, delay):
                     time.sleep(delay)  # one wait for the whole queue
@@ -245,8 +249,36 @@ class Persister:
                 with self._cond:
                     self._outage = None
                 self._finish(upload, version=version)
+                self._requeue_left_behind(upload.step)
             finally:
                 self._pushing = None
+
+    def _requeue_left_behind(self, pushed: int) -> None:
+        """A push went through, so the remote works: queue again the versions older than ``pushed``
+        that the remote policy keeps and the remote still lacks (their uploads were given up during
+        an outage; local retention keeps them for the remote, so without this they would wait in
+        shared memory until the next open). Versions the remote refused outright are not retried."""
+        if self._keeps is None:
+            return
+        try:
+            kept = self._keeps()
+        except Exception:  # noqa: BLE001 - cannot tell now: the next successful push asks again
+            return
+        with self._cond:
+            busy = {u.step for u in self._waiting} | self._refused
+        uploads = []
+        for step in sorted(s for s in kept if s < pushed and s not in busy):
+            try:
+                lease = self._root.registry.acquire_lease(step, _HOLDER)
+            except ParamStoreError:
+                continue  # pruned meanwhile
+            uploads.append(_Upload(step, lease.id, Future(), time.monotonic() + self._retry_for, resumed=True))
+        if uploads:
+            with self._cond:
+                self._pending += len(uploads)
+                self._waiting.extendleft(reversed(uploads))  # older than anything waiting
+                self.resumed.extend(u.step for u in uploads)
+                self._cond.notify_all()
 
     def _retry_later(self, upload: _Upload, error: RemoteError, delay: float) -> bool:
         """Put ``upload`` back at the head of the queue after a transient failure; fail the

@@ -182,3 +182,30 @@ def test_local_retention_keeps_what_the_remote_wants_and_has_not_received(shm_di
             assert steps(store) == [5, 7]
             report = store.prune(KeepLast(1), dry_run=True)  # an explicit prune is the user's choice
             assert report.removed == [5]
+
+
+def test_a_milestone_given_up_in_an_outage_is_uploaded_once_the_remote_is_back(s3_server, s3_remote, shm_dir):
+    """An outage longer than ``persist_retry_for`` gives up the upload of a milestone the remote
+    keeps; local retention keeps it meanwhile, and the first push that goes through afterwards
+    queues it again: it reaches the remote, and only then may local retention prune it."""
+    url, opts = s3_remote
+    retention = {"local": KeepLast(1), "remote": AnyOf(KeepLast(1), KeepEvery(5))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the outage's own warnings
+        with ParamStore(os.path.join(shm_dir, "s"), remote=url, storage_options=opts, retention=retention,
+                        persist_retry_for=1.0) as store:
+            store.commit(4, model(4)).persisted.result(60)
+            s3_server.stop()
+            try:
+                milestone = store.commit(5, model(5))
+                with pytest.raises(RemoteError):  # given up after retry_for: the remote is down
+                    milestone.persisted.result(60)
+                settle(store)
+                assert 5 in steps(store)  # kept locally for the remote
+            finally:
+                s3_server.start()
+            store.commit(6, model(6)).persisted.result(60)  # the remote works again
+            assert store._persister.wait(60)
+            settle(store)
+            assert 5 in [v.step for v in store.remote_versions()]
+            assert steps(store) == [6]  # uploaded, so local KeepLast(1) let it go
