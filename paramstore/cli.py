@@ -29,6 +29,7 @@ from .errors import (
 )
 from .root import MARKER, VersionSpec
 from .store import ParamStore
+from .text import plural
 
 if TYPE_CHECKING:
     from .retention import Policy
@@ -48,11 +49,6 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _n(count: int, noun: str, plural: str | None = None) -> str:
-    """``1 version``, ``2 versions``: a count and its noun, plural-correct (``plural``: an irregular one)."""
-    return f"{count} {noun if count == 1 else plural or noun + 's'}"
-
-
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -69,7 +65,7 @@ def _serve(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         signal.signal(sig, lambda *_: stop.set())
     server = store.serve(args.host)
     session = server.peer.session
-    print(f"serving {_n(len(server.served), 'object')} of {store.root} at {session} "
+    print(f"serving {plural(len(server.served), 'object')} of {store.root} at {session} "
           f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
     stop.wait()
     return {"session": session, "peer": server.peer.id}, "stopped", 0
@@ -136,14 +132,14 @@ def _push(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
         done = {s for s, u in store.persisted().items() if u == url}
         steps = [v.step for v in store.versions() if v.step not in done]
     reports = [store.push(s, show_progress=None) for s in steps]
-    lines = [f"pushed step {r.step}: {_n(r.objects, 'object')} ({_human(r.bytes)}) uploaded{_patched(r)}, {r.skipped} "
+    lines = [f"pushed step {r.step}: {plural(r.objects, 'object')} ({_human(r.bytes)}) uploaded{_patched(r)}, {r.skipped} "
              f"already there, {r.seconds:.1f} s" for r in reports]
     return [r.as_dict() for r in reports], "\n".join(lines) or "nothing to push", 0
 
 
 def _pull(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.pull(args.version, show_progress=None)
-    text = (f"pulled step {r.step}: {_n(r.objects, 'object')} ({_human(r.bytes)}) downloaded and verified{_patched(r)}, "
+    text = (f"pulled step {r.step}: {plural(r.objects, 'object')} ({_human(r.bytes)}) downloaded and verified{_patched(r)}, "
             f"{r.skipped} already here, {r.seconds:.1f} s")
     return r.as_dict(), text, 0
 
@@ -152,7 +148,7 @@ def _patched(r: Any) -> str:
     """`` (N of them as patches, X)`` for a transfer that moved patches instead of objects."""
     if not r.from_patches:
         return ""
-    return f" ({_n(len(r.from_patches), 'object')} as patches: {_human(r.patch_bytes)})"
+    return f" ({plural(len(r.from_patches), 'object')} as patches: {_human(r.patch_bytes)})"
 
 
 def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -163,16 +159,16 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     man = store.manifest(v.step)
     out = {**v.as_dict(), "objects": sorted(man.objects()), "manifest": man.to_json()}
     out["patches"] = [{"base": base, **info} for (base, _), info in sorted(store.patches(v.step).items())]
-    patches = ", ".join(f"from {p['base']}: {_human(p['bytes'])} for {_n(p['changed'], 'object')}" for p in out["patches"])
+    patches = ", ".join(f"from {p['base']}: {_human(p['bytes'])} for {plural(p['changed'], 'object')}" for p in out["patches"])
     chunked = sum(1 for e in man.tensors.values() if e.chunks)
     # tensors counted as ls counts them (Version.num_tensors): an alias is a tensor name too
-    tensors = _n(len(man.tensors) + len(man.aliases), "tensor") + (
-        f" ({_n(len(man.aliases), 'alias', 'aliases')})" if man.aliases else "")
-    layout = f"{_n(chunked, 'tensor')} chunked" if chunked else "every tensor whole"
-    assets = f", {_n(len(man.assets), 'asset')}" if man.assets else ""
+    tensors = plural(len(man.tensors) + len(man.aliases), "tensor") + (
+        f" ({plural(len(man.aliases), 'alias', 'aliases')})" if man.aliases else "")
+    layout = f"{plural(chunked, 'tensor')} chunked" if chunked else "every tensor whole"
+    assets = f", {plural(len(man.assets), 'asset')}" if man.assets else ""
     lines = [
         f"step       {v.step}", f"created    {_when(v.created_at)} UTC", f"digest     {v.digest}",
-        f"size       {_human(v.nbytes)} in {tensors}, {_n(len(man.objects()), 'object')}",
+        f"size       {_human(v.nbytes)} in {tensors}, {plural(len(man.objects()), 'object')}",
         f"format     {out['manifest']['format']} ({layout}{assets})",
         f"patches    {patches or '-'}",
         f"tags       {', '.join(v.tags) or '-'}", f"writer     {v.writer or '-'}",
@@ -180,7 +176,7 @@ def _show(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     ]
     for n in man.names():
         e = man.entry(n)
-        chunks = f"  {_n(len(e.chunks), 'chunk')}" if e.chunks else ""
+        chunks = f"  {plural(len(e.chunks), 'chunk')}" if e.chunks else ""
         alias = f"  (alias of {man.aliases[n]})" if n in man.aliases else ""
         lines.append(f"  {n}  {e.dtype}{list(e.shape)}  {_human(e.nbytes)}  {e.digest[:12]}{chunks}{alias}")
     for n, e in sorted(man.assets.items()):
@@ -205,7 +201,7 @@ def _diff(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _verify(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.verify(args.version, repair=args.repair, show_progress=None)
-    lines = [f"checked {_n(r['versions_checked'], 'version')}, {_n(r['objects_checked'], 'object')}, "
+    lines = [f"checked {plural(r['versions_checked'], 'version')}, {plural(r['objects_checked'], 'object')}, "
              f"{_human(r['bytes_checked'])}"]
     lines += [f"CORRUPT {o}: {why}" for o, why in r["corrupt"].items()]
     set_aside = set(r.get("quarantined_missing", ()))
@@ -214,9 +210,9 @@ def _verify(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]
     if r["damaged_versions"]:
         lines.append(f"damaged versions: {', '.join(map(str, r['damaged_versions']))}")
     if "orphans" in r:
-        lines.append(f"{_n(len(r['orphans']), 'unreferenced object')}, {_n(len(r['leftovers']), 'temporary file')} "
+        lines.append(f"{plural(len(r['orphans']), 'unreferenced object')}, {plural(len(r['leftovers']), 'temporary file')} "
                      "(in-flight commits or crash leftovers; reclaimed by gc)"
-                     + (f"; {_n(r['patch_objects'], 'patch object')} (patches between versions, kept by gc)"
+                     + (f"; {plural(r['patch_objects'], 'patch object')} (patches between versions, kept by gc)"
                         if r.get("patch_objects") else ""))
     if args.repair:
         lines += [f"quarantined {o} -> {path}" for o, path in r["quarantined"].items()]
@@ -238,9 +234,9 @@ def _rm(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.du()
-    text = (f"{_n(r['versions'], 'version')}, {_n(r['objects'], 'object')}\n"
+    text = (f"{plural(r['versions'], 'version')}, {plural(r['objects'], 'object')}\n"
             f"logical  {_human(r['logical_bytes'])}\nstored   {_human(r['stored_bytes'])}\n"
-            f"patches  {_human(r['patch_bytes'])} in {_n(r['patch_objects'], 'object')} (of the stored)\n"
+            f"patches  {_human(r['patch_bytes'])} in {plural(r['patch_objects'], 'object')} (of the stored)\n"
             f"temp     {_human(r['temporary_bytes'])}\ndedup    {r['dedup_ratio']:.2f}x")
     return r, text, 0
 
@@ -331,7 +327,7 @@ def _prune(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     lines += [f"{'keep':7} {step:>10}  {'; '.join(why)}" for step, why in r.kept.items()]
     lines += [f"{'remove' if args.dry_run else 'removed':7} {step:>10}" for step in r.removed]
     lines += [f"{'spared':7} {step:>10}  (leased or latest meanwhile)" for step in r.spared]
-    lines.append(f"{verb} {_n(len(r.removed), 'version')}, kept {len(r.kept)}; run `paramstore gc"
+    lines.append(f"{verb} {plural(len(r.removed), 'version')}, kept {len(r.kept)}; run `paramstore gc"
                  f"{' --tier remote' if args.tier == 'remote' else ''}` to free their objects")
     return r.as_dict(), "\n".join(lines), 0
 
@@ -340,11 +336,11 @@ def _gc(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     verb = "would delete" if args.dry_run else "deleted"
     r = store.gc(dry_run=args.dry_run, tier=args.tier, grace=args.grace)
     if args.tier == "remote":
-        text = (f"{verb} {_n(len(r.objects), 'remote object')} ({_human(r.bytes_freed)}) and "
+        text = (f"{verb} {plural(len(r.objects), 'remote object')} ({_human(r.bytes_freed)}) and "
                 f"{len(r.temporary_files)} orphaned manifests and stale locks")
     else:
-        text = (f"{verb} {_n(len(r.objects), 'object')} ({_human(r.bytes_freed)}) and "
-                f"{_n(len(r.temporary_files), 'temporary file')} of dead processes")
+        text = (f"{verb} {plural(len(r.objects), 'object')} ({_human(r.bytes_freed)}) and "
+                f"{plural(len(r.temporary_files), 'temporary file')} of dead processes")
     return r.as_dict(), text, 0
 
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .checkout import FetchReport
 from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
+from .format import loads
 from .manifest import Manifest, Version, check_manifest
 from .ops import check_buffer, read_manifest
 from .root import StoreRoot, VersionSpec
@@ -646,9 +647,6 @@ def _reply(msg: dict[str, Any], rank: int, what: str) -> dict[str, Any]:
 
 def _decode(data: bytes, what: str) -> dict[str, Any]:
     try:
-        obj = json.loads(data.decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise BroadcastError(f"{what} is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise BroadcastError(f"{what} is not a JSON object")
-    return obj
+        return loads(data, dict, what)
+    except ValueError as e:  # not JSON, nested too deeply, or not an object
+        raise BroadcastError(str(e)) from None

@@ -49,6 +49,7 @@ from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manife
 from .sharded import CommitGroup, check_part, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
 from .tensors import ST_TO_TORCH, Collected, Taker, check_pair, in_place_version
+from .text import plural
 
 from paramstore.backends.registries.base import ObjectInfo, Registry, TensorLocation
 from paramstore.backends.tiers.local import LocalTier
@@ -788,7 +789,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
                 if p.nbytes:
                     src = sources[p.spec.name]
                     copier.copy(_slab_view(slab, p), src, pinned=slab.pinned)
-                    if watch is not None and not accel.is_accelerator(src.device):
+                    if watch is not None:
                         watch.copied(p.spec.name, src)
             if on_shard is not None:
                 on_shard(job, i, plan, slab)
@@ -827,8 +828,9 @@ class _Watch:
         self.changed: list[str] = []
 
     def copied(self, name: str, t: torch.Tensor) -> None:
-        """``t`` (a CPU tensor) is copied: note it if it changed since ``commit()``."""
-        if name in self._at_commit and in_place_version(t) != self._at_commit[name]:
+        """``t``'s copy is queued: a CPU tensor's is done, so note it if it changed since
+        ``commit()`` (an accelerator's is checked at :meth:`synchronized`)."""
+        if name in self._at_commit and name not in self._device and in_place_version(t) != self._at_commit[name]:
             self.changed.append(name)
 
     def fence(self) -> None:
@@ -851,15 +853,11 @@ class _Watch:
         if self.changed:
             names = ", ".join(repr(n) for n in self.changed[:5]) + (", ..." if len(self.changed) > 5 else "")
             raise TornCommitError(
-                f"step {step}: {_plural(len(self.changed), 'tensor')} changed in place while the commit was copying "
+                f"step {step}: {plural(len(self.changed), 'tensor')} changed in place while the commit was copying "
                 f"{'them' if len(self.changed) > 1 else 'it'} ({names}), so the version would mix two steps; nothing "
                 "was published. Change parameters only once the copy is taken: call store.guard(optimizer) once "
                 "(optimizer.step() then waits for it), or wait for handle.staged.result() (store.wait_staged()) "
                 "before any other in-place update")
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _slab_view(slab: Slab, p: Placement) -> torch.Tensor:

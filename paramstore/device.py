@@ -45,6 +45,7 @@ import torch
 
 from . import accel, liveness, safefs
 from .errors import DeviceError, InvalidArgumentError
+from .format import loads
 
 from paramstore.backends.tiers.device import DEFAULT_BUCKET_BYTES, DeviceTier
 
@@ -233,16 +234,14 @@ def open_exported(root: "StoreRoot", step: int, device: torch.device,
     except (FileNotFoundError, DeviceError):
         return None
     try:
-        d = json.loads(raw)
-        if not isinstance(d, dict):
-            raise ValueError("not a JSON object")
+        d = loads(raw, dict, "the descriptor")
         if d.get("format") != _FORMAT or d.get("step") != step or set(d["objects"]) != objects:
             return None
         pid, start = d["owner"]
         if pid == os.getpid() or not liveness.alive(int(pid), int(start)):
             return None  # our own export (the copy cache has it) or a dead owner's
         return {o: _open(h, device) for o, h in d["objects"].items()}
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         warnings.warn(f"{path}: unreadable device descriptor ({e}); copying to {device} instead",
                       RuntimeWarning, stacklevel=2)
         return None

@@ -196,8 +196,9 @@ def read_header(buf: bytes | memoryview) -> tuple[int, dict[str, dict], dict[str
 
 
 def loads(data: str | bytes, kind: type, what: str = "JSON") -> Any:
-    """``json.loads(data)``, which must be a ``kind`` (dict or list); ValueError for anything else:
-    bad JSON, bad UTF-8, or nesting too deep for the parser (a hostile input's RecursionError).
+    """``json.loads(data)``, which must be a ``kind`` (dict, list, or ``object``: any value); the one
+    JSON reader for bytes from outside the process. ValueError for anything else: bad JSON, bad
+    UTF-8, or nesting too deep for the parser (a hostile input's RecursionError).
 
     Example:
         >>> loads("[[1]]", list)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from . import liveness
 from .errors import InvalidArgumentError
 from .manifest import Version
-from .retention import Decision, Policy, decide, missing_metrics
+from .retention import Policy, decide, missing_metrics
 from .root import StoreRoot
 from .staging import recyclers
 
@@ -122,21 +122,10 @@ def _prune(root: StoreRoot, policy: Policy, versions: list[Version], *, dry_run:
     """:func:`prune` without the metric check; ``hold``: steps kept besides the policy, with reasons."""
     reg = root.registry
     leased = [lease.step for lease in reg.leases()]
-    decision = _holding(decide(policy, versions, leased, time.time() if now is None else now), hold)
+    decision = decide(policy, versions, leased, time.time() if now is None else now, hold=hold)
     removed = decision.remove if dry_run else reg.remove_versions(decision.remove)
     spared = sorted(set(decision.remove) - set(removed))
     return PruneReport(decision.keep, removed, dry_run, str(policy), spared)
-
-
-def _holding(decision: Decision, hold: Mapping[int, list[str]] | None) -> Decision:
-    """``decision`` keeping the steps of ``hold`` too (with their reasons)."""
-    if not hold:
-        return decision
-    keep = {s: list(why) for s, why in decision.keep.items()}
-    for s in decision.remove:
-        if s in hold:
-            keep.setdefault(s, []).extend(hold[s])
-    return Decision(dict(sorted(keep.items())), [s for s in decision.remove if s not in hold])
 
 
 def awaiting_remote(policy: Policy, local: list[Version], remote: list[Version], received: Mapping[int, str],

@@ -46,7 +46,7 @@ import time
 import warnings
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Callable, Container
+from typing import Callable, Container, Iterable
 
 from .errors import InvalidArgumentError, ParamStoreError, RemoteError, VersionNotFoundError
 from .manifest import Version
@@ -266,19 +266,7 @@ class Persister:
             return
         with self._cond:
             busy = {u.step for u in self._waiting} | self._refused
-        uploads = []
-        for step in sorted(s for s in kept if s < pushed and s not in busy):
-            try:
-                lease = self._root.registry.acquire_lease(step, _HOLDER)
-            except ParamStoreError:
-                continue  # pruned meanwhile
-            uploads.append(_Upload(step, lease.id, Future(), time.monotonic() + self._retry_for, resumed=True))
-        if uploads:
-            with self._cond:
-                self._pending += len(uploads)
-                self._waiting.extendleft(reversed(uploads))  # older than anything waiting
-                self.resumed.extend(u.step for u in uploads)
-                self._cond.notify_all()
+        self._queue_first(s for s in kept if s < pushed and s not in busy)
 
     def _retry_later(self, upload: _Upload, error: RemoteError, delay: float) -> bool:
         """Put ``upload`` back at the head of the queue after a transient failure; fail the
@@ -432,16 +420,22 @@ class Persister:
             if v.step <= below and persisted.get(v.step) != self._remote.url and v.step not in busy \
                     and self._objects_here(v.step):
                 chosen.append(v.step)
+        self._queue_first(chosen)
+
+    def _queue_first(self, steps: Iterable[int]) -> None:
+        """Queue ``steps`` (older than anything waiting) ahead of the queue, each under a lease taken
+        now; nobody holds their futures (failures are warned). A step pruned meanwhile (or that the
+        registry refuses to lease) is left out: the next open or successful push tries again."""
         uploads = []
-        for step in sorted(chosen):
+        for step in sorted(steps):
             try:
-                lease = reg.acquire_lease(step, _HOLDER)
+                lease = self._root.registry.acquire_lease(step, _HOLDER)
             except ParamStoreError:
-                continue  # pruned meanwhile (or the registry refused): the next open tries again
+                continue
             uploads.append(_Upload(step, lease.id, Future(), time.monotonic() + self._retry_for, resumed=True))
         with self._cond:
             self._pending += len(uploads)
-            self._waiting.extendleft(reversed(uploads))  # older than anything committed since the open
+            self._waiting.extendleft(reversed(uploads))
             self.resumed.extend(u.step for u in uploads)
             skipped = self._trim()
             self._cond.notify_all()

@@ -51,7 +51,7 @@ from . import liveness
 from .errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
-from .format import rehash
+from .format import loads, rehash
 from .manifest import Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
 from .ops import check_entries, check_held, entries_by_object, index_entries
@@ -648,10 +648,9 @@ def _lock_body(purpose: str) -> bytes:
 def _parse_holder(body: bytes) -> dict[str, Any]:
     """A lock body as a dict (empty if it is not one: such a lock is judged by its TTL only)."""
     try:
-        holder = json.loads(body)
-    except (ValueError, RecursionError):
+        return loads(body, dict, "a lock body")
+    except ValueError:
         return {}
-    return holder if isinstance(holder, dict) else {}
 
 
 def _dead(holder: Mapping[str, Any]) -> bool:
@@ -724,12 +723,9 @@ def _mapped(path: str) -> Iterator[memoryview]:
 def _parse(data: bytes, where: str) -> dict[str, Any]:
     """The JSON object in ``data`` (a record or manifest read from ``where``); else CorruptObjectError."""
     try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CorruptObjectError(f"{where} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CorruptObjectError(f"{where} is not a JSON object")
-    return raw
+        return loads(data, dict, where)
+    except ValueError as e:  # not JSON, nested too deeply, or not an object
+        raise CorruptObjectError(str(e)) from None
 
 
 def _check_record(raw: Mapping[str, Any], step: int, where: str) -> _Record:

@@ -338,8 +338,10 @@ class Decision:
     remove: list[int]
 
 
-def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], now: float) -> Decision:
-    """Apply ``policy``, then always keep the latest version and every leased one.
+def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], now: float, *,
+           hold: Mapping[int, list[str]] | None = None) -> Decision:
+    """Apply ``policy``, then always keep the latest version and every leased one; ``hold``: steps
+    kept besides (with their reasons, for those nothing else keeps: what the remote still awaits).
 
     Example:
         >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0) for step in (1, 2, 3, 4)]
@@ -356,6 +358,9 @@ def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], n
     present = {v.step for v in vs}
     for s in sorted(set(leased) & present):
         kept.setdefault(s, []).append("leased")
+    for s, why in (hold or {}).items():
+        if s in present and s not in kept:
+            kept[s] = list(why)
     return Decision(dict(sorted(kept.items())), [v.step for v in vs if v.step not in kept])
 
 

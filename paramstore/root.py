@@ -60,6 +60,7 @@ from .errors import (
     CorruptStoreError, InvalidArgumentError, MetadataLostError, NotAStoreError, StorageError,
     TagNotFoundError, UnsafeStoreError, VersionNotFoundError,
 )
+from .format import loads
 
 __all__ = ["StoreRoot", "VersionSpec", "open_root", "check_creatable", "check_safe",
            "check_group_root", "MARKER", "STORE_FORMAT"]
@@ -313,11 +314,11 @@ def _chmod(path: str, mode: int) -> None:
 
 def _read_marker(path: str, marker: str) -> dict[str, Any]:
     try:
-        with open(marker) as f:
-            info = json.load(f)
+        with open(marker, "rb") as f:
+            info = loads(f.read(), object, marker)
     except OSError as e:
         raise NotAStoreError(f"{marker} is unreadable: {e}") from e
-    except (ValueError, RecursionError) as e:  # bad JSON or bad UTF-8, or nested too deeply
+    except ValueError as e:  # bad JSON or bad UTF-8, or nested too deeply
         raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: "
                                 f"{restore_advice(path)}") from e
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from . import liveness
 from .errors import InvalidArgumentError, ParamStoreWarning, UnsafeStoreError, WriterConflictError
+from .format import loads
 
 __all__ = ["Writer", "claim", "release", "check_owner", "check_run_id", "new_run_id"]
 
@@ -80,12 +81,12 @@ class Writer:
     def from_text(cls, text: str) -> "Writer | None":
         """The writer recorded as ``text``; None if the record is unreadable (then anyone may claim)."""
         try:
-            d = json.loads(text)
+            d = loads(text, dict, "the writer record")
             w = cls(check_run_id(d["run_id"]), str(d["host"]), int(d["pid"]),
                     None if d["start"] is None else float(d["start"]), float(d["since"]))
             time.localtime(w.since)  # describe() shows it: a time out of range is unreadable too
             return w
-        except (ValueError, KeyError, TypeError, OverflowError, OSError, RecursionError, InvalidArgumentError):
+        except (ValueError, KeyError, TypeError, OverflowError, OSError, InvalidArgumentError):
             return None
 
     def alive(self) -> bool:
