@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test test-integrations bench fuzz clean
+.PHONY: install sysdeps demo test test-integrations bench fuzz gpu-wheels gpu-check clean
 
 # Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
 # tests start their own), libibverbs1 (Mooncake's wheels link it even for TCP) and iproute2
@@ -97,6 +97,20 @@ bench: install
 FUZZ_SECONDS ?= 60
 fuzz: install
 	$(BIN)/python tools/fuzz.py --seconds $(FUZZ_SECONDS) --markdown build/fuzz.md --json build/fuzz.json
+
+# The GPU machine the device tool sometimes lends has no network and Python 3.12 with its own torch:
+# `make gpu-wheels` (here) downloads the wheels it lacks for that Python into build/gpu-wheels;
+# there, `make gpu-check` (device tool: run("make gpu-check", carry=["build/gpu-wheels"])) runs
+# every gpu-marked test, bench_device.py's GPU rows and a CUDA commit -> device checkout, within
+# 8 minutes, into $$OUT (tools/gpu_check.py). Without a GPU it says so and exits 0.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: install
+	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PYTHON_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d build/gpu-wheels lmdb blake3 zstandard tqdm
+
+gpu-check:
+	python3 tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-vllm .venv-hf4 build *.egg-info .pytest_cache

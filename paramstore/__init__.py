@@ -15,7 +15,16 @@ The heavy parts (torch) are imported on first use, so the CLI's metadata command
 
 from __future__ import annotations
 
+import os as _os
 from typing import TYPE_CHECKING, Any
+
+# From a plain checkout on PYTHONPATH (a machine with no network to install on, such as the GPU
+# one) ``paramstore.backends`` is the repository's ``backends/``, as an install maps it
+# (pyproject's package-dir): found through this package's path, which then includes the checkout.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "backends")) \
+        and _os.path.isfile(_os.path.join(_checkout, "backends", "__init__.py")):
+    __path__.append(_checkout)
 
 from .errors import (
     CorruptObjectError,
