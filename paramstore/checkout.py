@@ -76,7 +76,9 @@ class FetchReport:
             verified), counted in ``bytes_from`` under ``"group:<src rank>"``.
         bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
         rejected: per peer session, objects whose bytes from that peer failed verification
-            (``"patch"``: patches that did not rebuild their object, which then moved whole).
+            (``"patch"``: patches that did not rebuild their object, which then moved whole;
+            ``"size"``: objects whose size in the registry the header their holder serves
+            contradicts, which were then not read from peers).
         seconds: time spent obtaining bytes.
 
     Example:
@@ -175,14 +177,17 @@ class Fetcher:
             from .peer import fetch as peer_fetch
 
             sizes = reg.object_sizes(missing)
+            spans = manifest.spans()
+            extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
             try:
-                peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=report, server=self._server())
+                peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=report, server=self._server(),
+                           extents=extents)
             except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
                 peer_error = e
             missing = [o for o in missing if not tier.exists(o)]
         if self._prepare and (report.from_peers or report.from_patches):
             # destinations for the next version (same layout), faulted in the background
-            self._pool.prepare(list(reg.object_sizes(objects).values()), purpose="fetch")
+            self._pool.prepare(list(tier.sizes(objects).values()), purpose="fetch")
         if missing and self._remote is not None:
             try:
                 got = self._remote.fetch(self._root, step)

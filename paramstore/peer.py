@@ -25,6 +25,7 @@ import itertools
 import mmap
 import os
 import random
+import struct
 import threading
 import time
 import uuid
@@ -37,7 +38,7 @@ import blake3
 from . import liveness
 from .errors import ParamStoreError, TransferError
 from .checkout import FetchReport
-from .format import ObjectHasher, rehash
+from .format import ObjectHasher, rehash, tensor_spans
 from .root import StoreRoot
 from .staging import SlabPool
 
@@ -48,6 +49,9 @@ __all__ = ["PeerServer", "fetch", "FETCH_CONCURRENCY"]
 
 #: Objects a fetch reads at once.
 FETCH_CONCURRENCY = 4
+#: Bytes first read of an object's header to check the size a registry records (:meth:`_Fetch.sized`).
+PROBE_BYTES = 4 << 10
+_HEADER_CAP = 8 + 100_000_000  # the format's header length cap (format.read_header), plus its length field
 
 SLICE_BYTES = 4 << 20  # unit of spreading one object over several peers (a read batches its slices)
 
@@ -139,11 +143,16 @@ class PeerServer:
 
 
 def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, pool: SlabPool,
-          report: FetchReport, server: PeerServer | None = None, concurrency: int | None = None) -> None:
+          report: FetchReport, server: PeerServer | None = None, concurrency: int | None = None,
+          extents: Mapping[str, int] | None = None) -> None:
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
     The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
-    faulted ahead of time when the pool prepared one of that size). ``server``: this process's
+    faulted ahead of time when the pool prepared one of that size). A size (the registry's word)
+    is believed before anything of that size is allocated only where it is the object's extent in
+    the version's manifest (``extents``: digest -> end of the last byte range it references);
+    otherwise a holder's own safetensors header must say the same size first (:meth:`_Fetch.sized`),
+    so a wrong or hostile size allocates nothing. ``server``: this process's
     peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
     the same version read it from here: a swarm) and each object once verified. ``report`` (the
     checkout's) gets the objects delivered intact (``from_peers``), bytes per peer and rejections;
@@ -156,7 +165,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-fetch") as readers, \
             ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
         def one(digest: str) -> None:
-            ok = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers).run()
+            job = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers)
+            ok = (extents is not None and extents.get(digest) == objects[digest] or job.sized()) and job.run()
             if ok:
                 with lock:
                     report.from_peers.append(digest)
@@ -225,6 +235,51 @@ class _Fetch:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slab.path)
         return placed
+
+    def sized(self) -> bool:
+        """Whether a holder's own safetensors header says the object is ``self.size`` bytes long.
+
+        Reads the header (at most :data:`PROBE_BYTES` first, then the rest its length field names,
+        never more than the size claimed nor the format's 100 MB header cap) from a host holding
+        the object or its first slice, into a small buffer: nothing of the claimed size is
+        allocated before this. A mismatch (a registry record that lies, or is stale) is warned
+        about and the object is left to other sources.
+        """
+        found = self._holders([self.digest, self.keys[0]])
+        for peer, addr in found.get(self.digest, []) + found.get(self.keys[0], []):
+            try:
+                if self.size < 8:
+                    raise ValueError("shorter than a safetensors header")
+                head = self._head(peer, addr, min(self.size, PROBE_BYTES))
+                (length,) = struct.unpack_from("<Q", head)
+                if len(head) < 8 + length <= min(self.size, _HEADER_CAP):
+                    head = self._head(peer, addr, 8 + length)
+                tensor_spans(memoryview(head), self.size)
+                return True
+            except TransferError:
+                with self.lock:
+                    self.bad.add(peer.id)
+            except ValueError as e:
+                warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
+                              f"its holder {peer.session} serves says otherwise ({e}): not fetched from peers",
+                              RuntimeWarning, stacklevel=2)
+                with self.lock:
+                    self.report.rejected["size"] += 1
+                return False
+        return False
+
+    def _head(self, peer: Peer, addr: int, nbytes: int) -> bytes:
+        """The first ``nbytes`` of the object a peer serves at ``addr``, read into a fresh buffer
+        (counted in the report's ``bytes_from``: they crossed the wire too)."""
+        view = memoryview(bytearray(nbytes))
+        local = self.transport.register(view)
+        try:
+            self.transport.read(peer.session, [(local, addr, nbytes)])
+        finally:
+            _retire(self.transport, local, lambda: None)  # a late write still lands in live memory
+        with self.lock:
+            self.report.bytes_from[peer.session] += nbytes
+        return bytes(view)
 
     def _hashed(self) -> str:
         wait(self.hashing)

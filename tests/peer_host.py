@@ -21,7 +21,7 @@ import torch
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
-from paramstore import ParamStore  # noqa: E402
+from paramstore import ParamStore, ParamStoreError  # noqa: E402
 
 TENSORS, SHAPE = 16, (1024, 1024)  # 16 x 4 MiB float32 = 64 MiB
 
@@ -53,6 +53,14 @@ def main() -> None:
     root, registry, name, role = sys.argv[1:5]
     with ParamStore(root, registry=registry, name=name, shard_size_bytes=int(os.environ.get("PEER_HOST_SHARD", 32 << 20))) as store:
         server = store.serve("127.0.0.1")
+        slabs: list[int] = []
+        take = store._pool.take
+
+        def recording_take(size: int, **kw: object):  # what a fetch allocates, for the reply
+            slabs.append(size)
+            return take(size, **kw)
+
+        store._pool.take = recording_take
         say(ready=True, session=server.peer.session, peer=server.peer.id)
         for line in sys.stdin:
             cmd, *args = line.split()
@@ -69,14 +77,20 @@ def main() -> None:
                 step, seed, changed = map(int, args[:3])
                 store._pool.wait_prepared(60)  # what the last fetch prepared (in a real host: idle time)
                 ready = {os.stat(s.path).st_ino for v in store._pool._free.values() for s in v}
-                with store.checkout(step) as snap:
-                    want = model(seed, changed, float(args[3]) if args[3:] else 0.0)
-                    ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
-                    report = snap.fetch
+                slabs.clear()
+                try:
+                    with store.checkout(step) as snap:
+                        want = model(seed, changed, float(args[3]) if args[3:] else 0.0)
+                        ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
+                        report = snap.fetch
+                except ParamStoreError as e:
+                    say(step=step, ok=False, error=f"{type(e).__name__}: {e}", largest_slab=max(slabs, default=0))
+                    continue
                 prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready for d in report.from_peers)
                 say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
                     fetched=len(report.from_peers), rejected=dict(report.rejected),
-                    from_patches=len(report.from_patches), patch_bytes=report.patch_bytes)
+                    from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
+                    largest_slab=max(slabs, default=0))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 for digest in server.served:
                     with open(store._root.tier.object_path(digest), "r+b") as f:

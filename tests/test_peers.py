@@ -69,6 +69,7 @@ def hosts(redis_url, shm_dir):
         made.append(Host(os.path.join(shm_dir, f"host{len(made)}"), redis_url, name, role))
         return made[-1]
 
+    start.name = name  # type: ignore[attr-defined]
     yield start
     for h in made:
         h.close()
@@ -154,8 +155,33 @@ def test_hosts_holding_a_version_move_patches_not_objects(hosts):
     assert 0 < made < 0.05 * MODEL_BYTES
     for rep in replies:
         assert rep["ok"] and rep["from_patches"] == 2 and rep["fetched"] == 0 and rep["rejected"] == {}, rep
-        assert sum(rep["bytes_from"].values()) == rep["patch_bytes"] == made, rep  # the patches, once each
+        # the patches, once each, and the header of each read first to check its recorded size
+        assert sum(rep["bytes_from"].values()) == rep["patch_bytes"], rep
+        assert made <= rep["patch_bytes"] <= made + 16 * 4096, rep
     print(f"patches: {made / MODEL_BYTES:.2%} of the model moved per host")
+
+
+def test_an_object_size_the_registry_lies_about_allocates_nothing(hosts, redis_url):
+    """A registry writer records a trainer's 32 MiB object as 8 GiB: the rollout host checks the size
+    against the header its holder serves before allocating, refuses it, and says so; the object
+    the record does not lie about still moves, verified."""
+    import redis
+
+    trainer, rollout = hosts("trainer"), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    name = hosts.name
+    db = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"ps:{{{name}}}:objects"
+    records = {d: json.loads(r) for d, r in db.hgetall(key).items()}
+    assert len(records) == 2 and all(r["size"] < 40 << 20 for r in records.values())
+    lied = sorted(records)[0]
+    db.hset(key, lied, json.dumps({**records[lied], "size": 8 << 30}))
+    reply = rollout.ask("checkout 1 1 16")
+    assert not reply["ok"] and "ObjectUnavailableError" in reply["error"] and lied[:12] in reply["error"], reply
+    assert 0 < reply["largest_slab"] < 40 << 20, reply  # the honest object was fetched, nothing of 8 GiB taken
+    db.hset(key, lied, json.dumps(records[lied]))  # the record put right: the same host checks the version out
+    again = rollout.ask("checkout 1 1 16")
+    assert again["ok"] and again["fetched"] == 1, again
 
 
 def test_next_fetch_lands_in_prefaulted_slabs(hosts):
