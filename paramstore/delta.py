@@ -207,6 +207,7 @@ def _read_patch(buf: memoryview) -> _Patch:
             raise ValueError("bad target or size")
         if "head" not in views or any(f"t{i}" not in views for i in range(len(spans))):
             raise ValueError("a tensor of the patch object is missing")
+        tensor_spans(views["head"], size)  # the header it carries must end its tensors at ``size``
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptObjectError(f"malformed patch object: {e}") from None
     return _Patch(target, size, spans, views)

@@ -326,6 +326,23 @@ def test_a_malformed_patch_object_falls_back_to_the_whole_object(store_root, tmp
                                      "malformed patch object|rebuilds")
 
 
+def test_a_patch_and_record_agreeing_on_a_huge_size_allocate_nothing(store_root):
+    """A patch object whose size the registry repeats (both hostile) must still match the header the
+    patch carries for its target before a slab of that size is taken (1 TiB here: the tmpfs would
+    refuse it with StorageFullError, not the patch with CorruptObjectError)."""
+    from paramstore.delta import rebuild
+
+    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
+        store.commit(1, weights(1))
+        store.commit(2, weights(2))
+        store.flush()
+        [pairs] = store._root.registry.patches().values()
+        target, patch = sorted(pairs.items())[0]
+        rewrite_patch(store._root.tier.object_path(patch), lambda meta, entries: meta.update(size=str(1 << 40)))
+        with pytest.raises(CorruptObjectError, match="malformed patch object"):
+            rebuild(store._root, store._pool, patch, target, 1 << 40)
+
+
 def test_verify_reports_a_damaged_patch_object_and_repair_quarantines_it(store_root):
     """Issue 25, item 3: patch objects are read by checkouts, so verify re-hashes them too."""
     with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
