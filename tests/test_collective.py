@@ -4,8 +4,9 @@ Each member is a spawned process with its own store root (its own "host"); they 
 (``file://`` rendezvous in the test's directory). Every run is bounded: the parent kills whatever
 is left at its deadline. Members report JSON-able results through a queue.
 
-Covers the :class:`~paramstore.backends.transports.collective.TorchCollective` contract
-(broadcast, all-gather of messages of different lengths, empty ones) and
+Runs the collective contract's shipped suite
+(``paramstore.backends.transports.testing.CollectiveTests``) on
+:class:`~paramstore.backends.transports.collective.TorchCollective` over gloo, and covers
 :func:`paramstore.collective.broadcast_version`: mixed dtypes (bf16, fp8) bit-exact on three
 receivers, a tensor larger than a bucket, a receiver that already holds part of the version (only
 the rest moves), a corrupt object on the source (every member raises, nothing placed), a member
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 from helpers import as_bytes
+from paramstore.backends.transports.testing import CollectiveTests
 
 SPAWN = mp.get_context("spawn")
 
@@ -138,47 +140,25 @@ def _store(base: str, rank: int) -> Any:
 
 
 # -- the contract ------------------------------------------------------------------------------
-def _contract(rank: int, world: int, base: str) -> dict[str, Any]:
-    from paramstore.backends.transports.collective import TorchCollective
-    from paramstore.errors import InvalidArgumentError
+class TestTorchCollectiveOverGloo(CollectiveTests):
+    """The collective contract's shipped suite, on TorchCollective over a gloo group of 3."""
 
-    coll = TorchCollective()
-    out: dict[str, Any] = {"rank": coll.rank, "size": coll.size, "device": str(coll.device)}
-    buf = torch.full((1000,), rank, dtype=torch.uint8)
-    coll.broadcast(buf, 1)
-    out["broadcast"] = sorted(set(buf.tolist()))
-    pend = [coll.broadcast(torch.full((10,), rank, dtype=torch.uint8) if rank == 2 else torch.zeros(10, dtype=torch.uint8),
-                           2, async_op=True) for _ in range(3)]
-    for p in pend:
-        p.wait()
-    out["gathered"] = [b.decode() for b in coll.all_gather_bytes(("x" * (rank * 5)).encode())]
-    out["empty"] = [b.decode() for b in coll.all_gather_bytes(b"")]
-    out["bytes"] = coll.broadcast_bytes(b"\x00\xff json or anything" if rank == 0 else None, 0).hex()
-    out["bytes_empty"] = coll.broadcast_bytes(b"" if rank == 0 else b"ignored", 0).hex()
-    long = bytes(range(256)) * 40  # 10 KiB: longer than one frame
-    got = coll.all_gather_bytes(long[: 5000 * rank])  # 0, 5000 and 10000 bytes: one short, two long
-    out["long_gathered"] = [g == long[: 5000 * r] for r, g in enumerate(got)]
-    out["long_bytes"] = coll.broadcast_bytes(long if rank == 1 else None, 1) == long
-    coll.barrier()
-    try:
-        coll.broadcast(buf, world)
-        out["bad_src"] = "accepted"
-    except InvalidArgumentError as e:
-        out["bad_src"] = str(e)
-    return out
+    def open_collective(self, rank, world, rendezvous):
+        import torch.distributed as dist
 
+        from paramstore.backends.transports.collective import TorchCollective
 
-def test_torch_collective_contract_over_gloo(shm_dir):
-    got, _ = run_members(3, _contract, shm_dir)
-    for rank, out in got.items():
-        assert (out["rank"], out["size"], out["device"]) == (rank, 3, "cpu")
-        assert out["broadcast"] == [1]  # member 1's bytes everywhere
-        assert out["gathered"] == ["", "xxxxx", "x" * 10]  # different lengths, one empty
-        assert out["empty"] == ["", "", ""]
-        assert out["bytes"] == b"\x00\xff json or anything".hex()
-        assert out["bytes_empty"] == ""
-        assert out["long_gathered"] == [True, True, True] and out["long_bytes"]
-        assert "src must be a rank of the group (0..2)" in out["bad_src"]
+        warnings.filterwarnings("ignore")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg", rank=rank, world_size=world)
+        return TorchCollective()
+
+    def test_a_bad_src_names_the_group(self, gloo_group):
+        """TorchCollective's message for a rank outside the group."""
+        from paramstore.backends.transports.collective import TorchCollective
+        from paramstore.errors import InvalidArgumentError
+
+        with pytest.raises(InvalidArgumentError, match=r"src must be a rank of the group \(0..0\)"):
+            TorchCollective().broadcast(torch.zeros(4, dtype=torch.uint8), 1)
 
 
 # -- a version to three receivers ---------------------------------------------------------------

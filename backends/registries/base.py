@@ -10,9 +10,16 @@ address of its registered memory (:meth:`Registry.announce_peer`, :meth:`Registr
 peer and everything it announced go when it is withdrawn, when the registry object that announced
 it is closed, or when its process dies (found by whoever reads next, or by a TTL).
 
-Notes for implementers (a new registry passes ``tests/test_registry_contract.py``: parametrize its
-``spec`` fixture with the new kind):
+Notes for implementers (a new registry passes the shipped conformance suite,
+:class:`paramstore.backends.registries.testing.RegistryTests`: subclass it in a pytest module with a
+fixture describing a fresh store and a method opening it; ``tests/test_registry_contract.py`` does
+so for LMDB and Redis):
 
+* **Primitives and defaults.** The abstract methods of :class:`Registry` are its primitives: a new
+  registry implements those only. The others (``latest_step``, ``get_version``, ``tags``,
+  ``object_sizes``, ``referenced_objects``, ``stores``) have defaults built on the primitives
+  (``versions``, ``get_manifest``, ``objects``, ``patches``); override one where the backing store
+  answers it faster (both shipped registries do, and say so), never to change what it returns.
 * **Atomicity.** ``publish``, ``remove_versions``, ``acquire_lease`` and ``forget_objects`` are each
   one transaction (LMDB: a write transaction; Redis: one Lua script). ``acquire_lease`` and
   ``remove_versions`` must exclude each other: a prune either sees the lease or the lease fails.
@@ -31,18 +38,16 @@ Notes for implementers (a new registry passes ``tests/test_registry_contract.py`
   record in one transaction, only while both versions exist; ``remove_versions`` drops the records
   whose base or target it removes, in its own transaction; ``referenced_objects`` includes the
   patch objects of every record (so GC keeps them exactly as long as their record).
-* **Defaults.** ``object_sizes`` has a default built on ``objects()``; override it when the backing
-  store can look keys up directly (both shipped registries do).
 """
 
 from __future__ import annotations
 
 import abc
 import re
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
 from paramstore.backends.tiers.base import check_digest
-from paramstore.errors import InvalidArgumentError, UnregisteredObjectsError
+from paramstore.errors import InvalidArgumentError, UnregisteredObjectsError, VersionNotFoundError
 from paramstore.manifest import Manifest, Version
 
 __all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
@@ -197,15 +202,41 @@ class Watch(abc.ABC):
 
 
 class Registry(abc.ABC):
-    """Metadata of one store, opened per process (an implementation reopens itself after ``fork``)."""
+    """Metadata of one store, opened per process (an implementation reopens itself after ``fork``).
 
-    @abc.abstractmethod
+    The abstract methods are the primitives a registry implements; the concrete ones are defaults
+    built on them (see the module's notes for implementers).
+    """
+
+    #: Capability flag: the registry is shared by several hosts (Redis), not one host's own (LMDB).
+    #: The core asks it instead of testing classes: only a shared registry has peers on other hosts
+    #: to fetch from, and there the records of an object damaged here stay (other hosts may hold good
+    #: copies) where one host's registry forgets them. True unless a registry says otherwise: the
+    #: cautious answer for a registry that does not know.
+    shared: ClassVar[bool] = True
+
+    # -- versions (primitives: versions, get_manifest) ------------------------------------------
     def latest_step(self) -> int | None:
-        """The newest committed step, or None for an empty store."""
+        """The newest committed step, or None for an empty store.
 
-    @abc.abstractmethod
+        Note for implementers: the default reads every version (:meth:`versions`); override it
+        with a lookup of the newest one.
+        """
+        return max((v.step for v in self.versions()), default=None)
+
     def get_version(self, step: int) -> Version:
-        """The version at ``step`` (tags joined). Raises VersionNotFoundError."""
+        """The version at ``step`` (tags joined). Raises VersionNotFoundError.
+
+        Note for implementers: the default reads the versions from ``step`` on (:meth:`versions`)
+        and stops at the first; override it with a lookup of the one key.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 64:
+            raise VersionNotFoundError(f"no version at step {step}")
+        for version in self.versions(after=step - 1):
+            if version.step == step:
+                return version
+            break
+        raise VersionNotFoundError(f"no version at step {step}")
 
     @abc.abstractmethod
     def get_manifest(self, step: int) -> Manifest:
@@ -215,9 +246,13 @@ class Registry(abc.ABC):
     def versions(self, after: int | None = None) -> Iterator[Version]:
         """Versions in increasing step order, only those with step > ``after`` when given."""
 
-    @abc.abstractmethod
     def tags(self) -> dict[str, int]:
-        """Every tag and the step it points at."""
+        """Every tag and the step it points at.
+
+        Note for implementers: the default collects the tags :meth:`versions` joins to each
+        version; override it where the tags can be read on their own.
+        """
+        return {name: version.step for version in self.versions() for name in version.tags}
 
     @abc.abstractmethod
     def set_tag(self, name: str, step: int) -> None:
@@ -318,10 +353,23 @@ class Registry(abc.ABC):
         transaction). Objects are not touched: see :meth:`referenced_objects` and GC.
         """
 
-    @abc.abstractmethod
     def referenced_objects(self) -> set[str]:
         """Digests of the objects any version references, and the patch objects of every patch
-        record (the mark phase of GC)."""
+        record (the mark phase of GC).
+
+        Note for implementers: the default reads every version's manifest (:meth:`versions`,
+        :meth:`get_manifest`; a version removed meanwhile references nothing any more), then every
+        patch record (:meth:`patches`); override it where the references are kept as such.
+        """
+        out: set[str] = set()
+        for version in self.versions():
+            try:
+                out.update(self.get_manifest(version.step).objects())
+            except VersionNotFoundError:
+                continue
+        for record in self.patches().values():
+            out.update(record.values())
+        return out
 
     # -- patches -----------------------------------------------------------------------------
     @abc.abstractmethod

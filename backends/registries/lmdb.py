@@ -194,6 +194,9 @@ class LmdbRegistry(Registry):
         CorruptStoreError: the environment is damaged (e.g. ``data.mdb`` truncated).
     """
 
+    #: One host's registry: its processes are the only readers and writers (no peers elsewhere).
+    shared = False
+
     def __init__(self, path: str, *, create: bool = False, map_size: int = DEFAULT_MAP_SIZE,
                  mode: int = 0o600) -> None:
         self._path = path
@@ -344,6 +347,8 @@ class LmdbRegistry(Registry):
             os.close(fd)
 
     # -- reads -------------------------------------------------------------------------------
+    # latest_step, get_version, tags, object_sizes and referenced_objects override the contract's
+    # defaults only to be faster: one cursor step or key lookup instead of reading every version.
     @_guarded
     def latest_step(self) -> int | None:
         env = self.env
