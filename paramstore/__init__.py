@@ -26,34 +26,23 @@ if not _os.path.isdir(_os.path.join(__path__[0], "backends")) \
         and _os.path.isfile(_os.path.join(_checkout, "backends", "__init__.py")):
     __path__.append(_checkout)
 
+# The error tree's roots and the errors callers catch most; every other one is in paramstore.errors
+# (its docstring has the whole tree).
 from .errors import (
+    ConflictError,
+    CorruptionError,
     CorruptObjectError,
-    CorruptStoreError,
     InvalidArgumentError,
-    InvalidNameError,
-    InvalidTensorError,
-    LoadError,
-    MetadataLostError,
     NotAStoreError,
-    ObjectUnavailableError,
+    NotFoundError,
     ParamStoreError,
     ParamStoreWarning,
-    RegistryError,
-    RemoteError,
     StepOrderError,
     StorageError,
     StorageFullError,
-    StoreClosedError,
-    TagNotFoundError,
-    TransferError,
-    UnsafeStoreError,
+    UnavailableError,
     VersionNotFoundError,
     WaitTimeoutError,
-    WriterConflictError,
-    CommitGroupError,
-    TornCommitError,
-    DeviceError,
-    BroadcastError,
 )
 from .manifest import Chunk, Manifest, TensorEntry, Version
 
@@ -74,13 +63,14 @@ _LAZY = {
 }
 
 __all__ = [
-    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "Version", "Manifest", "TensorEntry", "Chunk",
-    "ParamStoreError", "NotAStoreError", "VersionNotFoundError", "TagNotFoundError", "StepOrderError",
-    "InvalidTensorError", "InvalidNameError", "InvalidArgumentError", "CorruptObjectError",
-    "StoreClosedError", "WaitTimeoutError", "LoadError", "ObjectUnavailableError", "RegistryError", "RemoteError",
-    "TransferError", "StorageError", "StorageFullError", "ParamStoreWarning",
-    "CorruptStoreError", "MetadataLostError", "UnsafeStoreError", "WriterConflictError", "CommitGroupError", "TornCommitError", "FetchReport",
-    "DeviceError", "BroadcastError",
+    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "FetchReport", "Version", "Manifest", "TensorEntry", "Chunk",
+    # the error tree's roots (paramstore.errors)
+    "ParamStoreError", "NotFoundError", "ConflictError", "CorruptionError", "UnavailableError",
+    "InvalidArgumentError", "StorageError",
+    # the errors callers catch most (every other one: paramstore.errors)
+    "NotAStoreError", "VersionNotFoundError", "StepOrderError", "WaitTimeoutError", "CorruptObjectError",
+    "StorageFullError",
+    "ParamStoreWarning",
 ]
 
 

@@ -83,21 +83,6 @@ def _repairs(args: argparse.Namespace) -> bool:
 
 _VERSION_HELP = "a step, 'latest' or a tag"
 
-#: What a bare ``ls --remote`` (no URL; deprecated) parses to.
-_BARE = object()
-
-
-def _ls_remote(args: argparse.Namespace) -> None:
-    """``ls --remote URL`` names the remote, as for every command; a bare ``ls --remote`` means ``--tier remote``."""
-    value = vars(args).pop("ls_remote", None)
-    if value is _BARE:
-        print("paramstore: warning: a bare `ls --remote` is deprecated: use `ls --tier remote` "
-              "(--remote takes the remote's URL, as for every command)", file=sys.stderr)
-        args.tier = "remote"
-    elif value is not None:
-        args.remote = value
-
-
 def _metrics(metrics: Any) -> str:
     """``loss=0.1235 reward=3``: compact, numbers to 4 significant digits."""
     def fmt(x: Any) -> str:
@@ -344,7 +329,7 @@ def _gc(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     return r.as_dict(), text, 0
 
 
-def _common_options(parser: argparse.ArgumentParser, *, suppress: bool, remote: bool = True) -> None:
+def _common_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every command takes, before or after the command's name.
 
     On the top-level parser (``suppress=False``) they carry the real defaults ($PARAMSTORE_*); on the
@@ -357,9 +342,8 @@ def _common_options(parser: argparse.ArgumentParser, *, suppress: bool, remote: 
     parser.add_argument("--json", action="store_true", default=default(False), help="print machine-readable JSON")
     parser.add_argument("--root", default=default(os.environ.get("PARAMSTORE_ROOT")),
                         help="store directory (default: $PARAMSTORE_ROOT)")
-    if remote:
-        parser.add_argument("--remote", metavar="URL", default=default(os.environ.get("PARAMSTORE_REMOTE")),
-                            help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
+    parser.add_argument("--remote", metavar="URL", default=default(os.environ.get("PARAMSTORE_REMOTE")),
+                        help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE)")
     parser.add_argument("--registry", metavar="URL", default=default(os.environ.get("PARAMSTORE_REGISTRY")),
                         help="registry shared by hosts, redis://[:password@]host:port/db (default: "
                              "$PARAMSTORE_REGISTRY; none: the LMDB registry in the root)")
@@ -373,8 +357,6 @@ def _parser() -> argparse.ArgumentParser:
     # The common options are accepted before or after the command (see _common_options).
     common = argparse.ArgumentParser(add_help=False)
     _common_options(common, suppress=True)
-    common_but_remote = argparse.ArgumentParser(add_help=False)  # ls has its own --remote (see _ls_remote)
-    _common_options(common_but_remote, suppress=True, remote=False)
     p = argparse.ArgumentParser(prog="paramstore", description="A versioned parameter store.")
     p.add_argument("--version", action="version", version=f"paramstore {__version__}")
     _common_options(p, suppress=False)
@@ -386,16 +368,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = add("ls", _ls, "list versions, their metrics and tags (and whether each is persisted to a remote)",
-             common_but_remote)
+    sp = add("ls", _ls, "list versions, their metrics and tags (and whether each is persisted to a remote)")
     sp.add_argument("--tier", choices=("local", "remote"), default="local",
                     help="remote: list the remote's versions instead")
-    # Once a flag meaning "list the remote"; now the URL, as for every command. A bare --remote
-    # (no URL) still lists the remote, with a deprecation note. Its own dest, so that a bare one
-    # does not erase a URL given before the command.
-    sp.add_argument("--remote", dest="ls_remote", metavar="URL", nargs="?", const=_BARE, default=argparse.SUPPRESS,
-                    help="remote URL, e.g. s3://bucket/prefix (default: $PARAMSTORE_REMOTE); "
-                         "without a URL (deprecated): --tier remote")
     add("push", _push, "upload versions to the remote (default: every one not yet there); the first push "
         "makes the URL a remote").add_argument(
         "version", type=_version_arg, nargs="*", help="versions to upload: steps, 'latest' or tags (default: "
@@ -473,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
-    """Warnings (a root not on tmpfs, a deprecated flag) as one line, like errors."""
+    """Warnings (a root not on tmpfs, ...) as one line, like errors."""
     print(f"paramstore: warning: {message}", file=sys.stderr)
 
 
@@ -546,7 +521,6 @@ def _run(args: argparse.Namespace) -> int:
             print("paramstore: error: tag --delete takes one name", file=sys.stderr)
             return 2
         args.tag, args.version = args.version, None
-    _ls_remote(args)
     try:
         if not args.root:
             raise ParamStoreError("no store root: pass --root PATH or set PARAMSTORE_ROOT")

@@ -372,7 +372,7 @@ def repair(root: StoreRoot, fetcher: "Fetcher", report: dict[str, Any]) -> dict[
                 continue
             try:
                 restored.update(fetcher.fetch(s, manifest).fetched)
-            except (CorruptObjectError, RemoteError, TransferError) as e:  # unavailable, or a bad copy
+            except (CorruptObjectError, ObjectUnavailableError, RemoteError, TransferError) as e:  # a bad copy, or unavailable
                 unrepaired[s] = str(e)
                 unfetched[s] = manifest.objects()
                 continue

@@ -136,8 +136,8 @@ class KeepBest(Policy):
     """Keep the ``n`` best versions by ``metric`` (``mode="max"``: higher is better; ``"min"``: lower).
 
     Without ``mode`` the direction comes from the metric's name (:func:`infer_mode`: ``loss`` ranks
-    by min, ``reward`` by max). A name that says neither still ranks by max, as before 0.2, with a
-    DeprecationWarning: pass ``mode=`` (the CLI refuses such a metric without ``--mode``).
+    by min, ``reward`` by max); a name that says neither needs ``mode=`` (InvalidArgumentError
+    otherwise, as the CLI's ``--keep-best`` needs ``--mode``).
     Versions without the metric are kept when ``keep_without_metric`` is true, else not ranked:
     while no version has the metric (a run that evaluates every 100 steps) this rule keeps
     nothing, and the other rules of an :class:`AnyOf` apply as usual. A misspelt metric is caught
@@ -166,10 +166,9 @@ class KeepBest(Policy):
         if self.mode is None:
             inferred = infer_mode(self.metric)
             if inferred is None:
-                warnings.warn(f"KeepBest({self.n}, {self.metric!r}) without mode= keeps the highest {self.metric}: "
-                              "this default is deprecated; pass mode='max' (higher is better) or "
-                              "mode='min' (lower is better)", DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, "mode", inferred or "max")
+                raise InvalidArgumentError(f"KeepBest({self.n}, {self.metric!r}): the name does not say which way is "
+                                           "better; pass mode='max' (higher is better) or mode='min' (lower is better)")
+            object.__setattr__(self, "mode", inferred)
         if self.mode not in ("max", "min"):
             raise InvalidArgumentError(f"KeepBest mode must be 'max' or 'min', got {self.mode!r}")
 
@@ -259,9 +258,6 @@ class KeepWithin(Policy):
 class AnyOf(Policy):
     """Keep a version if any of ``policies`` keeps it.
 
-    (Named ``Any`` before 0.2; that name still works, with a DeprecationWarning: it shadowed
-    ``typing.Any``.)
-
     Example:
         >>> str(AnyOf(KeepLast(2), KeepTagged("release")))
         'keep the last 2; keep versions tagged release'
@@ -286,14 +282,6 @@ class AnyOf(Policy):
 
     def __str__(self) -> str:
         return "; ".join(str(p) for p in self.policies)
-
-
-def __getattr__(name: str) -> object:
-    if name == "Any":
-        warnings.warn("paramstore.retention.Any is deprecated (it shadows typing.Any): use AnyOf",
-                      DeprecationWarning, stacklevel=2)
-        return AnyOf
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -7,7 +7,6 @@ on disk, :mod:`paramstore.format` and ``paramstore.backends``.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import threading
 import time
@@ -15,7 +14,7 @@ import warnings
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from . import maintenance, ops
 from .assets import AssetsArg
@@ -55,27 +54,9 @@ if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands
 
 __all__ = ["ParamStore"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
 #: How long a push waits for the patches of its version before it uploads whole objects.
 PATCH_WAIT_S = 60.0
 
-
-def _keyword_timeout(positional: int) -> Callable[[_F], _F]:
-    """``timeout`` is keyword-only; passing it positionally still works, with a DeprecationWarning."""
-    def wrap(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if len(args) > positional:
-                if len(args) > positional + 1 or "timeout" in kwargs:
-                    raise TypeError(f"{fn.__name__}() takes {positional} positional argument(s) and timeout=")
-                warnings.warn(f"passing timeout to {fn.__name__}() positionally is deprecated: use timeout=",
-                              DeprecationWarning, stacklevel=2)
-                kwargs["timeout"], args = args[positional], args[:positional]
-            return fn(self, *args, **kwargs)
-        return call  # type: ignore[return-value]
-    return wrap
 
 DEFAULT_SHARD_SIZE_BYTES = 256 << 20
 _DEATH_POLL_S = 0.2  # how often wait_for_readers re-checks for readers that died
@@ -148,7 +129,6 @@ class ParamStore:
             background (``handle.persisted``), and versions found only there are pulled on checkout.
         storage_options: options of the remote's filesystem (for S3: ``endpoint_url``, ``key``,
             ``secret``, ``profile``...; by default the usual AWS environment and config files).
-        remote_options: deprecated name of ``storage_options``.
         persist_retry_for: seconds, counted from its commit, that a version is retried through
             transient remote failures (then its ``handle.persisted`` fails with the last error).
         persist_backlog: with a remote, how many committed versions may wait for upload besides
@@ -212,7 +192,6 @@ class ParamStore:
         persist_backlog: int = DEFAULT_BACKLOG,
         registry: str | None = None,
         name: str | None = None,
-        remote_options: Mapping[str, Any] | None = None,
         run_id: str | None = None,
         takeover: bool = False,
         shared_group: bool = False,
@@ -226,12 +205,6 @@ class ParamStore:
             raise InvalidArgumentError(f"shard_size_bytes must be a positive int, got {shard_size_bytes!r}")
         if registry is not None and not name:
             raise InvalidArgumentError("a shared registry needs name=: the store's name, the same on every host")
-        if remote_options is not None:
-            warnings.warn("ParamStore(remote_options=) is deprecated: use storage_options= (as fsspec, datasets "
-                          "and pandas call it)", DeprecationWarning, stacklevel=2)
-            if storage_options is not None:
-                raise InvalidArgumentError("pass storage_options= only (remote_options= is its deprecated name)")
-            storage_options = remote_options
         if storage_options is not None and (remote is None or isinstance(remote, Remote)):
             raise InvalidArgumentError("storage_options= configures the filesystem of remote=URL; pass them together "
                                        "(a Remote object carries its own options)")
@@ -294,7 +267,6 @@ class ParamStore:
         self._persister: Persister | None = None
         self._fetcher: Fetcher | None = None
         self._recycle_ahead = 0
-        self._last_fetch: FetchReport | None = None
         self._closed = False
         self._owner = os.getpid()
         if create is not None or os.path.exists(os.path.join(self.root, MARKER)):
@@ -627,7 +599,6 @@ class ParamStore:
 
         return optimizer.register_step_pre_hook(_wait_for_staging)
 
-    @_keyword_timeout(0)
     def wait_staged(self, *, timeout: float | None = None) -> None:
         """Block until the last commit of this process is staged (re-raises its error).
 
@@ -642,7 +613,6 @@ class ParamStore:
             except FutureTimeout:
                 raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout:.4g} s") from None
 
-    @_keyword_timeout(0)
     def flush(self, *, timeout: float | None = None) -> Version | None:
         """Wait until every commit of this process is visible (and, with patches, its patches are
         made); returns the last version.
@@ -813,7 +783,6 @@ class ParamStore:
                              timeout=timeout, holder=holder or f"pid {os.getpid()}", resolve=self._resolve,
                              wait_for=lambda step, left: self.wait_for(step, timeout=left),
                              pull=self._pull_if_remote, verify=verify, collective=collective, place=place)
-        self._last_fetch = snap.fetch
         return snap
 
     def _device_placer(self, device: Any) -> "Callable[[Snapshot], Snapshot] | None":
@@ -846,13 +815,6 @@ class ParamStore:
         extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
         return lambda: broadcast_version(self._root, self._pool, TorchCollective(group), src, version,
                                          resolve=resolve, **extra)
-
-    @property
-    def last_fetch(self) -> FetchReport | None:
-        """Deprecated: use ``snap.fetch`` of the snapshot ``checkout`` returned."""
-        warnings.warn("store.last_fetch is deprecated: read snap.fetch of the snapshot checkout returned",
-                      DeprecationWarning, stacklevel=2)
-        return self._last_fetch
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order.
@@ -1054,7 +1016,6 @@ class ParamStore:
         self._check_open()
         return self._root.registry.persisted()
 
-    @_keyword_timeout(0)
     def wait_persisted(self, *, timeout: float | None = None) -> None:
         """Block until every version committed so far is pushed (or failed). Raises WaitTimeoutError.
 
@@ -1073,7 +1034,7 @@ class ParamStore:
             raise WaitTimeoutError(f"{n} version{'' if n == 1 else 's'} not persisted within {timeout:.4g} s")
 
     # -- wait --------------------------------------------------------------------------------
-    def subscribe(self, after: int | None = None, *, min_step: int | None = None,
+    def subscribe(self, *, min_step: int | None = None,
                   timeout: float | None = None) -> Iterator[Version]:
         """Yield every new version in step order as it becomes visible, from any process.
 
@@ -1084,7 +1045,6 @@ class ParamStore:
                 ``checkout(min_step=)`` and ``wait_for``), those already visible first; default:
                 only versions committed after the call. ``min_step=0`` yields every version.
             timeout: end the iteration when no new version arrives for this many seconds.
-            after: deprecated (exclusive): ``after=s`` is ``min_step=s + 1``.
 
         Example:
             >>> _ = store.commit(2, model).result()
@@ -1096,12 +1056,6 @@ class ParamStore:
             2
         """
         self._check_open()
-        if after is not None:
-            warnings.warn("subscribe(after=s) is deprecated: use subscribe(min_step=s + 1) (inclusive, like "
-                          "checkout(min_step=) and wait_for)", DeprecationWarning, stacklevel=2)
-            if min_step is not None:
-                raise InvalidArgumentError("pass min_step= only (after= is its deprecated, exclusive form)")
-            min_step = check_bound(after, "after") + 1
         if min_step is not None:
             check_bound(min_step, "min_step")
         check_timeout(timeout)
@@ -1135,7 +1089,6 @@ class ParamStore:
                 watch.wait(left)  # woken by any change (leases too): re-read and loop
                 self._check_open()
 
-    @_keyword_timeout(1)
     def wait_for(self, step: int, *, timeout: float | None = None) -> Version:
         """Block until a version with step ≥ ``step`` is visible; return the newest one.
 
@@ -1197,7 +1150,6 @@ class ParamStore:
         steps = [lease.step for lease in self.leases()]
         return min(steps) if steps else None
 
-    @_keyword_timeout(1)
     def wait_for_readers(self, min_step: int, *, timeout: float | None = None) -> None:
         """Block until no live lease is on a version older than ``min_step``.
 

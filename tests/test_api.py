@@ -1,5 +1,5 @@
 """The public API's conventions: names, keyword-only timeouts, inclusive bounds, exported errors,
-deprecations that keep old code working, the inspection calls (verify/du/diff/export/manifest),
+one name per concept (no deprecated aliases), the inspection calls (verify/du/diff/export/manifest),
 fetch reports and errors that say what to do."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import paramstore
 from helpers import SHM, assert_state_equal
 from paramstore import (
     InvalidArgumentError,
-    ObjectUnavailableError,
     ParamStore,
     ParamStoreError,
     ParamStoreWarning,
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from paramstore.errors import ObjectUnavailableError
 
 
 def sd(seed: int) -> dict[str, torch.Tensor]:
@@ -39,40 +39,35 @@ def three(store):
     return store
 
 
-def test_every_error_type_is_exported_and_derives_from_the_root():
-    for name in ("RemoteError", "RegistryError", "TransferError", "ObjectUnavailableError", "CorruptObjectError",
-                 "WaitTimeoutError", "VersionNotFoundError", "StepOrderError"):
+def test_the_error_roots_and_the_common_errors_are_exported():
+    for name in ("NotFoundError", "ConflictError", "CorruptionError", "UnavailableError", "InvalidArgumentError",
+                 "StorageError", "CorruptObjectError", "WaitTimeoutError", "VersionNotFoundError", "StepOrderError"):
         cls = getattr(paramstore, name)
         assert issubclass(cls, ParamStoreError), name
         assert name in paramstore.__all__
+        assert cls is getattr(paramstore.errors, name)
+    for name in ("RemoteError", "RegistryError", "TransferError", "ObjectUnavailableError"):  # in paramstore.errors
+        assert name not in paramstore.__all__ and issubclass(getattr(paramstore.errors, name), paramstore.UnavailableError)
     assert issubclass(ObjectUnavailableError, FileNotFoundError)
 
 
-def test_storage_options_and_the_deprecated_remote_options(shm_dir, tmp_path):
+def test_storage_options(shm_dir, tmp_path):
     url = f"file://{tmp_path}/bucket"
     with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options={"auto_mkdir": True}) as store:
         store.commit(1, sd(1)).persisted.result(30)
         assert [v.step for v in store.remote_versions()] == [1]
-    with pytest.warns(DeprecationWarning, match="storage_options"):
-        store = ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options={"auto_mkdir": True})
-    with store:
-        assert [v.step for v in store.remote_versions()] == [1]
-    with pytest.raises(InvalidArgumentError), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ParamStore(os.path.join(shm_dir, "c"), remote=url, remote_options={}, storage_options={})
+    with pytest.raises(TypeError):
+        ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options={})  # one name: storage_options
 
 
-def test_timeouts_are_keyword_only_and_positional_ones_are_deprecated(three):
+def test_timeouts_are_keyword_only(three):
     with pytest.raises(WaitTimeoutError):
         three.wait_for(10, timeout=0.05)
-    with pytest.warns(DeprecationWarning, match="timeout="):
-        assert three.flush(5.0).step == 3  # positional still works, with a warning
-    with pytest.warns(DeprecationWarning, match="timeout="), pytest.raises(WaitTimeoutError):
-        three.wait_for(10, 0.05)
-    with pytest.warns(DeprecationWarning):
-        three.wait_for_readers(0, 0.05)
-    with pytest.raises(TypeError):
-        three.wait_for(10, 0.05, timeout=1)
+    for call in (lambda: three.flush(5.0), lambda: three.wait_for(10, 0.05), lambda: three.wait_for_readers(0, 0.05),
+                 lambda: three.wait_staged(1.0), lambda: three.wait_persisted(1.0)):
+        with pytest.raises(TypeError):
+            call()
+    assert three.flush(timeout=5.0).step == 3
     assert three.wait_for(2, timeout=1).step == 3
 
 
@@ -80,21 +75,18 @@ def test_subscribe_min_step_is_inclusive_like_checkout_and_wait_for(three):
     assert [v.step for v in three.subscribe(min_step=2, timeout=0.05)] == [2, 3]
     assert [v.step for v in three.subscribe(min_step=0, timeout=0.05)] == [1, 2, 3]
     assert [v.step for v in three.subscribe(timeout=0.05)] == []  # default: only what comes next
-    with pytest.warns(DeprecationWarning, match="min_step"):
-        old = [v.step for v in three.subscribe(after=2, timeout=0.05)]
-    assert old == [3]  # after= stays exclusive
+    with pytest.raises(TypeError):
+        three.subscribe(2)  # min_step= only
     with three.checkout(min_step=2) as snap:
         assert snap.step == 3
     with pytest.raises(InvalidArgumentError):
         three.subscribe(min_step="2")
 
 
-def test_retention_any_is_renamed_any_of():
+def test_retention_composes_with_any_of_only():
     from paramstore import retention
 
-    with pytest.warns(DeprecationWarning, match="AnyOf"):
-        old = retention.Any
-    assert old is retention.AnyOf
+    assert not hasattr(retention, "Any")  # one name: AnyOf (Any shadowed typing.Any)
     assert str(retention.KeepLast(1) | retention.KeepEvery(10)) == "keep the last 1; keep every 10th step"
 
 
@@ -144,8 +136,7 @@ def test_fetch_report_is_returned_with_the_snapshot(three):
         report = snap.fetch
         assert report.step == 3 and report.local == len(snap.manifest.objects()) and not report.moved
         assert report.bytes == 0
-    with pytest.warns(DeprecationWarning, match="snap.fetch"):
-        assert three.last_fetch is report
+    assert not hasattr(three, "last_fetch")  # one place: snap.fetch
 
 
 def test_a_missing_object_says_what_to_do(three):
@@ -200,7 +191,7 @@ def test_a_failed_peer_fetch_falls_back_to_the_remote(redis_url, shm_dir, tmp_pa
             reg.announce_peer(Peer("live-peer", "127.0.0.1:1", "h1", os.getpid(), 0.0))  # a peer is listed...
 
             def no_engine():  # ...but this host cannot start a transfer engine (e.g. no libibverbs)
-                raise paramstore.TransferError("cannot start the transfer engine")
+                raise paramstore.errors.TransferError("cannot start the transfer engine")
 
             fetcher = Fetcher(rollout._root, rollout._pool, remote=rollout.remote, transport=no_engine,
                               server=lambda: None)
@@ -268,8 +259,8 @@ def test_bad_waits_and_bounds_fail_clearly(three):
         three.wait_for_readers("5")
     with pytest.raises(InvalidArgumentError, match="min_step"):
         three.subscribe(min_step=2**64)
-    with pytest.raises(InvalidArgumentError), pytest.warns(DeprecationWarning):
-        three.subscribe(after="1")
+    with pytest.raises(InvalidArgumentError, match="min_step"):
+        three.subscribe(min_step="1")
     with pytest.raises(InvalidArgumentError, match="grace"):
         three.gc(grace=10)
     with pytest.raises(InvalidArgumentError, match="storage_options"):

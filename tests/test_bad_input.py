@@ -19,17 +19,19 @@ from torch import nn
 import paramstore
 from helpers import store_state, tree
 from paramstore import (
-    CorruptStoreError,
     InvalidArgumentError,
-    InvalidNameError,
-    InvalidTensorError,
     NotAStoreError,
     ParamStore,
     ParamStoreError,
     StepOrderError,
+    VersionNotFoundError,
+)
+from paramstore.errors import (
+    CorruptStoreError,
+    InvalidNameError,
+    InvalidTensorError,
     StoreClosedError,
     TagNotFoundError,
-    VersionNotFoundError,
 )
 
 GOOD = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4, dtype=torch.int64)}
@@ -315,16 +317,16 @@ def test_exception_hierarchy():
     pairs = {
         paramstore.NotAStoreError: FileNotFoundError,
         paramstore.VersionNotFoundError: KeyError,
-        paramstore.TagNotFoundError: KeyError,
+        paramstore.errors.TagNotFoundError: KeyError,
         paramstore.StepOrderError: ValueError,
-        paramstore.InvalidTensorError: TypeError,
-        paramstore.InvalidNameError: ValueError,
+        paramstore.errors.InvalidTensorError: TypeError,
+        paramstore.errors.InvalidNameError: ValueError,
         paramstore.InvalidArgumentError: ValueError,
         paramstore.CorruptObjectError: OSError,
-        paramstore.StoreClosedError: RuntimeError,
+        paramstore.errors.StoreClosedError: RuntimeError,
         paramstore.WaitTimeoutError: TimeoutError,
     }
     for exc, builtin in pairs.items():
         assert issubclass(exc, ParamStoreError) and issubclass(exc, builtin), exc
-    assert issubclass(paramstore.TagNotFoundError, paramstore.VersionNotFoundError)
+    assert issubclass(paramstore.errors.TagNotFoundError, paramstore.VersionNotFoundError)
     assert str(VersionNotFoundError("no version at step 3")) == "no version at step 3"  # not repr'd

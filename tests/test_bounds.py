@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from paramstore import CommitGroupError, ParamStore
+from paramstore import ParamStore
+from paramstore.errors import CommitGroupError
 from paramstore.delta import await_patches
 
 SPAWN = mp.get_context("spawn")

@@ -258,23 +258,25 @@ def test_python_dash_m_paramstore(populated):
     assert proc.returncode == 2 and "paramstore: error:" in proc.stderr  # the exit status comes through
 
 
-def test_ls_tier_remote_and_the_deprecated_bare_remote(populated, tmp_path, capsys, no_env):
+def test_ls_tier_remote_and_remote_url(populated, tmp_path, capsys, no_env):
     root, _, _ = populated
     url = (tmp_path / "remote").as_uri()
     code, _, err = run(capsys, "--root", root, "push", "1", "--remote", url)
     assert code == 0, err
     code, out, _ = run(capsys, "--root", root, "ls", "--tier", "remote", "--remote", url, "--json")
     assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
-    # --remote with a value after ls is the URL (the local listing, persisted to that remote or not)
+    # --remote after ls is the URL, as for every command (the local listing, persisted to that remote or not)
     code, out, _ = run(capsys, "--root", root, "ls", "--remote", url, "--json")
     assert code == 0 and [(r["step"], r["persisted"]) for r in json.loads(out)] == [(1, url), (2, None)]
-    # a bare --remote still lists the remote (URL from before the command), with a deprecation note
-    code, out, err = run(capsys, "--root", root, "--remote", url, "ls", "--remote", "--json")
-    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
-    assert "deprecated" in err and "--tier remote" in err
+    # a URL given before the command is kept; --tier remote lists the remote
+    code, out, err = run(capsys, "--root", root, "--remote", url, "ls", "--tier", "remote", "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1], err
     no_env.setenv("PARAMSTORE_REMOTE", url)
-    code, out, err = run(capsys, "--root", root, "ls", "--remote")
-    assert code == 0 and "deprecated" in err and len(out.strip().splitlines()) == 2  # header + step 1
+    code, out, err = run(capsys, "--root", root, "ls", "--tier", "remote")
+    assert code == 0 and len(out.strip().splitlines()) == 2, err  # header + step 1
+    with pytest.raises(SystemExit) as exit_:  # --remote takes a URL, as for every command
+        run(capsys, "--root", root, "ls", "--remote")
+    assert exit_.value.code == 2 and "--remote: expected one argument" in capsys.readouterr().err
     no_env.delenv("PARAMSTORE_REMOTE")
     code, _, err = run(capsys, "--root", root, "ls", "--tier", "remote")
     assert code == 2 and "needs a remote" in err

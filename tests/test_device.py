@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from paramstore import DeviceError, InvalidArgumentError, ParamStore, StoreClosedError
+from paramstore import InvalidArgumentError, ParamStore
+from paramstore.errors import DeviceError, StoreClosedError
 from paramstore.device import DeviceCache
 
 

@@ -31,7 +31,8 @@ import torch
 
 from helpers import assert_bits_equal, assert_checkout_equal, gather_and_join, objects_bytes, random_tensor, tree
 
-from paramstore import ParamStore, TagNotFoundError, VersionNotFoundError
+from paramstore import ParamStore, VersionNotFoundError
+from paramstore.errors import TagNotFoundError
 from paramstore.liveness import this_process
 from paramstore.ops import verify
 from paramstore.retention import AnyOf, KeepEvery, KeepLast, KeepTagged, Policy

@@ -23,9 +23,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from paramstore import ParamStore, UnsafeStoreError
+from paramstore import ParamStore
 from paramstore import device as device_mod
 from paramstore import root as root_mod
+from paramstore.errors import UnsafeStoreError
 
 #: The member: user nobody, whose primary group nogroup is the group of every store made here.
 MEMBER, GROUP = 65534, 65534

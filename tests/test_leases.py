@@ -29,7 +29,8 @@ import torch
 from helpers import assert_bits_equal, assert_checkout_equal, random_tensor
 
 import paramstore
-from paramstore import InvalidArgumentError, ParamStore, TagNotFoundError, WaitTimeoutError
+from paramstore import InvalidArgumentError, ParamStore, WaitTimeoutError
+from paramstore.errors import TagNotFoundError
 from paramstore.retention import KeepLast
 
 SPAWN = mp.get_context("spawn")

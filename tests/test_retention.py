@@ -119,7 +119,6 @@ LOSSES = [V(step, loss=loss, entropy=loss) for step, loss in [(1, 0.9), (2, 0.4)
 
 
 def test_keep_best_by_loss_keeps_the_lowest_loss():
-    # before 0.2 mode defaulted to "max": KeepBest(1, "loss") kept the *highest* loss
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a well-known metric needs no mode=, and says nothing
         policy = KeepBest(1, "loss")
@@ -128,15 +127,15 @@ def test_keep_best_by_loss_keeps_the_lowest_loss():
     assert str(policy) == "keep the best 1 by loss (min)"
 
 
-def test_keep_best_without_a_known_direction_warns_and_keeps_the_old_default():
-    with pytest.warns(DeprecationWarning, match="mode='max'.*mode='min'"):
-        policy = KeepBest(1, "entropy")
-    assert policy.mode == "max"  # as before 0.2
-    assert sorted(decide(policy, LOSSES, [], now=0.0).keep) == [1, 4]
+def test_keep_best_without_a_known_direction_needs_a_mode():
+    with pytest.raises(InvalidArgumentError, match="mode='max'.*mode='min'"):
+        KeepBest(1, "entropy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        policy = KeepBest(1, "entropy", mode="max")
         assert KeepBest(1, "entropy", mode="min").mode == "min"
         assert KeepBest(1, "loss", mode="max").mode == "max"  # an explicit mode always wins
+    assert sorted(decide(policy, LOSSES, [], now=0.0).keep) == [1, 4]
 
 
 @pytest.mark.parametrize("metric,mode", [

@@ -194,7 +194,7 @@ def test_load_into_strict_and_non_strict(store):
     other[2] = nn.Linear(3, 2, bias=False)  # 2.bias unexpected
 
     with store.checkout(1) as snap:
-        with pytest.raises(paramstore.LoadError):
+        with pytest.raises(paramstore.errors.LoadError):
             snap.load_into(other)  # strict by default
         res = snap.load_into(other, strict=False)
         assert sorted(res.missing_keys) == ["3.bias", "3.weight"]
@@ -229,7 +229,7 @@ def test_tensors_stay_valid_after_snapshot_close(store):
     w = snap["w"]
     snap.close()
     assert_bits_equal(w, state["w"], "w")
-    with pytest.raises(paramstore.StoreClosedError):
+    with pytest.raises(paramstore.errors.StoreClosedError):
         snap["w"]
 
 
@@ -505,9 +505,9 @@ def test_tags_at_commit_tag_move_and_untag(store):
 
     store.untag("best")
     assert store.get(1).tags == ("also-first", "first")
-    with pytest.raises(paramstore.TagNotFoundError):
+    with pytest.raises(paramstore.errors.TagNotFoundError):
         store.get("best")
-    with pytest.raises(paramstore.TagNotFoundError):
+    with pytest.raises(paramstore.errors.TagNotFoundError):
         store.untag("best")
     store.commit(3, sd(3), tags=("eval",)).result()
     assert store.get("eval").step == 3 and store.get(2).tags == ()
@@ -684,5 +684,5 @@ def test_prefault_maps_pages_and_keeps_bits(store):
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         assert_bits_equal(snap["t"], t, "t")
     assert faulted > 0  # the pages were mapped by prefault, not by the read
-    with pytest.raises(paramstore.StoreClosedError):
+    with pytest.raises(paramstore.errors.StoreClosedError):
         snap.prefault()

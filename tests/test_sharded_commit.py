@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import paramstore
-from paramstore import CommitGroupError, InvalidTensorError, ParamStore
+from paramstore import ParamStore
+from paramstore.errors import CommitGroupError, InvalidTensorError
 
 from helpers import assert_bits_equal
 from ranks import LAYOUT, PLAIN, full_model, full_tensor, run_ranks, sharded_model

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import paramstore
-from paramstore import CommitGroupError, ParamStore, TornCommitError
+from paramstore import ParamStore
+from paramstore.errors import CommitGroupError, TornCommitError
 
 from ranks import run_ranks
 

@@ -26,10 +26,8 @@ import torch
 
 import paramstore
 from helpers import run_in_small_tmpfs
-from paramstore import (
-    CorruptStoreError, MetadataLostError, NotAStoreError, ParamStore, ParamStoreWarning, UnsafeStoreError,
-    WaitTimeoutError, WriterConflictError,
-)
+from paramstore import NotAStoreError, ParamStore, ParamStoreWarning, WaitTimeoutError
+from paramstore.errors import CorruptStoreError, MetadataLostError, UnsafeStoreError, WriterConflictError
 
 
 

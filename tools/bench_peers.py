@@ -22,7 +22,7 @@ of its tensors changed; ``--hosts`` rollout hosts check them out. Each round:
    register, announce); "busy" is the wall time during which at least one fetch thread was in
    that part.
 2. swarm: every rollout emptied, then all check out version 1 at once. Trainer egress (bytes each
-   host's ``store.last_fetch.bytes_from`` says it read from the trainer's session) over model
+   host's ``snap.fetch.bytes_from`` says it read from the trainer's session) over model
    bytes, goal <= 1.5; wall (first start to last end, clocks of one machine) over the one fetch of
    the same round, goal <= 2. For information: every rollout reading the model raw from the trainer
    at once, over one raw read (on a small machine all "hosts" share the CPUs; this is their limit).
