@@ -14,7 +14,7 @@ moves bytes and knows the layout; the protocol on top (what a version is, locks,
 Writes are atomic per key: S3 ``PutObject`` and multipart completion publish a key whole; on a
 local filesystem a file is written under a temporary name and renamed (or hard-linked, for a
 create-only put). Credentials and endpoints come the usual way for the protocol (for S3: the
-environment, ``~/.aws``, or ``remote_options={"key":…, "secret":…, "endpoint_url":…}``).
+environment, ``~/.aws``, or ``storage_options={"key":…, "secret":…, "endpoint_url":…}``).
 """
 
 from __future__ import annotations
