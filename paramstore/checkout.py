@@ -33,7 +33,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from paramstore.backends.registries.lmdb import LmdbRegistry
 
 from .errors import (
     CorruptObjectError,
@@ -227,7 +226,7 @@ class Fetcher:
 
 
 def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: bool) -> str:
-    shared = not isinstance(root.registry, LmdbRegistry)  # the single-host registry: no peers to ask
+    shared = root.registry.shared  # one host's registry: no peers to ask
     what = f"{len(missing)} object{'s' if len(missing) > 1 else ''} of version {step} ({missing[0][:12]}…)"
     if shared:
         where = "no live host serves " + ("them" if len(missing) > 1 else "it")

@@ -22,8 +22,6 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-import lmdb
-
 from .errors import (
     InvalidArgumentError, NotAStoreError, ParamStoreError, ParamStoreWarning, TagNotFoundError, VersionNotFoundError,
 )
@@ -538,7 +536,7 @@ def _run(args: argparse.Namespace) -> int:
                 if isinstance(e, TagNotFoundError) or args.command == "pull" or getattr(args, "tier", "") == "remote":
                     raise
                 raise VersionNotFoundError(f"{e}; {_steps_here(store)}") from None
-    except (ParamStoreError, OSError, lmdb.Error) as e:
+    except (ParamStoreError, OSError) as e:  # registries raise the package's errors, never their backend's
         if args.json:
             print(json.dumps({"error": type(e).__name__, "message": str(e)}))
         print(f"paramstore: error: {e}", file=sys.stderr)

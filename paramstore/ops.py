@@ -21,7 +21,6 @@ import os
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from paramstore.backends.registries.base import ObjectInfo, TensorLocation
-from paramstore.backends.registries.lmdb import LmdbRegistry
 
 from .errors import (
     CorruptObjectError,
@@ -250,7 +249,7 @@ def read_manifest(root: StoreRoot, step: int, *, cached: bool = True, version: V
                 root.manifests.popitem(last=False)
         return manifest
     except CorruptObjectError as e:  # JSON, but not a valid manifest (Manifest.from_json)
-        if not isinstance(root.registry, LmdbRegistry):
+        if root.registry.shared:
             raise  # received from a shared registry: as the registry reports it
         raise CorruptStoreError(f"the manifest of version {step} in {_registry_file(root)} is damaged ({e}): "
                                 f"remove the version (`paramstore rm {step}`), then pull it again from the "
@@ -266,7 +265,7 @@ def read_manifest(root: StoreRoot, step: int, *, cached: bool = True, version: V
 
 def _registry_file(root: StoreRoot) -> str:
     """Where the registry keeps its records: a file of this host, or a server's URL."""
-    if isinstance(root.registry, LmdbRegistry):
+    if not root.registry.shared:
         return os.path.join(root.path, "meta", "data.mdb")
     return f"the registry at {getattr(root.registry, 'url', type(root.registry).__name__)}"
 
@@ -333,7 +332,7 @@ def quarantine(root: StoreRoot, digests: Iterable[str]) -> dict[str, str]:
             path = root.tier.quarantine(d)
             if path is not None:
                 moved[d] = path
-        if digests and isinstance(root.registry, LmdbRegistry):
+        if digests and not root.registry.shared:  # a shared registry keeps them: other hosts may hold good copies
             root.registry.forget_objects(set(digests))
     return moved
 

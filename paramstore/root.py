@@ -51,8 +51,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from paramstore.backends.registries import Registry, open_registry
-from paramstore.backends.registries.lmdb import LmdbRegistry, restore_advice
+from paramstore.backends.registries import Registry, find_registry, open_registry
 from paramstore.backends.tiers.local import QUARANTINE_DIR, LocalTier
 
 from . import safefs
@@ -61,6 +60,7 @@ from .errors import (
     TagNotFoundError, UnsafeStoreError, VersionNotFoundError,
 )
 from .format import loads
+from .text import restore_advice
 
 __all__ = ["StoreRoot", "VersionSpec", "open_root", "check_creatable", "check_safe",
            "check_group_root", "MARKER", "STORE_FORMAT"]
@@ -168,21 +168,25 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
               name: str = "default", shared_group: bool = False) -> StoreRoot:
     """Open the store at ``path``; with ``create``, make one if ``path`` is missing or empty.
 
-    ``registry``: None for the LMDB registry in ``<path>/meta``, or a ``redis://`` URL shared by
-    several hosts; then ``name`` tells the stores sharing that server apart. ``shared_group``: a
-    new root is made a group store (``3770``; group members may read and lease, see the module's
-    doc) instead of ``0700``. A group root this user owns gets its modes fixed at every open.
+    ``registry``: None for the root's own registry (LMDB, in ``<path>/meta``), or a URL whose scheme
+    names an installed registry (``redis://`` shared by several hosts, or a third party's: see
+    :mod:`paramstore.backends.registries`); then ``name`` tells the stores sharing it apart.
+    ``shared_group``: a new root is made a group store (``3770``; group members may read and lease,
+    see the module's doc) instead of ``0700``. A group root this user owns gets its modes fixed at
+    every open.
 
     Raises:
         NotAStoreError: ``path`` holds no store (and ``create`` is false, or it holds other files),
             or a store of an unsupported format.
         MetadataLostError: the store's metadata is missing or belongs to another store.
+        InvalidArgumentError: no installed registry serves the URL's scheme (nothing is created).
         UnsafeStoreError: ``path`` is owned by another user or writable by others; a group store
             whose root lacks the sticky bit or whose folders the group may write (opened by a
             member), or that holds a folder that is a link or not its owner's.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
+    find_registry(registry)  # a URL no installed registry serves: refused before anything is made
     if not os.path.exists(marker):
         if not create:
             raise NotAStoreError(_not_a_store(path, create=False))
@@ -211,8 +215,8 @@ def open_root(path: str | os.PathLike[str], *, create: bool, registry: str | Non
         raise MetadataLostError(
             f"the metadata of the store at {path} is missing ({meta}/data.mdb was deleted, by a /dev/shm cleaner?): "
             f"its versions are lost here and nothing was re-created. {restore_advice(path)}")
-    reg = LmdbRegistry(meta, mode=0o660 if shared_group else 0o600) if registry is None \
-        else open_registry(registry, meta, name)
+    # no URL: the root's own registry (the ``lmdb`` entry point), made with the root
+    reg = open_registry(registry, meta, name, create=registry is not None, mode=0o660 if shared_group else 0o600)
     try:
         info = _check_identity(path, marker, info, reg, shared=registry is not None, name=name)
         tier = LocalTier(path, create=True)
@@ -361,7 +365,7 @@ def _has_local_versions(meta: str) -> bool:
     """Whether the LMDB registry in ``meta`` (every root has one) records versions: a single-host store."""
     if not os.path.exists(os.path.join(meta, "data.mdb")):
         return False
-    reg = LmdbRegistry(meta)
+    reg = open_registry(None, meta, "default", create=False)
     try:
         return reg.latest_step() is not None
     finally:
@@ -454,7 +458,8 @@ def _create(path: str, marker: str, *, mode: int) -> None:
     if group:  # its folders first, locked, before anything is written into them
         _secure_group_root(path)
     store_id = uuid.uuid4().hex
-    reg = LmdbRegistry(os.path.join(path, "meta"), create=True, mode=GROUP_META_MODE if group else 0o600)
+    reg = open_registry(None, os.path.join(path, "meta"), "default", create=True,
+                        mode=GROUP_META_MODE if group else 0o600)
     try:
         store_id = reg.swap_meta("store_id", None, store_id) or store_id  # two creators: the first id wins
     finally:

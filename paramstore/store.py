@@ -41,6 +41,7 @@ from .scrub import Scrubber, check_rate
 from .writer import check_run_id, claim, new_run_id, release
 
 from paramstore.backends.registries.base import Lease
+from paramstore.backends.transports import open_transport
 from paramstore.backends.transports.base import Transport
 
 if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands start fast
@@ -900,10 +901,10 @@ class ParamStore:
         return self._peer
 
     def _get_transport(self) -> Transport:
+        """This process's transport, made on first use by the entry point ``$PARAMSTORE_TRANSPORT``
+        names (default ``mooncake``; see :func:`paramstore.backends.transports.open_transport`)."""
         if self._transport is None:
-            from paramstore.backends.transports.mooncake import MooncakeTransport
-
-            self._transport = MooncakeTransport(self._transport_host)
+            self._transport = open_transport(None, self._transport_host)
         return self._transport
 
     def _pull_if_remote(self, step: int) -> TransferReport | None:

@@ -65,6 +65,7 @@ from paramstore.errors import (
     StorageFullError, TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, Version
+from paramstore.text import restore_advice
 
 from ._inotify import FileWatch
 from .base import (
@@ -72,7 +73,7 @@ from .base import (
     check_peer, check_peer_id, unregistered,
 )
 
-__all__ = ["LmdbRegistry", "restore_advice"]
+__all__ = ["LmdbRegistry", "restore_advice", "from_url"]
 
 _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
@@ -155,14 +156,6 @@ def _drop_inherited() -> None:
     pid = os.getpid()
     for key in [k for k in _SHARED if k[1] != pid]:
         _SHARED.pop(key)[0].close()
-
-
-def restore_advice(root: str) -> str:
-    """What to do with a store whose metadata (at ``root``) is lost or damaged, as commands that work
-    as written: ``pull`` needs the remote's URL, and creates the new store."""
-    return (f"move {root} aside (or remove it), then restore the versions from the store's remote into a new "
-            f"store there: `paramstore --root {root} --remote URL pull VERSION` (`paramstore --root {root} "
-            "--remote URL ls --tier remote` lists them); or start a new store")
 
 
 class _EventsWatch(Watch):
@@ -676,6 +669,7 @@ class LmdbRegistry(Registry):
                 if raw is None or not self._peer_record(peer_id, raw)[1]:
                     self._drop_peer(txn, peer_id)
 
+    @_guarded
     def announce_peer(self, peer: Peer) -> None:
         check_peer(peer)
         self.env  # noqa: B018 -- after fork: reopened (and the parent's peers set aside) first
@@ -688,6 +682,7 @@ class LmdbRegistry(Registry):
             txn.put(peer.id.encode(), json.dumps(record).encode())
         self._announced.add(peer.id)
 
+    @_guarded
     def withdraw_peer(self, peer_id: str) -> None:
         check_peer_id(peer_id)
         self.env  # noqa: B018 -- after fork: reopened (and the parent's peers set aside) first
@@ -763,3 +758,14 @@ class LmdbRegistry(Registry):
 
     def watch(self, what: str = "versions") -> Watch:
         return _EventsWatch(self._events[what])
+
+
+def from_url(url: str | None, meta_dir: str, namespace: str, *, create: bool = True,
+             mode: int = 0o600) -> LmdbRegistry:
+    """The ``lmdb`` entry point (``paramstore.registries``): the store root's own registry, in
+    ``meta_dir``, used when a store is opened with no registry URL (``namespace`` is unused: the
+    environment is the store's alone). See :mod:`paramstore.backends.registries` for the signature."""
+    if url is not None:
+        raise InvalidArgumentError(f"the LMDB registry is the store root's own ({meta_dir}) and has no URL ({url}): "
+                                   "open the store without a registry URL")
+    return LmdbRegistry(meta_dir, create=create, mode=mode)

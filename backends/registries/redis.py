@@ -80,15 +80,15 @@ import threading
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 
 from paramstore import liveness
 from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import (
-    CorruptObjectError, InvalidArgumentError, ParamStoreError, RegistryError, StepOrderError, TagNotFoundError,
-    VersionNotFoundError,
+    CorruptObjectError, InvalidArgumentError, ParamStoreError, ParamStoreWarning, RegistryError, StepOrderError,
+    TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, Version, check_manifest
 
@@ -97,7 +97,7 @@ from .base import (
     check_peer, check_peer_id, unregistered,
 )
 
-__all__ = ["RedisRegistry", "mask_url"]
+__all__ = ["RedisRegistry", "mask_url", "from_url"]
 
 DEFAULT_LEASE_TTL_S = 10.0
 _MAX_STEP = 1 << 64
@@ -981,3 +981,18 @@ class RedisRegistry(Registry):
         else:
             raise ValueError(f"what must be 'versions' or 'leases', got {what!r}")
         return _PubSubWatch(self._client(), channels, self.url, self._timeout)
+
+
+def from_url(url: str, meta_dir: str, namespace: str, *, create: bool = True, mode: int = 0o600) -> RedisRegistry:
+    """The ``redis`` and ``rediss`` entry points (``paramstore.registries``): the store ``namespace``
+    on the server at ``url`` (``meta_dir``, ``create`` and ``mode`` are unused: nothing is kept on
+    this host). See :mod:`paramstore.backends.registries` for the signature.
+
+    A URL without a password draws a ParamStoreWarning: whoever reaches the server could rewrite
+    the store's metadata."""
+    parts = urlsplit(url)
+    if not parts.password and not parse_qs(parts.query).get("password"):
+        warnings.warn(f"the registry URL {url} has no password: anyone who reaches the server can rewrite this "
+                      "store's metadata (use redis://:PASSWORD@host:port/db and requirepass)",
+                      ParamStoreWarning, stacklevel=4)
+    return RedisRegistry(url, namespace)

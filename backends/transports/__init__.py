@@ -5,10 +5,74 @@
 imported only when a transport is created). :class:`Collective` is the contract of a process
 group's transfers (broadcast, all-gather of short messages); :class:`TorchCollective` implements it
 over ``torch.distributed`` (gloo, NCCL, HCCL; torch imported only when one is created).
+
+A store finds its transport by name with :func:`open_transport`, among the entry points of the
+group ``paramstore.transports`` (see :mod:`paramstore.plugins`): the name given, else
+``$PARAMSTORE_TRANSPORT``, else :data:`DEFAULT_TRANSPORT` (``mooncake``). paramstore declares its
+own in its ``pyproject.toml`` exactly as a third party would::
+
+    [project.entry-points."paramstore.transports"]
+    mooncake = "paramstore.backends.transports.mooncake:MooncakeTransport"
+
+An entry point names a **transport factory**, a callable (function or class) with this signature::
+
+    def make(host: str) -> Transport: ...
+
+``host`` is the address other hosts reach this process at (``ParamStore.serve(host)``, else
+``$PARAMSTORE_HOST``, else ``127.0.0.1``). The factory starts its engine there and returns a
+:class:`Transport` whose ``session`` peers read from; it raises TransferError when the engine
+cannot start (with what to install, for a missing one). A third party's NIXL transport, for
+instance, ships ``paramstore_nixl.NixlTransport(host)`` (a :class:`Transport`) and declares::
+
+    [project.entry-points."paramstore.transports"]
+    nixl = "paramstore_nixl:NixlTransport"
+
+then ``PARAMSTORE_TRANSPORT=nixl`` makes every store in the process use it.
 """
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from paramstore.plugins import TRANSPORTS, load
 
 from .base import Buffer, Read, Transport
 from .collective import Collective, Pending, TorchCollective
-from .mooncake import MooncakeTransport
 
-__all__ = ["Transport", "Buffer", "Read", "MooncakeTransport", "Collective", "Pending", "TorchCollective"]
+if TYPE_CHECKING:
+    from .mooncake import MooncakeTransport
+
+__all__ = ["Transport", "Buffer", "Read", "MooncakeTransport", "Collective", "Pending", "TorchCollective",
+           "open_transport", "DEFAULT_TRANSPORT"]
+
+#: The transport used when neither a name nor ``$PARAMSTORE_TRANSPORT`` gives one.
+DEFAULT_TRANSPORT = "mooncake"
+
+
+def open_transport(name: str | None, host: str) -> Transport:
+    """A transport listening on ``host``, made by the entry point ``name`` (None:
+    ``$PARAMSTORE_TRANSPORT``, else :data:`DEFAULT_TRANSPORT`).
+
+    Raises:
+        InvalidArgumentError: no installed transport has that name (the message lists those that
+            are), or its module cannot be imported.
+        TransferError: the engine cannot start.
+
+    Example:
+        >>> open_transport("nixl", "127.0.0.1")
+        Traceback (most recent call last):
+        ...
+        paramstore.errors.InvalidArgumentError: unknown transport 'nixl': installed: mooncake ...
+    """
+    name = name or os.environ.get("PARAMSTORE_TRANSPORT", "").strip() or DEFAULT_TRANSPORT
+    return load(TRANSPORTS, name, "transport")(host)
+
+
+def __getattr__(name: str) -> Any:
+    """The shipped transport, imported when named (the core finds it through its entry point)."""
+    if name == "MooncakeTransport":
+        from .mooncake import MooncakeTransport
+
+        return MooncakeTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
