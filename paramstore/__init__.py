@@ -47,9 +47,9 @@ from .errors import (
 from .manifest import Chunk, Manifest, TensorEntry, Version
 
 if TYPE_CHECKING:
-    from .checkout import FetchReport
     from .commit import CommitHandle
-    from .snapshot import LoadResult, Snapshot
+    from .reports import FetchReport, LoadResult
+    from .snapshot import Snapshot
     from .store import ParamStore
 
 __version__ = "0.1.0"
@@ -57,9 +57,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "ParamStore": "store",
     "Snapshot": "snapshot",
-    "LoadResult": "snapshot",
+    "LoadResult": "reports",
     "CommitHandle": "commit",
-    "FetchReport": "checkout",
+    "FetchReport": "reports",
 }
 
 __all__ = [

@@ -9,7 +9,7 @@
    registry) come from the peers that announced them (:func:`paramstore.peer.fetch`: slices read
    through the transfer engine straight into pre-faulted slabs, hashed as they arrive, renamed into
    place only if the digest matches), then from the remote tier (downloaded, re-hashed, placed).
-   What moved is described by a :class:`FetchReport`, which the snapshot carries (``snap.fetch``).
+   What moved is described by a :class:`~paramstore.reports.FetchReport`, which the snapshot carries (``snap.fetch``).
 3. **Map.** :class:`~paramstore.snapshot.Snapshot` maps each object copy-on-write and views every
    tensor in place: no copy. Each object's header and size are checked against the manifest as it
    is mapped (an object truncated beforehand raises CorruptObjectError, not a short view or a SIGBUS), but
@@ -29,8 +29,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 
@@ -42,8 +40,11 @@ from .errors import (
     TransferError,
     VersionNotFoundError,
 )
+from .delta import fetch_by_patches
 from .manifest import Manifest
-from .ops import quarantine, read_manifest
+from .objects import quarantine, read_manifest
+from .peer import fetch as peer_fetch
+from .reports import FetchReport, TransferReport
 from .root import StoreRoot, VersionSpec
 from .validate import check_bound, check_timeout
 
@@ -52,84 +53,11 @@ if TYPE_CHECKING:
     from paramstore.backends.transports.base import Transport
 
     from .peer import PeerServer
-    from .remote import Remote, TransferReport
+    from .remote import Remote
     from .snapshot import Snapshot
     from .staging import SlabPool
 
-__all__ = ["FetchReport", "Fetcher", "open_snapshot"]
-
-
-@dataclass
-class FetchReport:
-    """How a checkout obtained the bytes of a version.
-
-    Attributes:
-        step: the version.
-        local: objects this host already held (nothing moved for them).
-        from_peers: objects read from peer hosts (verified).
-        from_remote: objects downloaded from the remote tier (verified).
-        from_patches: objects rebuilt here from patches against a version this host holds
-            (verified; see :mod:`paramstore.delta`).
-        patch_bytes: bytes of patch objects moved to this host (also counted in ``bytes_from``).
-        from_group: objects received over a collective group (``checkout(group=pg, src=r)``;
-            verified), counted in ``bytes_from`` under ``"group:<src rank>"``.
-        bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
-        rejected: per peer session, objects whose bytes from that peer failed verification
-            (``"patch"``: patches that did not rebuild their object, which then moved whole;
-            ``"size"``: objects whose size in the registry the header their holder serves
-            contradicts, which were then not read from peers).
-        seconds: time spent obtaining bytes.
-
-    Example:
-        >>> with store.checkout("latest") as snap:
-        ...     report = snap.fetch
-        >>> report.step, report.local, report.moved, report.bytes  # everything was already on this host
-        (1, 1, False, 0)
-        >>> report.as_dict()
-        {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'from_patches': 0, 'patch_bytes': 0,
-         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ...}
-    """
-
-    step: int
-    local: int = 0
-    from_peers: list[str] = field(default_factory=list)
-    from_remote: list[str] = field(default_factory=list)
-    from_patches: list[str] = field(default_factory=list)
-    patch_bytes: int = 0
-    from_group: list[str] = field(default_factory=list)
-    bytes_from: Counter[str] = field(default_factory=Counter)
-    rejected: Counter[str] = field(default_factory=Counter)
-    seconds: float = 0.0
-
-    @property
-    def bytes(self) -> int:
-        """Bytes moved to this host, from every source."""
-        return sum(self.bytes_from.values())
-
-    @property
-    def fetched(self) -> list[str]:
-        """Objects obtained by this host from any source (peers, the remote, rebuilt from patches).
-
-        (Before 0.2 ``store.last_fetch.fetched`` listed the objects read from peers.)
-        """
-        return [*self.from_peers, *self.from_remote, *self.from_patches, *self.from_group]
-
-    @property
-    def missing(self) -> list[str]:
-        """Always empty: a checkout that cannot obtain every object raises ObjectUnavailableError.
-        Kept for code written against ``store.last_fetch`` before 0.2."""
-        return []
-
-    @property
-    def moved(self) -> bool:
-        """Whether any byte had to move."""
-        return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
-                "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),
-                "patch_bytes": self.patch_bytes, "from_group": len(self.from_group), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
-                "rejected": dict(self.rejected), "seconds": self.seconds}
+__all__ = ["Fetcher", "open_snapshot"]
 
 
 class Fetcher:
@@ -168,13 +96,9 @@ class Fetcher:
         report = FetchReport(step, local=len(objects) - len(missing))
         peer_error: TransferError | None = None
         if missing and self._patches:
-            from .delta import fetch_by_patches
-
             fetch_by_patches(self._root, self._pool, step, manifest, report, functools.partial(self._get, report))
             missing = [o for o in missing if not tier.exists(o)]
         if missing and reg.peers():
-            from .peer import fetch as peer_fetch
-
             sizes = reg.object_sizes(missing)
             spans = manifest.spans()
             extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
@@ -211,8 +135,6 @@ class Fetcher:
     def _get(self, report: FetchReport, sizes: "dict[str, int]") -> int:
         """Move these objects (patches) here from peers; returns the bytes moved (counted per peer in
         ``report.bytes_from``). What no peer delivers is simply not here afterwards."""
-        from .peer import fetch as peer_fetch
-
         if not self._root.registry.peers():
             return 0
         sub = FetchReport(report.step)
@@ -253,7 +175,7 @@ def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, mi
     """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
 
     ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). ``verify``:
-    re-hash what was mapped; damaged objects are quarantined (:func:`paramstore.ops.quarantine`)
+    re-hash what was mapped; damaged objects are quarantined (:func:`paramstore.objects.quarantine`)
     and CorruptObjectError names them and the version. ``collective``: obtain the bytes with
     every member of a process group instead (:func:`paramstore.collective.broadcast_version`: it
     resolves the version on the source, and returns with the version registered and its objects

@@ -20,17 +20,16 @@ import json
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from . import __version__
 from .errors import (
     InvalidArgumentError, NotAStoreError, ParamStoreError, ParamStoreWarning, TagNotFoundError, VersionNotFoundError,
 )
+from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin, Policy, infer_mode
 from .root import MARKER, VersionSpec
 from .store import ParamStore
 from .text import plural
-
-if TYPE_CHECKING:
-    from .retention import Policy
 
 __all__ = ["main"]
 
@@ -271,8 +270,6 @@ def _policy_from_flags(args: argparse.Namespace) -> "Policy":
     ``--mode`` or, for a well-known metric name (``loss``: min, ``reward``: max), from the name;
     any other metric without ``--mode`` is refused.
     """
-    from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin, infer_mode
-
     rules: list[Policy] = []
     if args.keep_last is not None:
         rules.append(KeepLast(args.keep_last))
@@ -350,8 +347,6 @@ def _common_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     # The common options are accepted before or after the command (see _common_options).
     common = argparse.ArgumentParser(add_help=False)
     _common_options(common, suppress=True)

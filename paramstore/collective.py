@@ -22,7 +22,7 @@ The protocol (every message is JSON as bytes, buffers are ``uint8``; nothing is 
    a slab of the store's pool (on a CPU group, a bucket inside one object is received straight into
    the slab, and sent straight from the source's mapping); the others receive into a bounce
    buffer. Two buckets are in flight at once. An object whose last byte arrived is verified
-   (:func:`~paramstore.ops.check_buffer`: its digest, and each tensor where the manifest places
+   (:func:`~paramstore.objects.check_buffer`: its digest, and each tensor where the manifest places
    it) on a helper thread while the next buckets arrive; good ones are renamed into the local
    tier, bad ones are discarded, never placed.
 5. **Outcome** (``all_gather_bytes``): if any member met a bad object or an error, every member
@@ -41,17 +41,21 @@ each raises BroadcastError, and its slabs are discarded.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from .checkout import FetchReport
+import blake3
+
 from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
-from .format import loads
+from .format import loads, object_digest, tensor_spans
+from .liveness import libc
 from .manifest import Manifest, Version, check_manifest
-from .ops import check_buffer, read_manifest
+from .objects import check_buffer, check_held, index_entries, read_manifest
+from .reports import FetchReport
 from .root import StoreRoot, VersionSpec
 from .snapshot import MADV_POPULATE_READ  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
 
@@ -104,7 +108,7 @@ def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: 
         bucket_bytes: bytes per broadcast (``src``'s value is used by every member).
 
     Returns:
-        A :class:`~paramstore.checkout.FetchReport`: ``step``, ``local`` (objects this member already
+        A :class:`~paramstore.reports.FetchReport`: ``step``, ``local`` (objects this member already
         held), ``from_group`` (those it received, verified and placed), ``bytes_from["group:<src>"]``
         (their bytes) and ``seconds``. The caller leases ``report.step`` and maps it.
 
@@ -295,8 +299,6 @@ class _Broadcast:
     def _register(self, version: Version, manifest: Manifest, sizes: Mapping[str, int], skip: set[str]) -> None:
         """Register ``version`` here, as a pull does (objects, tensor index; not necessarily the
         newest). The manifest's pieces in objects this host held before are checked first."""
-        from .ops import check_held, index_entries
-
         check_held(self.root, manifest, sizes, skip, f"version {version.step} from rank {self.src}")
         objects, tensors = index_entries(manifest, sizes)
         try:
@@ -462,10 +464,6 @@ class _Buckets:
     def _populate(self, lo: int, hi: int) -> None:
         """Source: fault in the pages of stream bytes ``[lo, hi)`` of its mappings now
         (``madvise(MADV_POPULATE_READ)``, GIL released), instead of inside the send."""
-        import ctypes
-
-        from .liveness import libc
-
         madvise = libc().madvise
         for o, a, b, _ in self._pieces(lo, hi):
             view = self.views.get(o)
@@ -545,7 +543,7 @@ class _InOrder:
 
     :meth:`upto` (called in order, on one thread) hashes each tensor as far as the arrived bytes
     reach, so when the last bucket lands only its bytes are left. :meth:`result` then checks what
-    :func:`~paramstore.ops.check_buffer` checks: the object digest (header and every tensor) and
+    :func:`~paramstore.objects.check_buffer` checks: the object digest (header and every tensor) and
     each tensor the manifest places in the object (``spans``: ``(begin, end) -> digest``).
     """
 
@@ -561,10 +559,6 @@ class _InOrder:
 
     def upto(self, end: int) -> None:
         """Bytes ``[0, end)`` are final."""
-        import blake3
-
-        from .format import tensor_spans
-
         self.reached = max(self.reached, end)
         if self.error:
             return
@@ -586,8 +580,6 @@ class _InOrder:
 
     def result(self) -> str | None:
         """None if every byte arrived and matches; else why not."""
-        from .format import object_digest
-
         if self.error:
             return self.error
         if self.start < 0 or self.reached < self.size:

@@ -41,7 +41,7 @@ import torch
 
 from . import accel
 from .errors import (
-    CommitGroupError, CorruptObjectError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError,
+    CommitGroupError, CorruptObjectError, InvalidArgumentError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError,
     WaitTimeoutError,
 )
 from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
@@ -390,8 +390,6 @@ class Committer:
                     place(*got)
                 del got
             if not taker.names:
-                from .errors import InvalidArgumentError
-
                 raise InvalidArgumentError("the commit's iterable yielded no tensors")
             for spec, src in taker.take_assets():
                 place(spec, src)

@@ -61,21 +61,21 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CorruptObjectError, VersionNotFoundError
 from .format import TensorSpec, layout, loads, object_digest, parse_header, read_header, rehash, tensor_digest, tensor_spans
 from .patch import decode_into, encode
+from .reports import FetchReport, PatchReport
 from .staging import tmp_name
+from .writer import Writer
 
 if TYPE_CHECKING:
-    from .checkout import FetchReport
     from .manifest import Manifest
     from .root import StoreRoot
     from .staging import SlabPool
 
-__all__ = ["Patcher", "PatchReport", "make_patches", "rebuild", "fetch_by_patches", "plan_chain", "patch_summary",
+__all__ = ["Patcher", "make_patches", "rebuild", "fetch_by_patches", "plan_chain", "patch_summary",
            "PATCH_OBJECT_FORMAT", "DEFAULT_MAX_RATIO", "MAX_CHAIN"]
 
 #: The patch-object format this paramstore writes and reads.
@@ -411,8 +411,6 @@ def _patcher_gone(reg: Any, writer: str) -> bool:
     """Whether the writer ``writer`` (a run id) makes no more patches: the store's writer record
     names another run, or none (released at a clean close), or its process on this host is dead
     (checked as :mod:`paramstore.writer` does; one on another host is assumed alive)."""
-    from .writer import Writer
-
     raw = reg.get_meta("writer")
     current = Writer.from_text(raw) if raw else None
     return current is None or current.run_id != writer or not current.alive()
@@ -430,22 +428,6 @@ def patch_summary(root: "StoreRoot", target: int | None = None) -> dict[tuple[in
 
 
 # -- the committing process's thread -------------------------------------------------------------
-@dataclass
-class PatchReport:
-    """What the patcher made for one version: ``{target object: (patch object, size)}``, the base,
-    and how long it took (``error``: why it made nothing, if it failed)."""
-
-    base: int | None
-    target: int
-    patches: dict[str, tuple[str, int]] = field(default_factory=dict)
-    seconds: float = 0.0
-    error: str | None = None
-
-    @property
-    def bytes(self) -> int:
-        return sum(size for _, size in self.patches.values())
-
-
 class Patcher:
     """Makes the patches of each committed version against the version before it, on a daemon
     thread of the committing process. At most one version waits: a newer commit replaces it (a

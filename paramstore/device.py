@@ -46,12 +46,13 @@ import torch
 from . import accel, liveness, safefs
 from .errors import DeviceError, InvalidArgumentError
 from .format import loads
+from .objects import read_manifest
+from .snapshot import Snapshot
 
 from paramstore.backends.tiers.device import DEFAULT_BUCKET_BYTES, DeviceTier
 
 if TYPE_CHECKING:
     from .root import StoreRoot
-    from .snapshot import Snapshot
 
 __all__ = ["DeviceCache", "LatestExporter", "open_exported", "check_device_latest", "DESCRIPTOR_DIR"]
 
@@ -170,9 +171,6 @@ class LatestExporter:
                 self._done.notify_all()
 
     def _export(self, step: int) -> None:
-        from .ops import read_manifest
-        from .snapshot import Snapshot
-
         reg = self._root.registry
         lease = reg.acquire_lease(step, f"device export pid {os.getpid()}")
         try:

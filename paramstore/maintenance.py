@@ -28,12 +28,12 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from . import liveness
 from .errors import InvalidArgumentError
 from .manifest import Version
+from .reports import GcReport, PruneReport
 from .retention import Policy, decide, missing_metrics
 from .root import StoreRoot
 from .staging import recyclers
@@ -41,42 +41,11 @@ from .staging import recyclers
 if TYPE_CHECKING:
     from .remote import Remote
 
-__all__ = ["PruneReport", "GcReport", "prune", "gc", "prune_remote", "gc_remote", "Maintainer",
+__all__ = ["prune", "gc", "prune_remote", "gc_remote", "Maintainer",
            "tier_policies", "TIERS"]
 
 #: Tiers a retention policy can name: ``"local"`` (shared memory) and ``"remote"`` (S3...).
 TIERS = ("local", "remote")
-
-
-@dataclass(frozen=True)
-class PruneReport:
-    """What a prune kept (with reasons) and removed."""
-
-    kept: Mapping[int, list[str]]
-    removed: list[int]
-    dry_run: bool
-    policy: str
-    #: versions the policy dropped but a lease taken meanwhile (or a newer latest) saved, or (remote)
-    #: that a kept version stored as patches is rebuilt from
-    spared: list[int] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "dry_run": self.dry_run, "kept": {str(k): v for k, v in self.kept.items()},
-                "removed": self.removed, "spared": self.spared}
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What a GC deleted (or would delete, in a dry run)."""
-
-    objects: list[str]
-    bytes_freed: int
-    temporary_files: list[str]
-    dry_run: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"dry_run": self.dry_run, "objects_deleted": len(self.objects), "bytes_freed": self.bytes_freed,
-                "temporary_files_deleted": self.temporary_files, "objects": self.objects}
 
 
 def tier_policies(retention: Policy | Mapping[str, Policy] | None) -> dict[str, Policy]:
@@ -236,8 +205,6 @@ def versions_kept(policy: Policy | None, *, upto: int = 8) -> int:
     GC starts to hand old ones back."""
     if policy is None:
         return 0
-    from .manifest import Version
-
     now = time.time()
     versions = [Version(step, created_at=now, nbytes=0, digest="", num_tensors=0) for step in range(1, upto + 1)]
     try:

@@ -38,9 +38,8 @@ import blake3
 
 from .errors import CorruptObjectError, ParamStoreError
 from .format import ITEMSIZE, loads
-from .validate import check_asset_name, check_name
+from .validate import check_asset_name, check_digest, check_name
 
-from paramstore.backends.tiers.base import check_digest
 
 __all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "ASSET_PREFIX", "check_manifest",
            "check_tiling"]

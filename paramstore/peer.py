@@ -37,8 +37,8 @@ import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
-from .checkout import FetchReport
 from .format import ObjectHasher, rehash, tensor_spans
+from .reports import FetchReport
 from .root import StoreRoot
 from .staging import SlabPool
 

@@ -51,18 +51,20 @@ from . import liveness
 from .errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
+from .delta import rebuild
 from .format import loads, rehash
 from .manifest import Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
-from .ops import check_entries, check_held, entries_by_object, index_entries
+from .objects import check_entries, check_held, entries_by_object, index_entries
 from .progress import progress
-from .staging import tmp_name
+from .reports import TransferReport
+from .staging import SlabPool, tmp_name
 from .root import StoreRoot, VersionSpec
 
 from paramstore.backends.registries.base import check_digests
 from paramstore.backends.tiers.remote import RemoteTier
 
-__all__ = ["Remote", "TransferReport", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
+__all__ = ["Remote", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
 
 #: A manifest in the remote larger than this is refused before it is read (CorruptObjectError).
 #: About 150 bytes per tensor: 64 MiB is ~400k tensors.
@@ -86,25 +88,6 @@ def _record_key(step: int) -> str:
 
 def _manifest_key(step: int) -> str:
     return f"manifests/{step:020d}.json"
-
-
-@dataclass(frozen=True)
-class TransferReport:
-    """What a push or pull moved."""
-
-    step: int
-    objects: int  # objects moved
-    bytes: int  # bytes moved
-    skipped: int  # objects the other side already had
-    seconds: float
-    moved: tuple[str, ...] = ()  # digests of the objects moved whole (pull only)
-    url: str = ""  # the remote's URL
-    from_patches: tuple[str, ...] = ()  # objects that moved as patches (pushed as / rebuilt from)
-    patch_bytes: int = 0  # bytes of patch objects moved (counted in ``bytes`` too)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "objects": self.objects, "bytes": self.bytes, "skipped": self.skipped,
-                "seconds": self.seconds, "from_patches": len(self.from_patches), "patch_bytes": self.patch_bytes}
 
 
 @dataclass(frozen=True)
@@ -426,9 +409,6 @@ class Remote:
                 self.pull(root, base, show_progress=show_progress)  # the base first, verified and registered
         wanted = {record.patches[o][0]: record.patches[o][2] for o in lacking}
         got = self._fetch(root, wanted, f"{what} (patches)", show_progress)
-        from .delta import rebuild
-        from .staging import SlabPool
-
         pool = SlabPool(root.tier.tmp_dir, pin=False)
         try:
             for o in lacking:

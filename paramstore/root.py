@@ -91,7 +91,7 @@ class StoreRoot:
     registry: Registry
     tier: LocalTier
     #: manifests read lately, by (step, version digest, created_at): a manifest never changes, and
-    #: parsing one of 10,000 tensors costs ~100 ms at every checkout otherwise (see ops.read_manifest)
+    #: parsing one of 10,000 tensors costs ~100 ms at every checkout otherwise (see objects.read_manifest)
     manifests: "OrderedDict[tuple[int, str, float], Any]" = field(default_factory=OrderedDict)
     manifests_lock: threading.Lock = field(default_factory=threading.Lock)
 

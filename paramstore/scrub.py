@@ -3,7 +3,7 @@
 Off by default (``ParamStore(scrub_rate=None)``). With ``scrub_rate=B`` (bytes per second) a thread
 walks the objects the store's versions reference, one at a time, re-hashes each (blake3, as
 ``verify`` does) and sleeps so that it reads at most ``B`` bytes per second on average. An object
-whose bytes no longer match its digest is quarantined (:func:`paramstore.ops.quarantine`: moved
+whose bytes no longer match its digest is quarantined (:func:`paramstore.objects.quarantine`: moved
 aside, dropped from the dedup index, so no commit reuses it) and reported with a ParamStoreWarning
 that names the versions it damages and says to run ``paramstore verify --repair``. A full pass
 starts over after ``pause`` seconds. Objects that disappear meanwhile (pruned) are skipped.
@@ -17,7 +17,7 @@ import warnings
 from typing import Callable
 
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, ParamStoreWarning
-from .ops import hash_object, quarantine
+from .objects import hash_object, quarantine
 from .root import StoreRoot
 
 __all__ = ["Scrubber", "check_rate"]

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .errors import CommitGroupError, InvalidTensorError, ParamStoreError
-from .format import ITEMSIZE
+from .format import ITEMSIZE, loads
 from .manifest import ASSET_PREFIX, Chunk, TensorEntry, check_tiling
 
 from paramstore.backends.registries.base import check_digests
@@ -321,8 +321,6 @@ def encode(obj: Any) -> bytes:
 def decode(data: bytes) -> Any:
     """The JSON object a member sent; CommitGroupError for anything else (bad JSON or UTF-8, too
     deep, not an object)."""
-    from .format import loads
-
     try:
         return loads(data, dict, "a message of a sharded commit")
     except ValueError as e:

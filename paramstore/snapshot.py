@@ -30,32 +30,24 @@ import ctypes
 import mmap
 import struct
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from .errors import CorruptObjectError, InvalidArgumentError, InvalidTensorError, LoadError, StoreClosedError
 from .liveness import libc
 from .manifest import Chunk, Manifest, TensorEntry, Version
+from .objects import check_buffer
+from .reports import FetchReport, LoadResult
 from .sharded import is_dtensor, local_block
 from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
 
-if TYPE_CHECKING:
-    from .checkout import FetchReport
-
-__all__ = ["Snapshot", "LoadResult"]
+__all__ = ["Snapshot"]
 
 #: madvise advice that maps every page of a range readable now (Linux 5.14+).
 MADV_POPULATE_READ = 22
-
-
-class LoadResult(NamedTuple):
-    """What :meth:`Snapshot.load_into` did not match, as ``Module.load_state_dict`` reports it."""
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
 
 
 class Snapshot(Mapping[str, torch.Tensor]):
@@ -71,7 +63,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
     Attributes:
         version: the :class:`~paramstore.Version` checked out.
         manifest: where each tensor lies.
-        fetch: how the bytes were obtained (:class:`~paramstore.checkout.FetchReport`: objects
+        fetch: how the bytes were obtained (:class:`~paramstore.reports.FetchReport`: objects
             already here, from peers, from the remote; bytes per source), or None.
 
     ``sizes`` (object -> bytes, the registry's records): each object's file must have that size
@@ -394,8 +386,6 @@ class Snapshot(Mapping[str, torch.Tensor]):
             ...     snap.verify()
             {}
         """
-        from .ops import check_buffer
-
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
         spans = self.manifest.spans()

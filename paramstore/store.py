@@ -17,9 +17,9 @@ from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from . import maintenance, ops
-from .assets import AssetsArg
-from .checkout import FetchReport, Fetcher, check_checkout_args, open_snapshot
-from .delta import Patcher
+from .assets import AssetsArg, model_assets, read_assets
+from .checkout import Fetcher, check_checkout_args, open_snapshot
+from .delta import Patcher, patch_summary
 from .errors import (
     InvalidArgumentError,
     ParamStoreWarning,
@@ -29,10 +29,13 @@ from .errors import (
     StoreClosedError,
     WaitTimeoutError,
 )
-from .maintenance import GcReport, Maintainer, PruneReport, tier_policies
+from .export import DEFAULT_EXPORT_SHARD_BYTES, export
+from .maintenance import Maintainer, tier_policies
 from .manifest import Manifest, Version
+from .peer import PeerServer
 from .persist import DEFAULT_BACKLOG, Persister, check_backlog
-from .remote import Remote, TransferReport
+from .remote import Remote
+from .reports import FetchReport, GcReport, PruneReport, TransferReport
 from .retention import Policy, check_commit_metrics
 from .root import MARKER, StoreRoot, VersionSpec, check_creatable, open_root
 from .staging import SlabPool
@@ -43,6 +46,7 @@ from .writer import check_run_id, claim, new_run_id, release
 from paramstore.backends.registries.base import Lease
 from paramstore.backends.transports import open_transport
 from paramstore.backends.transports.base import Transport
+from paramstore.backends.transports.collective import TorchCollective
 
 if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands start fast
     import torch
@@ -50,7 +54,6 @@ if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands
     from .device import DeviceCache, LatestExporter
 
     from .commit import CommitHandle, Committer
-    from .peer import PeerServer
     from .snapshot import Snapshot
 
 __all__ = ["ParamStore"]
@@ -418,7 +421,6 @@ class ParamStore:
             116
         """
         self._check_open()
-        from .assets import model_assets, read_assets
         from .tensors import Taker, check_cast, collect, commit_ranks, is_stream, model_items
 
         # First who commits together (no validation yet: a rank that fails any check below must
@@ -564,8 +566,6 @@ class ParamStore:
 
         self._attach(create=self._create is not False)
         committer = self._get_committer()
-        from .assets import model_assets
-
         committer.prepare(collect(model, assets=model_assets(model)), ahead=self._recycle_ahead)
         if wait and not committer.wait_prepared(timeout):
             raise WaitTimeoutError(f"buffers not prepared within {timeout:.4g} s")
@@ -800,8 +800,6 @@ class ParamStore:
     def _collective(self, group: Any, src: int, version: VersionSpec, min_step: int | None,
                     timeout: float | None, bucket_bytes: int | None) -> Callable[[], FetchReport]:
         """The broadcast of a collective checkout (run by ``open_snapshot`` before it leases)."""
-        from paramstore.backends.transports.collective import TorchCollective
-
         from .collective import broadcast_version
 
         if isinstance(src, bool) or not isinstance(src, int) or src < 0:
@@ -895,8 +893,6 @@ class ParamStore:
             if transport is not None:
                 self._transport = transport
             self._transport_host = host
-            from .peer import PeerServer
-
             self._peer = PeerServer(self._root, self._get_transport())
         return self._peer
 
@@ -1277,8 +1273,6 @@ class ParamStore:
             {}
         """
         self._check_open()
-        from .delta import patch_summary
-
         return patch_summary(self._root, None if version is None else self._root.resolve(version))
 
     def du(self) -> dict[str, Any]:
@@ -1335,8 +1329,6 @@ class ParamStore:
             >>> type(transformers.AutoModelForCausalLM.from_pretrained(root + "/gpt2")).__name__
             'GPT2LMHeadModel'
         """
-        from .export import DEFAULT_EXPORT_SHARD_BYTES, export
-
         self._check_open()
         return export(self._root, self._root.resolve(version), os.fspath(directory),
                       shard_size_bytes=DEFAULT_EXPORT_SHARD_BYTES if shard_size_bytes is None else shard_size_bytes,

@@ -1,4 +1,4 @@
-"""Checks on user input that need no torch: names, tags, metrics, metadata.
+"""Checks on user input that need no torch: names, tags, metrics, metadata, object digests.
 
 Each returns the checked (normalized) value or raises a :class:`~paramstore.ParamStoreError` leaf.
 """
@@ -8,12 +8,40 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from typing import Any, Mapping
 
 from .errors import InvalidArgumentError, InvalidNameError
 
-__all__ = ["check_name", "check_asset_name", "REFUSED_ASSET_SUFFIXES", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
+__all__ = ["check_digest", "is_digest", "check_name", "check_asset_name", "REFUSED_ASSET_SUFFIXES", "check_tag", "check_metrics", "check_metadata", "check_timeout", "check_step", "check_bound",
            "MAX_TAG_BYTES", "MAX_STEP"]
+
+_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is an object digest: 64 lowercase hex digits (see :mod:`paramstore.format`)."""
+    return isinstance(value, str) and _DIGEST.match(value) is not None
+
+
+def check_digest(digest: object) -> str:
+    """``digest`` if it is an object digest (64 lowercase hex digits), else InvalidArgumentError.
+
+    Every digest read from another host, a registry or a bucket passes here before it names a file
+    or a key (:func:`paramstore.backends.tiers.base.object_key`).
+
+    Example:
+        >>> check_digest("ab" * 32) == "ab" * 32
+        True
+        >>> check_digest("../../etc/passwd")
+        Traceback (most recent call last):
+        ...
+        paramstore.errors.InvalidArgumentError: an object digest is 64 lowercase hex digits, got '../../etc/passwd'
+    """
+    if not is_digest(digest):
+        raise InvalidArgumentError(f"an object digest is 64 lowercase hex digits, got {digest!r}")
+    return digest  # type: ignore[return-value]
+
 
 #: Steps are in [0, MAX_STEP): registry keys are 8-byte big-endian.
 MAX_STEP = 1 << 63

@@ -46,9 +46,9 @@ import abc
 import re
 from typing import ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
-from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import InvalidArgumentError, UnregisteredObjectsError, VersionNotFoundError
 from paramstore.manifest import Manifest, Version
+from paramstore.validate import check_digest
 
 __all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
 

@@ -85,12 +85,12 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from paramstore import liveness
-from paramstore.backends.tiers.base import check_digest
 from paramstore.errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, ParamStoreWarning, RegistryError, StepOrderError,
     TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, Version, check_manifest
+from paramstore.validate import check_digest
 
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,

@@ -7,13 +7,13 @@ tier's tests subclass.
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Tier, check_digest, object_key
+from .base import Tier, object_key
 from .local import LocalTier
 
 if TYPE_CHECKING:
     from .remote import RemoteTier
 
-__all__ = ["Tier", "LocalTier", "RemoteTier", "object_key", "check_digest"]
+__all__ = ["Tier", "LocalTier", "RemoteTier", "object_key"]
 
 
 def __getattr__(name: str) -> Any:

@@ -34,34 +34,16 @@ from __future__ import annotations
 import abc
 import mmap
 import os
-import re
 from typing import ClassVar, Iterable, Iterator
 
 from paramstore.errors import InvalidArgumentError
 from paramstore.format import OBJECT_SUFFIX
+from paramstore.validate import check_digest, is_digest
 
-__all__ = ["Tier", "object_key", "digest_of_key", "check_digest", "check_range", "OBJECT_SUFFIX", "OBJECTS_DIR"]
+__all__ = ["Tier", "object_key", "digest_of_key", "check_range", "OBJECT_SUFFIX", "OBJECTS_DIR"]
 
 #: The folder (key prefix) under a tier's root that holds objects.
 OBJECTS_DIR = "objects"
-
-_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
-
-
-def check_digest(digest: object) -> str:
-    """``digest`` if it is an object digest (64 lowercase hex digits), else InvalidArgumentError.
-
-    Example:
-        >>> check_digest("ab" * 32) == "ab" * 32
-        True
-        >>> check_digest("../../etc/passwd")
-        Traceback (most recent call last):
-        ...
-        paramstore.errors.InvalidArgumentError: an object digest is 64 lowercase hex digits, got '../../etc/passwd'
-    """
-    if not isinstance(digest, str) or not _DIGEST.match(digest):
-        raise InvalidArgumentError(f"an object digest is 64 lowercase hex digits, got {digest!r}")
-    return digest
 
 
 def object_key(digest: str) -> str:
@@ -81,7 +63,7 @@ def digest_of_key(name: str) -> str | None:
     if not base.endswith(OBJECT_SUFFIX):
         return None
     d = base[: -len(OBJECT_SUFFIX)]
-    return d if _DIGEST.match(d) else None
+    return d if is_digest(d) else None
 
 
 class Tier(abc.ABC):

@@ -48,8 +48,9 @@ from typing import Iterator, Mapping
 import torch
 
 from paramstore import accel
+from paramstore.validate import check_digest
 
-from .base import Tier, check_digest, check_range
+from .base import Tier, check_range
 
 __all__ = ["DeviceTier", "DEFAULT_BUCKET_BYTES"]
 

@@ -27,8 +27,9 @@ import blake3
 import pytest
 
 from paramstore.errors import InvalidArgumentError
+from paramstore.validate import check_digest
 
-from .base import Tier, check_digest, object_key
+from .base import Tier, object_key
 
 __all__ = ["TierTests", "sample_object"]
 

@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from paramstore.errors import InvalidArgumentError
+from paramstore.store import ParamStore
 
 __all__ = ["open_store", "close_stores", "request_store", "ROOTS_ENV", "REGISTRIES_ENV"]
 
@@ -47,8 +48,6 @@ def open_store(root: str, registry: str | None = None, name: str | None = None, 
     Raises:
         InvalidArgumentError: the store is already open in this process with other options.
     """
-    from paramstore.store import ParamStore
-
     key = (os.getpid(), os.path.abspath(os.fspath(root)), registry, name or None)
     with _stores_lock:
         found = _stores.get(key)
@@ -74,8 +73,6 @@ def request_store(root: Any, registry: Any = None, name: Any = None, *, shared: 
             variable to set), or values of the wrong types.
         NotAStoreError: a shared registry's cache root that is missing outside the listed directories.
     """
-    from paramstore.store import ParamStore
-
     if not isinstance(root, str) or not root or "\0" in root \
             or not all(v is None or isinstance(v, str) for v in (registry, name)):
         raise InvalidArgumentError(f"a paramstore request names its store by root (a path) and optionally registry "

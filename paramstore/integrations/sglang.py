@@ -38,6 +38,7 @@ from typing import Any, Iterable
 import torch
 
 from paramstore.errors import InvalidArgumentError
+from paramstore.format import loads
 from paramstore.integrations._stores import request_store
 
 __all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions"]
@@ -103,8 +104,6 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
 def _body(t: torch.Tensor) -> dict[str, Any]:
     """The request a loader tensor carries, every field checked (it comes from the engine's HTTP
     route: anyone who reaches it); InvalidArgumentError for anything else."""
-    from paramstore.format import loads
-
     try:
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_REQUEST_BYTES:
             raise ValueError("not a request tensor")

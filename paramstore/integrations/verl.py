@@ -129,6 +129,8 @@ from paramstore.errors import (
     WaitTimeoutError,
 )
 from paramstore.integrations._stores import close_stores, open_store
+from paramstore.retention import KeepLast
+from paramstore.store import ParamStore
 
 __all__ = ["BACKEND", "ParamStoreCheckpointEngine", "close_stores", "open_store"]
 
@@ -154,8 +156,6 @@ def _plain(value: Any) -> Any:
 
 
 def _store_options() -> tuple[str, ...]:
-    from paramstore.store import ParamStore
-
     params = inspect.signature(ParamStore.__init__).parameters
     return tuple(p for p in params if p not in ("self", "root", "registry", "name"))
 
@@ -233,8 +233,6 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         self.dtype = _dtype(dtype)
         self._options = {k: _plain(v) for k, v in store_options.items()}
         if "retention" not in self._options and keep_last is not None:
-            from paramstore.retention import KeepLast
-
             self._options["retention"] = KeepLast(keep_last)
         self._snapshot: Any = None  # the rollout's leased version, held until finalize
         self._objects: dict[int, frozenset[str]] = {}  # step -> objects its manifest references (immutable)
