@@ -126,7 +126,7 @@ def broadcast_version(root: StoreRoot, pool: "SlabPool", coll: Collective, src: 
         >>> from paramstore.collective import broadcast_version
         >>> dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
         >>> report = broadcast_version(store._root, store._pool, TorchCollective(), 0, "latest",
-        ...                            resolve=store._resolve)
+        ...                            resolve=store._read.resolve)
         >>> report.step, report.local, report.from_group, dict(report.bytes_from)
         (1, 1, [], {})
         >>> dist.destroy_process_group()

@@ -432,4 +432,4 @@ KeepBest or in commit(metrics=); nothing was written
             warnings.warn(f"retention ranks versions by {r.metric!r} ({r}), but this commit passes only {names} and "
                           f"no version has {r.metric!r} yet: versions without it are not ranked by KeepBest (the "
                           "policy's other rules still apply). Pass it in commit(metrics=) when you have it; this is "
-                          "said once", RuntimeWarning, stacklevel=3)
+                          "said once", RuntimeWarning, stacklevel=4)

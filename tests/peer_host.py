@@ -72,7 +72,7 @@ def main() -> None:
             elif cmd == "patches":
                 store.flush()
                 server.sync()
-                say(patches=store._patcher.last.bytes if store._patcher and store._patcher.last else 0)
+                say(patches=store._write.patcher.last.bytes if store._write.patcher and store._write.patcher.last else 0)
             elif cmd == "checkout":
                 step, seed, changed = map(int, args[:3])
                 store._pool.wait_prepared(60)  # what the last fetch prepared (in a real host: idle time)

@@ -56,7 +56,7 @@ def test_storage_options(shm_dir, tmp_path):
     with ParamStore(os.path.join(shm_dir, "a"), remote=url, storage_options={"auto_mkdir": True}) as store:
         store.commit(1, sd(1)).persisted.result(30)
         assert [v.step for v in store.remote_versions()] == [1]
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgumentError, match="unknown store option 'remote_options'"):
         ParamStore(os.path.join(shm_dir, "b"), remote=url, remote_options={})  # one name: storage_options
 
 
@@ -159,7 +159,7 @@ def test_a_version_no_host_serves_says_to_start_a_server(redis_url, shm_dir):
 
 def test_a_root_on_a_disk_filesystem_warns_once(tmp_path):
     disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-root-{os.getpid()}")
-    from paramstore.store import _fstype
+    from paramstore.opening import _fstype
 
     if _fstype(os.path.dirname(disk)) in ("tmpfs", "ramfs", None):
         pytest.skip("the checkout is itself on a memory filesystem here")
@@ -203,7 +203,7 @@ def test_a_failed_peer_fetch_falls_back_to_the_remote(redis_url, shm_dir, tmp_pa
 
 def test_a_warning_turned_into_an_error_leaks_nothing(tmp_path):
     disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-leak-{os.getpid()}")
-    from paramstore.store import _fstype
+    from paramstore.opening import _fstype
 
     if _fstype(os.path.dirname(disk)) in ("tmpfs", "ramfs", None):
         pytest.skip("the checkout is itself on a memory filesystem here")

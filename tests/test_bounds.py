@@ -92,7 +92,7 @@ def _victim_or_liar(rank: int, world: int, base: str, lie: str) -> dict:
             from paramstore.collective import _Broadcast
 
             try:  # past broadcast_version's own argument check: a source that lies
-                _Broadcast(store._root, store._pool, coll, 1, 1 << 40).run(1, store._resolve, time.monotonic())
+                _Broadcast(store._root, store._pool, coll, 1, 1 << 40).run(1, store._read.resolve, time.monotonic())
             except BroadcastError as e:
                 return {"raised": str(e)}
             return {"raised": None}
@@ -111,7 +111,7 @@ def _victim_or_liar(rank: int, world: int, base: str, lie: str) -> dict:
     t0 = time.monotonic()
     try:
         src = 0 if lie == "status" else 1
-        broadcast_version(store._root, store._pool, coll, src, 1, resolve=store._resolve)
+        broadcast_version(store._root, store._pool, coll, src, 1, resolve=store._read.resolve)
         raised = None
     except BroadcastError as e:
         raised = str(e)

@@ -335,13 +335,13 @@ def test_root_that_cannot_be_a_store(tmp_path, capsys, no_env, kind):
 
 def test_warnings_are_one_line_and_tag_delete_takes_one_name(populated, capsys, no_env):
     disk = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".tmp-cli-{os.getpid()}")
-    from paramstore.store import _fstype
+    from paramstore.opening import _fstype
 
     try:
         if _fstype(os.path.dirname(disk)) not in ("tmpfs", "ramfs", None):
             with pytest.warns(paramstore.ParamStoreWarning):
                 paramstore.ParamStore(disk, create=True).close()  # a store on disk
-            import paramstore.store as store_mod
+            import paramstore.opening as store_mod
 
             store_mod._warned_roots.discard(disk)
             code, out, err = run(capsys, "--root", disk, "ls")

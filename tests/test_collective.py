@@ -299,7 +299,7 @@ def _killed_member(rank: int, world: int, base: str, victim: int) -> dict[str, A
     out: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
-        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=4 << 10)
+        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._read.resolve, bucket_bytes=4 << 10)
         out["raised"] = None
     except BroadcastError as e:
         out["raised"] = str(e)
@@ -365,9 +365,9 @@ def test_bad_arguments_are_refused_before_any_collective(shm_dir, gloo_group):
     with paramstore.ParamStore(f"{shm_dir}/s", create=True) as store:
         coll = TorchCollective()
         with pytest.raises(paramstore.InvalidArgumentError, match="bucket_bytes"):
-            broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=0)
+            broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._read.resolve, bucket_bytes=0)
         with pytest.raises(paramstore.InvalidArgumentError, match="src"):
-            broadcast_version(store._root, store._pool, coll, 1, 1, resolve=store._resolve)
+            broadcast_version(store._root, store._pool, coll, 1, 1, resolve=store._read.resolve)
 
 
 # -- a member that fails mid-stream on its own (an interrupt, a bug) ------------------------------
@@ -397,7 +397,7 @@ def _interrupted_member(rank: int, world: int, base: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
-        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._resolve, bucket_bytes=BUCKET)
+        broadcast_version(store._root, store._pool, coll, 0, 1, resolve=store._read.resolve, bucket_bytes=BUCKET)
         out["raised"] = None
     except BroadcastError as e:
         out["raised"], out["rank"] = str(e), e.rank

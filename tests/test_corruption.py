@@ -337,9 +337,9 @@ def test_background_scrub_quarantines_a_damaged_object(shm_dir):
         _warnings.simplefilter("always")
         with ParamStore(root, scrub_rate=64 << 20) as s:
             deadline = time.monotonic() + 30
-            while not s._scrubber.quarantined and time.monotonic() < deadline:
+            while not s._open.scrubber.quarantined and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert s._scrubber.quarantined == [digest]
+            assert s._open.scrubber.quarantined == [digest]
             assert s.verify()["missing"] == [digest]  # gone from objects/, kept in quarantine/
     msgs = [str(w.message) for w in caught if issubclass(w.category, ParamStoreWarning)]
     assert any(digest in m and "[1]" in m and "verify --repair" in m for m in msgs), msgs

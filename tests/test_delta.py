@@ -60,7 +60,7 @@ def test_a_missing_object_is_rebuilt_from_a_patch_bit_exact(store_root):
         store.commit(1, weights(1))
         store.commit(2, weights(2))
         assert store.flush().step == 2
-        report = store._patcher.last
+        report = store._write.patcher.last
         assert report.base == 1 and report.error is None
         model_bytes = sum(t.nbytes for t in weights(2).values())
         assert 0 < report.bytes < 0.1 * model_bytes  # 1% of elements changed
@@ -80,7 +80,7 @@ def test_patches_are_kept_only_when_smaller(store_root):
         store.commit(1, weights(1))
         store.commit(2, weights(2, fraction=0.9))  # most elements changed: a patch would not pay
         store.flush()
-        assert store._patcher.last.patches == {}
+        assert store._write.patcher.last.patches == {}
         assert store._root.registry.patches() == {(1, 2): {}}  # made, none kept: readers stop waiting
 
 
@@ -135,7 +135,7 @@ def test_retention_drops_the_patches_of_pruned_bases_and_gc_frees_them(store_roo
         assert all(store._root.tier.exists(p) for p in first)
         store.commit(3, weights(3))
         store.flush()
-        store._maintainer.wait_idle(30)
+        store._write.maintainer.wait_idle(30)
         store.gc()  # another pass, in case the background one ran before the prune
         assert set(store._root.registry.patches()) == {(2, 3)}  # version 1 went, and the patch to 2 with it
         assert not any(store._root.tier.exists(p) for p in first)
@@ -151,7 +151,7 @@ def test_with_patches_off_nothing_is_made_or_used(store_root):
         store.commit(1, weights(1))
         store.commit(2, weights(2))
         store.flush()
-        assert store._patcher is None and store._root.registry.patches() == {}
+        assert store._write.patcher is None and store._root.registry.patches() == {}
     with ParamStore(store_root, patches=True) as store:  # made by another process's store
         make_patches(store._root, 1, 2)
         assert patch_summary(store._root)[(1, 2)]["bytes"] > 0
@@ -166,7 +166,7 @@ def test_single_host_store_makes_no_patches_by_default(store_root):
         store.commit(1, weights(1))
         store.commit(2, weights(2))
         store.flush()
-        assert store._patcher is None and store._root.registry.patches() == {}
+        assert store._write.patcher is None and store._root.registry.patches() == {}
 
 
 def test_a_patch_for_another_object_or_a_damaged_base_is_refused(store_root):
@@ -201,7 +201,7 @@ def test_du_show_and_patches_report_patch_bytes(store_root):
         for s in (1, 2):
             store.commit(s, weights(s))
         store.flush()
-        made = store._patcher.last.bytes
+        made = store._write.patcher.last.bytes
         assert store.patches() == store.patches(2) == {(1, 2): {"objects": 1, "bytes": made, "changed": 1}}
         assert store.patches(1) == {}
         du = store.du()

@@ -167,8 +167,8 @@ def test_a_colocated_reader_maps_the_latest_through_cuda_ipc(store_root, tmp_pat
     a = state(3, big=1 << 15)
     with ParamStore(store_root, create=True, device_latest="cuda:0") as store:
         store.commit(1, {k: v.cuda() for k, v in a.items()}).result()
-        assert store._exporter is not None and store._exporter.wait(1, timeout=60)
-        assert store._exporter.error is None
+        assert store._write.exporter is not None and store._write.exporter.wait(1, timeout=60)
+        assert store._write.exporter.error is None
         out = str(tmp_path / "reader.json")
         ctx = mp.get_context("spawn")
         p = ctx.Process(target=_ipc_reader, args=(store_root, 1, out))
@@ -182,9 +182,9 @@ def test_a_colocated_reader_maps_the_latest_through_cuda_ipc(store_root, tmp_pat
             assert got["sums"][n] == pytest.approx(float(t.double().sum().item()), rel=0, abs=1e-6), n
         # the next commit allocates new buffers; version 1's go once nobody leases it
         store.commit(2, {k: (v + 1 if v.is_floating_point() else v).cuda() for k, v in a.items()}).result()
-        assert store._exporter.wait(2, timeout=60)
-        assert set(store._exporter._exported) == {2}
-        assert os.path.exists(store._exporter.path)
+        assert store._write.exporter.wait(2, timeout=60)
+        assert set(store._write.exporter._exported) == {2}
+        assert os.path.exists(store._write.exporter.path)
 
 
 def test_src_and_bucket_bytes_need_a_group(store):
@@ -208,8 +208,8 @@ def test_a_failed_device_placement_releases_the_lease(store, monkeypatch):
     monkeypatch.setattr(DeviceTier, "load", refuse)  # a device out of memory: not to be had on a CPU host
     cache = DeviceCache()
     with pytest.raises(DeviceError, match="made up"):
-        open_snapshot(store._root, store._fetcher, 1, min_step=None, timeout=None, holder="t",
-                      resolve=store._resolve, wait_for=None, pull=lambda s: None,
+        open_snapshot(store._root, store._read.fetcher, 1, min_step=None, timeout=None, holder="t",
+                      resolve=store._read.resolve, wait_for=None, pull=lambda s: None,
                       place=lambda snap: cache.place(snap, torch.device("cpu"), store._root))
     assert store.leases() == []
 

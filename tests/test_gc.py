@@ -107,7 +107,7 @@ def trainer_main(root: str, n: int, results) -> None:
                         handles.pop(0).result(timeout=60)
                     time.sleep(0.002)  # a trainer does other work between commits
                 store.flush(timeout=60)
-                m = store._maintainer
+                m = store._write.maintainer
                 report = {"runs": m.runs, "last_error": repr(m.last_error) if m.last_error else None}
         report["warnings"] = [str(w.message) for w in caught]
         results.put(("trainer", report, None))
@@ -549,10 +549,10 @@ def test_background_retention_keeps_the_store_small(store_root):
     with ParamStore(store_root, retention=KeepLast(2)) as store:
         for s in range(1, 11):
             store.commit(s, state_for(s)).result()
-            store._maintainer.wait_idle(10)
+            store._write.maintainer.wait_idle(10)
         assert [v.step for v in store.versions()][-2:] == [9, 10]
         assert len(store.versions()) <= 3
-        assert store._maintainer.last_error is None
+        assert store._write.maintainer.last_error is None
 
 
 def test_close_runs_the_retention_the_last_commit_asked_for(store_root):

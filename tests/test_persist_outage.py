@@ -75,7 +75,7 @@ def test_outage_keeps_local_retention_working(s3_server, s3_remote, shm_dir):
                 for step in range(1, 13):
                     handles[step] = s.commit(step, model(step))
                     handles[step].result(30)
-                    s._maintainer.wait_idle(30)
+                    s._write.maintainer.wait_idle(30)
                     most_versions = max(most_versions, len(s.versions()))
                     most_leases = max(most_leases, len(push_leases(s)))
                 # Steady state during the outage: the newest `backlog` versions wait (with their
@@ -83,10 +83,10 @@ def test_outage_keeps_local_retention_working(s3_server, s3_remote, shm_dir):
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and (push_leases(s) != {11, 12} or len(s.versions()) > 2):
                     time.sleep(0.05)
-                    s._maintainer.wait_idle(10)
+                    s._write.maintainer.wait_idle(10)
                 assert push_leases(s) == {11, 12}
                 assert [v.step for v in s.versions()] == [11, 12]
-                assert s._persister.pending == backlog
+                assert s._write.persister.pending == backlog
                 assert not handles[12].persisted.done()
             finally:
                 s3_server.start()
@@ -102,7 +102,7 @@ def test_outage_keeps_local_retention_working(s3_server, s3_remote, shm_dir):
             assert "the remote is failing (last error:" in str(info.value) or \
                 "commits come faster than uploads" in str(info.value)
         assert [handles[step].persisted.result(0).step for step in (11, 12)] == [11, 12]
-        assert s._persister.skipped == 10
+        assert s._write.persister.skipped == 10
         assert [v.step for v in s.remote_versions()] == [0, 11, 12]
         assert sorted(s.persisted()) == [11, 12]
         assert push_leases(s) == set()
@@ -160,10 +160,10 @@ def test_reopened_store_resumes_the_uploads_a_killed_trainer_left(s3_server, s3_
         opened = time.monotonic() - t0
         assert [v.step for v in s.versions()] == list(range(1, 8))
         s.wait_persisted(timeout=60)
-        assert s._persister.resumed == []  # opening (as a reader or a CLI command does) uploads nothing
+        assert s._write.persister.resumed == []  # opening (as a reader or a CLI command does) uploads nothing
         s.commit(8, model(8)).result(30)  # the restarted trainer's first commit resumes, by itself
         s.wait_persisted(timeout=60)
-        assert s._persister.resumed == [6, 7]  # the newest `persist_backlog` left behind
+        assert s._write.persister.resumed == [6, 7]  # the newest `persist_backlog` left behind
         # 6 goes up unless 8 was still waiting when 6 and 7 were queued (the oldest is then skipped)
         assert {1, 7, 8} <= {v.step for v in s.remote_versions()} <= {1, 6, 7, 8}
         assert push_leases(s) == set()
@@ -171,7 +171,7 @@ def test_reopened_store_resumes_the_uploads_a_killed_trainer_left(s3_server, s3_
     with ParamStore(root, remote=url, storage_options=opts) as again:  # nothing left to resume
         again.commit(9, model(9)).result(30)
         again.wait_persisted(timeout=60)
-        assert again._persister.resumed == []
+        assert again._write.persister.resumed == []
     with ParamStore(os.path.join(shm_dir, "fresh"), remote=url, storage_options=opts, create=True) as fresh:
         assert_checkout_equal(fresh, 7, model(7))
 
@@ -195,7 +195,7 @@ def test_resume_leaves_versions_another_live_uploader_holds(s3_remote, shm_dir):
         with ParamStore(root, remote=url, storage_options=opts, persist_backlog=1) as s:
             s.commit(4, model(4)).result(30)  # resumes
             s.wait_persisted(timeout=60)
-            assert s._persister.resumed == [2]  # the newest one not being uploaded by a live process
+            assert s._write.persister.resumed == [2]  # the newest one not being uploaded by a live process
             assert {4} <= {v.step for v in s.remote_versions()} <= {2, 4}  # never 3: the live uploader's
     finally:
         holder.kill()

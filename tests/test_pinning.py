@@ -471,7 +471,7 @@ def test_gpu_slabs_are_registered_with_cuda_once_each(store_root):
                 m = {f"w{i}": torch.randn(1 << 20, device=dev) for i in range(4)}
                 store.commit(step, m).result(timeout=120)
                 assert_checkout_equal(store, step, {k: v.cpu() for k, v in m.items()})
-                assert store._maintainer.wait_idle(30) and store._pool.wait_prepared(30)
+                assert store._write.maintainer.wait_idle(30) and store._pool.wait_prepared(30)
             pool = store._pool
             assert pool.pin_device == dev and pool.stats["reused"] > 0, pool.stats
             # each buffer pinned at most once while mapped: no more registrations than buffers made

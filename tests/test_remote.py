@@ -379,10 +379,10 @@ def test_per_tier_retention(s3_server, s3_remote, shm_dir):
             sd = changed(sd, [f"layer{step}.weight"], step)
             s.commit(step, sd)
         s.wait_persisted(timeout=120)
-        s._maintainer.wait_idle(60)  # the last runs after the last push
-        s._maintainer.poke_remote()
-        s._maintainer.poke()
-        s._maintainer.wait_idle(60)
+        s._write.maintainer.wait_idle(60)  # the last runs after the last push
+        s._write.maintainer.poke_remote()
+        s._write.maintainer.poke()
+        s._write.maintainer.wait_idle(60)
         assert [v.step for v in s.versions()] == [7]
         assert [v.step for v in s.remote_versions()] == [0, 3, 6, 7]
         assert set(remote.tier.objects()) == remote.referenced()  # unreferenced objects collected
@@ -412,7 +412,7 @@ def test_cli_push_pull_ls_prune_gc(s3_server, s3_remote, shm_dir):
     assert [p["step"] for p in pushed] == [1, 2, 3]
     assert "yes" in cli(a, "ls").stdout
     assert cli(a, "push").stdout.strip() == "nothing to push"
-    assert [r["step"] for r in json.loads(cli(a, "ls", "--remote", "--json").stdout)] == [1, 2, 3]
+    assert [r["step"] for r in json.loads(cli(a, "ls", "--tier", "remote", "--json").stdout)] == [1, 2, 3]
     ParamStore(b, create=True).close()
     pulled = json.loads(cli(b, "pull", "2", "--json").stdout)
     assert pulled["step"] == 2 and pulled["objects"] >= 1

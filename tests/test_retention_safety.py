@@ -33,8 +33,8 @@ def model(seed: int) -> dict[str, torch.Tensor]:
 def settle(store: ParamStore) -> None:
     """Run background retention over every version committed so far and wait for it (a commit's
     own request for a run comes after its ``result()``)."""
-    store._maintainer.poke()
-    assert store._maintainer.wait_idle(30)
+    store._write.maintainer.poke()
+    assert store._write.maintainer.wait_idle(30)
 
 
 def steps(store: ParamStore) -> list[int]:
@@ -61,7 +61,7 @@ def test_background_retention_prunes_before_the_first_version_with_the_metric(sh
                 metrics = {"eval_reward": 0.5} if step == 5 else None
                 store.commit(step, model(step), metrics=metrics).result()
                 settle(store)
-            assert store._maintainer.last_error is None
+            assert store._write.maintainer.last_error is None
             assert steps(store) == [5, 6]  # 5: best by eval_reward (and one of the last 2)
     assert not [w for w in caught if "retention failed" in str(w.message)]
 
@@ -145,7 +145,7 @@ def test_a_milestone_the_remote_keeps_is_never_skipped_nor_pruned(shm_dir, stall
                         assert 5 in steps(store)  # the milestone waits for upload: never pruned meanwhile
             finally:
                 release()  # else close() would wait for the stalled uploads forever
-            assert store._persister.wait(60)
+            assert store._write.persister.wait(60)
             settle(store)
             remote_steps = [v.step for v in store.remote_versions()]
             assert handles[5].persisted.result(30).step == 5
@@ -175,7 +175,7 @@ def test_local_retention_keeps_what_the_remote_wants_and_has_not_received(shm_di
             for step in range(1, 8):
                 handles[step] = store.commit(step, model(step))
                 handles[step].result(30)
-                assert store._persister.wait(60)  # one upload at a time: nothing is skipped
+                assert store._write.persister.wait(60)  # one upload at a time: nothing is skipped
                 settle(store)
             with pytest.raises(StepOrderError, match="another version at step 5"):
                 handles[5].persisted.result(30)
@@ -205,7 +205,7 @@ def test_a_milestone_given_up_in_an_outage_is_uploaded_once_the_remote_is_back(s
             finally:
                 s3_server.start()
             store.commit(6, model(6)).persisted.result(60)  # the remote works again
-            assert store._persister.wait(60)
+            assert store._write.persister.wait(60)
             settle(store)
             assert 5 in [v.step for v in store.remote_versions()]
             assert steps(store) == [6]  # uploaded, so local KeepLast(1) let it go

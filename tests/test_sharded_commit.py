@@ -294,7 +294,7 @@ def test_a_streaming_commit_holds_at_most_a_couple_of_tensors(store):
     deadline = time.monotonic() + 10
     while not store._pool._want and time.monotonic() < deadline:  # asked for after `committed` resolves
         time.sleep(0.02)
-    assert store._get_committer().wait_prepared(30)
+    assert store._write._get_committer().wait_prepared(30)
     faulted = store._pool.stats["on_the_spot"]
     v2 = store.commit(2, weights(100), dtype=torch.bfloat16).result()
     assert store._pool.stats["on_the_spot"] == faulted

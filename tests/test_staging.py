@@ -36,8 +36,8 @@ def model(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
 
 def settle(store: ParamStore) -> None:
     """Wait until retention (prune + GC) and the slab pool are idle."""
-    if store._maintainer is not None:
-        assert store._maintainer.wait_idle(30)
+    if store._write.maintainer is not None:
+        assert store._write.maintainer.wait_idle(30)
     assert store._pool.wait_prepared(30)
 
 
@@ -76,7 +76,7 @@ def test_prepare_wait_has_every_buffer_ready(store_root, retention, recycle, cop
         with pool._lock:
             assert not pool._missing()
             ready = sum(len(v) for v in pool._free.values())
-        shards = len(store._get_committer()._plan(store._get_committer()._layout[0]))
+        shards = len(store._write._get_committer()._plan(store._write._get_committer()._layout[0]))
         assert ready == copies * shards
         # that many commits, back to back, find them: nothing is faulted on the hot path
         for step in range(1, copies + 1):
@@ -381,7 +381,7 @@ def test_mappings_of_objects_deleted_by_another_gc_are_released(store_root):
 def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch):
     monkeypatch.setattr(commit_mod, "OVERLAP_HASH_MIN_CPUS", 1)
     with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
-        assert store._get_committer()._early is not None
+        assert store._write._get_committer()._early is not None
         prev = None
         for step in range(1, 7):
             m = model(step)

@@ -601,7 +601,7 @@ def _staging_round(ctx: Ctx, sd: dict, dst: dict, *, recycle: bool) -> dict[str,
             t_end[int(step)]["visible_s"] = t - t_end[int(step)]["wall0"]
         bare.append(bare_copy(sd, dst))
         out["hash_s"] = hash_all_cores(sd)
-        store._maintainer.wait_idle(30)
+        store._write.maintainer.wait_idle(30)
         out["pool"] = dict(store._pool.stats)
         out["bare_s"] = bare
     finally:

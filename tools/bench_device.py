@@ -199,7 +199,7 @@ def ipc(tensors: int, rounds: int) -> dict[str, Any]:
     try:
         with ParamStore(os.path.join(root, "s"), create=True, device_latest="cuda:0") as store:
             store.commit(1, model).result()
-            store._exporter.wait(1, timeout=120)
+            store._write.exporter.wait(1, timeout=120)
             out = subprocess.run([sys.executable, "-c", _READER, os.path.join(root, "s"), "1", str(rounds)],
                                  capture_output=True, text=True, timeout=600, check=True)
         got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -154,7 +154,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
     with ParamStore(root, registry=registry, name=name, shard_size_bytes=shard_mib * MiB,
                     prepare_buffers=role == "rollout", pin_memory=False) as store:
         server = store.serve("127.0.0.1")
-        transport = store._get_transport()
+        transport = store._read.get_transport()
         reg, tier = store._root.registry, store._root.tier
         prof = _Prof()
         for m in ("holders", "announce_objects", "withdraw_objects"):

@@ -322,13 +322,13 @@ def host_main(root: str, address: str) -> None:
             elif op == "raw_prepare":  # a registered destination + the chain side channel
                 if raw is not None:
                     raw.close()
-                raw = _RawBuffer(store._get_transport(), cmd["total"], address)
+                raw = _RawBuffer(store._read.get_transport(), cmd["total"], address)
                 say(addr=raw.addr, port=raw.port)
             elif op == "raw_warm":  # connect to the peer's engine before timing (one 4 KiB read)
-                store._get_transport().read(cmd["peer"], [(raw.addr, cmd["remote"], 4096)])
+                store._read.get_transport().read(cmd["peer"], [(raw.addr, cmd["remote"], 4096)])
                 say(warm=True)
             elif op in ("star", "chain"):
-                engine = store._get_transport()._engine
+                engine = store._read.get_transport()._engine
                 deadline = time.monotonic() + cmd.get("timeout", 300)
                 up = _Upstream(raw.total, cmd.get("notify") if op == "chain" else None, cmd.get("timeout", 300))
                 if cmd.get("successor"):

@@ -1,0 +1,211 @@
+"""The rollout's half of a store in this process: resolve, wait, lease, obtain the bytes, map.
+
+:class:`ReadSide` owns what reading starts: the fetcher that obtains the objects this host lacks
+(patches, peers, the remote: :mod:`paramstore.checkout`), this process's transport and peer server
+(:mod:`paramstore.peer`), and the device copies of checked-out versions (:mod:`paramstore.device`).
+:class:`~paramstore.ParamStore` delegates to it and closes it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from .checkout import Fetcher, check_checkout_args, open_snapshot
+from .errors import InvalidArgumentError, VersionNotFoundError, WaitTimeoutError
+from .manifest import Version
+from .peer import PeerServer
+from .opening import Opening
+from .root import StoreRoot, VersionSpec
+from .staging import SlabPool
+from .validate import check_bound, check_timeout
+
+from paramstore.backends.transports import open_transport
+from paramstore.backends.transports.base import Transport
+from paramstore.backends.transports.collective import TorchCollective
+
+if TYPE_CHECKING:
+    from .device import DeviceCache
+    from .remote import TransferReport
+    from .snapshot import Snapshot
+
+__all__ = ["ReadSide"]
+
+
+class ReadSide:
+    """Reads of one store by one process (see the module docstring)."""
+
+    def __init__(self, opening: Opening) -> None:
+        self._open, self._opts = opening, opening.opts
+        self._parts_lock = threading.Lock()
+        self.fetcher: Fetcher | None = None
+        self.peer: PeerServer | None = None
+        self.transport: Transport | None = None
+        self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
+        self.devices: DeviceCache | None = None  # made by the first device checkout
+        opening.on_open(self._opened)
+
+    def _opened(self, root: StoreRoot, pool: SlabPool) -> None:
+        self.fetcher = Fetcher(root, pool, remote=self._open.remote, transport=self.get_transport,
+                               server=lambda: self.peer, prepare_buffers=self._opts.prepare_buffers,
+                               patches=self._opts.use_patches)
+
+    # -- naming and waiting ------------------------------------------------------------------
+    def resolve(self, version: VersionSpec) -> int:
+        """The step ``version`` names here, else in the remote (an empty store, an unknown tag)."""
+        try:
+            return self._open.root.resolve(version)
+        except VersionNotFoundError:
+            if self._open.remote is None:
+                raise
+            return self._open.remote.resolve(version)
+
+    def wait_for(self, step: int, timeout: float | None) -> Version:
+        """:meth:`ParamStore.wait_for <paramstore.ParamStore.wait_for>`."""
+        check_timeout(timeout)
+        check_bound(step, "step")
+        left = self._open.await_root(timeout)
+        reg = self._open.root.registry
+        deadline = None if left is None else time.monotonic() + left
+        with reg.watch() as watch:
+            while True:
+                latest = reg.latest_step()
+                if latest is not None and latest >= step:
+                    return reg.get_version(latest)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WaitTimeoutError(f"no version with step >= {step} within {timeout:.4g} s (latest: {latest})")
+                watch.wait(left)
+
+    def subscribe(self, min_step: int | None, timeout: float | None) -> Iterator[Version]:
+        """:meth:`ParamStore.subscribe <paramstore.ParamStore.subscribe>`."""
+        if min_step is not None:
+            check_bound(min_step, "min_step")
+        check_timeout(timeout)
+        existed = self._open.exists()
+        left = self._open.await_root(timeout)  # WaitTimeoutError naming the path if no store appears
+        reg = self._open.root.registry
+        watch = reg.watch()  # armed now: nothing committed after this call is missed
+        if min_step is None:
+            latest = reg.latest_step() if existed else None  # a store made since the call: all of it is new
+            last = -1 if latest is None else latest
+        else:
+            last = max(min_step - 1, -1)
+        gen = self._follow(watch, last, left)
+        weakref.finalize(gen, watch.close)  # a subscription dropped before its first next() frees its watch
+        return gen
+
+    def _follow(self, watch: Any, last: int, timeout: float | None) -> Iterator[Version]:
+        reg = self._open.root.registry
+        with watch:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                new = list(reg.versions(after=last))
+                for v in new:
+                    last = v.step
+                    yield v
+                if new and timeout is not None:
+                    deadline = time.monotonic() + timeout  # the timeout counts idle time
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                watch.wait(left)  # woken by any change (leases too): re-read and loop
+                self._open.check_open()
+
+    # -- checkout ----------------------------------------------------------------------------
+    def checkout(self, version: VersionSpec, *, min_step: int | None, timeout: float | None, holder: str | None,
+                 verify: bool, device: Any, group: Any, src: int | None, bucket_bytes: int | None) -> Snapshot:
+        """:meth:`ParamStore.checkout <paramstore.ParamStore.checkout>`."""
+        check_checkout_args(version, min_step, timeout)
+        place = self._device_placer(device)
+        if group is None and (src is not None or bucket_bytes is not None):
+            raise InvalidArgumentError("src= and bucket_bytes= are for a collective checkout: pass group= too")
+        if min_step is not None:
+            timeout = self._open.await_root(timeout)
+        collective = None if group is None else self._collective(group, 0 if src is None else src, version,
+                                                                 min_step, timeout, bucket_bytes)
+        root = self._open.root  # opened first: that makes the fetcher
+        return open_snapshot(root, self.fetcher, version, min_step=None if group is not None else min_step,
+                             timeout=timeout, holder=holder or f"pid {os.getpid()}", resolve=self.resolve,
+                             wait_for=self.wait_for, pull=self._pull_if_remote, verify=verify,
+                             collective=collective, place=place)
+
+    def _device_placer(self, device: Any) -> "Callable[[Snapshot], Snapshot] | None":
+        """What turns a checked-out snapshot into one on ``device`` (None: stay a CPU snapshot)."""
+        if device is None:
+            return None
+        from . import accel
+
+        dev = accel.as_device(device)
+        if dev.type == "cpu":
+            return None
+        return lambda snap: self._device_cache().place(snap, dev, self._open.root)
+
+    def _device_cache(self) -> DeviceCache:
+        with self._parts_lock:
+            if self.devices is None:
+                from .device import DeviceCache
+
+                self.devices = DeviceCache(self._opts.device_bucket_bytes)
+            return self.devices
+
+    def _collective(self, group: Any, src: int, version: VersionSpec, min_step: int | None,
+                    timeout: float | None, bucket_bytes: int | None) -> Callable[[], Any]:
+        """The broadcast of a collective checkout (run by ``open_snapshot`` before it leases)."""
+        from .collective import broadcast_version
+
+        if isinstance(src, bool) or not isinstance(src, int) or src < 0:
+            raise InvalidArgumentError(f"src must be a rank (an int >= 0) in the group, got {src!r}")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                         or bucket_bytes <= 0):
+            raise InvalidArgumentError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+
+        def resolve(v: VersionSpec) -> int:  # called on src only
+            return self.wait_for(min_step, timeout).step if min_step is not None else self.resolve(v)
+
+        extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        return lambda: broadcast_version(self._open.root, self._open.pool, TorchCollective(group), src, version,
+                                         resolve=resolve, **extra)
+
+    def _pull_if_remote(self, step: int) -> TransferReport | None:
+        if self._open.remote is None:
+            return None
+        try:
+            return self._open.remote.pull(self._open.root, step)
+        except VersionNotFoundError:
+            return None
+
+    def gather(self, step: int) -> None:
+        """Make every object of version ``step`` present on this host (from peers, else the
+        remote), under a lease: before a push of a version whose blocks were committed on
+        several hosts."""
+        root = self._open.root
+        assert self.fetcher is not None
+        with root.leased([step], holder="paramstore gather"):
+            self.fetcher.fetch(step, root.registry.get_manifest(step))
+
+    # -- peers -------------------------------------------------------------------------------
+    def serve(self, host: str, transport: Transport | None) -> PeerServer:
+        """:meth:`ParamStore.serve <paramstore.ParamStore.serve>`."""
+        if self.peer is None:
+            if transport is not None:
+                self.transport = transport
+            self._transport_host = host
+            self.peer = PeerServer(self._open.root, self.get_transport())
+        return self.peer
+
+    def get_transport(self) -> Transport:
+        """This process's transport, made on first use by the entry point ``$PARAMSTORE_TRANSPORT``
+        names (default ``mooncake``; see :func:`paramstore.backends.transports.open_transport`)."""
+        if self.transport is None:
+            self.transport = open_transport(None, self._transport_host)
+        return self.transport
+
+    def close(self) -> None:
+        """Release the device copies, stop serving, close the transport."""
+        for part in (self.devices, self.peer, self.transport):
+            if part is not None:
+                part.close()
