@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
     from .staging import SlabPool
 
-__all__ = ["Fetcher", "open_snapshot"]
+__all__ = ["Fetcher", "map_version", "release_lease", "check_checkout_args"]
 
 
 class Fetcher:
@@ -166,86 +166,40 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
     return f"{what}: {where}; {todo}"
 
 
-def open_snapshot(root: StoreRoot, fetcher: Fetcher, version: VersionSpec, *, min_step: int | None,
-                  timeout: float | None, holder: str, resolve: Callable[[VersionSpec], int],
-                  wait_for: Callable[[int, float | None], Any],
-                  pull: Callable[[int], "TransferReport | None"], verify: bool = False,
-                  collective: "Callable[[], FetchReport] | None" = None,
-                  place: "Callable[[Snapshot], Snapshot] | None" = None) -> "Snapshot":
-    """Resolve ``version`` (or ``min_step``), lease it, obtain its bytes, and map it.
+def map_version(root: StoreRoot, fetcher: Fetcher, step: int, lease_id: str, *, given: FetchReport | None = None,
+                pulled: TransferReport | None = None, verify: bool = False) -> "Snapshot":
+    """Obtain the bytes of leased version ``step`` and map it; the lease is released if anything fails.
 
-    ``resolve``, ``wait_for`` and ``pull`` are the store's (they know its remote). ``verify``:
-    re-hash what was mapped; damaged objects are quarantined (:func:`paramstore.objects.quarantine`)
-    and CorruptObjectError names them and the version. ``collective``: obtain the bytes with
-    every member of a process group instead (:func:`paramstore.collective.broadcast_version`: it
-    resolves the version on the source, and returns with the version registered and its objects
-    here). ``place``: turn the mapped snapshot into a device one
-    (:meth:`paramstore.device.DeviceCache.place`). See :meth:`paramstore.ParamStore.checkout` for
-    the arguments and errors.
+    ``given``: the report of a collective checkout that already placed the objects (nothing is
+    fetched); ``pulled``: a pull from the remote that placed some (merged into the report).
+    ``verify``: re-hash what was mapped; damaged objects are quarantined
+    (:func:`paramstore.objects.quarantine`) and CorruptObjectError names them and the version.
     """
     from .snapshot import Snapshot
 
     reg = root.registry
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pulled: TransferReport | None = None
-    given: FetchReport | None = collective() if collective is not None else None
-    while True:
-        if given is not None:
-            step = given.step
-        elif min_step is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            step = wait_for(min_step, left).step
-        else:
-            step = resolve(version)
-        try:
-            lease = reg.acquire_lease(step, holder)
-        except VersionNotFoundError:
-            if given is not None:  # pruned here right after the group delivered it
-                raise
-            if min_step is None:
-                pulled = pull(step)
-                if pulled is not None:
-                    continue  # pulled from the remote: lease it now
-            if isinstance(version, int) and min_step is None:
-                raise
-            # pruned between resolving "latest" (or a tag) and leasing: resolve again, unless the
-            # step was named explicitly (as a string from a config file, say)
-            if isinstance(version, str) and _is_step(version) and min_step is None:
-                raise
-            continue
-        release = functools.partial(release_lease, reg, lease.id, os.getpid())
-        try:
-            record = reg.get_version(step)
-            manifest = read_manifest(root, step, version=record)
-            report = given if given is not None else fetcher.fetch(step, manifest)
-            if pulled is not None and pulled.step == step:  # the pull placed some objects already
-                report.from_remote[:0] = pulled.moved
-                report.from_patches[:0] = pulled.from_patches
-                report.patch_bytes += pulled.patch_bytes
-                report.local -= len(pulled.moved) + len(pulled.from_patches)
-                report.bytes_from[pulled.url] += pulled.bytes
-                report.seconds += pulled.seconds
-            snap = Snapshot(record, manifest, root.tier, on_close=release, fetch=report,
-                            sizes=reg.object_sizes(manifest.objects()))
-            if verify:
-                _verify_or_quarantine(root, snap)
-        except ObjectUnavailableError:
-            release()
-            raise
-        except FileNotFoundError as e:  # deleted behind the store's back after the fetch looked
-            release()
-            raise ObjectUnavailableError(f"version {step} references a missing object: {e.filename}; run "
-                                         "`paramstore verify` to see what else is damaged") from e
-        except BaseException:
-            release()
-            raise
-        if place is None:
-            return snap
-        try:
-            return place(snap)
-        except BaseException:
-            snap.close()  # unmaps, and releases the lease
-            raise
+    release = functools.partial(release_lease, reg, lease_id, os.getpid())
+    try:
+        record = reg.get_version(step)
+        manifest = read_manifest(root, step, version=record)
+        report = given if given is not None else fetcher.fetch(step, manifest)
+        if pulled is not None and pulled.step == step:  # the pull placed some objects already
+            report.absorb(pulled)
+        snap = Snapshot(record, manifest, root.tier, on_close=release, fetch=report,
+                        sizes=reg.object_sizes(manifest.objects()))
+        if verify:
+            _verify_or_quarantine(root, snap)
+        return snap
+    except ObjectUnavailableError:  # (a FileNotFoundError too: not wrapped again)
+        release()
+        raise
+    except FileNotFoundError as e:  # deleted behind the store's back after the fetch looked
+        release()
+        raise ObjectUnavailableError(f"version {step} references a missing object: {e.filename}; run "
+                                     "`paramstore verify` to see what else is damaged") from e
+    except BaseException:
+        release()
+        raise
 
 
 def _verify_or_quarantine(root: StoreRoot, snap: "Snapshot") -> None:
@@ -262,10 +216,6 @@ def _verify_or_quarantine(root: StoreRoot, snap: "Snapshot") -> None:
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
     raise CorruptObjectError(f"version {step}: object {first} is damaged ({bad[first]}){where}{more}; run "
                              "`paramstore verify --repair` to fetch a good copy from peers or the remote")
-
-
-def _is_step(version: str) -> bool:
-    return version.lstrip("-").isdigit()
 
 
 def release_lease(registry: "Registry", lease_id: str, owner: int) -> None:

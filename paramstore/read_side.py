@@ -14,10 +14,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .checkout import Fetcher, check_checkout_args, open_snapshot
+from .checkout import Fetcher, check_checkout_args, map_version
 from .errors import InvalidArgumentError, VersionNotFoundError, WaitTimeoutError
 from .manifest import Version
 from .peer import PeerServer
+from .reports import FetchReport, TransferReport
 from .opening import Opening
 from .root import StoreRoot, VersionSpec
 from .staging import SlabPool
@@ -29,7 +30,6 @@ from paramstore.backends.transports.collective import TorchCollective
 
 if TYPE_CHECKING:
     from .device import DeviceCache
-    from .remote import TransferReport
     from .snapshot import Snapshot
 
 __all__ = ["ReadSide"]
@@ -128,10 +128,47 @@ class ReadSide:
         collective = None if group is None else self._collective(group, 0 if src is None else src, version,
                                                                  min_step, timeout, bucket_bytes)
         root = self._open.root  # opened first: that makes the fetcher
-        return open_snapshot(root, self.fetcher, version, min_step=None if group is not None else min_step,
-                             timeout=timeout, holder=holder or f"pid {os.getpid()}", resolve=self.resolve,
-                             wait_for=self.wait_for, pull=self._pull_if_remote, verify=verify,
-                             collective=collective, place=place)
+        given = collective() if collective is not None else None
+        step, lease_id, pulled = self._lease(version, None if group is not None else min_step, timeout,
+                                             holder or f"pid {os.getpid()}", given)
+        snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify)
+        if place is None:
+            return snap
+        try:
+            return place(snap)
+        except BaseException:
+            snap.close()  # unmaps, and releases the lease
+            raise
+
+    def _lease(self, version: VersionSpec, min_step: int | None, timeout: float | None, holder: str,
+               given: FetchReport | None) -> tuple[int, str, TransferReport | None]:
+        """Resolve ``version`` (or wait for ``min_step``; or take the step a collective checkout
+        delivered) and lease it: ``(step, lease id, the pull that placed it, if any)``. A version
+        pruned between resolving and leasing is resolved again; one found only in the remote is
+        pulled first."""
+        reg = self._open.root.registry
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pulled: TransferReport | None = None
+        while True:
+            if given is not None:
+                step = given.step
+            elif min_step is not None:
+                step = self.wait_for(min_step, None if deadline is None else max(0.0, deadline - time.monotonic())).step
+            else:
+                step = self.resolve(version)
+            try:
+                return step, reg.acquire_lease(step, holder).id, pulled
+            except VersionNotFoundError:
+                if given is not None:  # pruned here right after the group delivered it
+                    raise
+                if min_step is None:
+                    pulled = self._pull_if_remote(step)
+                    if pulled is not None:
+                        continue  # pulled from the remote: lease it now
+                    # pruned between resolving "latest" (or a tag) and leasing: resolve again,
+                    # unless the step was named explicitly (an int, or a string from a config file)
+                    if isinstance(version, int) or (isinstance(version, str) and version.lstrip("-").isdigit()):
+                        raise
 
     def _device_placer(self, device: Any) -> "Callable[[Snapshot], Snapshot] | None":
         """What turns a checked-out snapshot into one on ``device`` (None: stay a CPU snapshot)."""
@@ -154,7 +191,7 @@ class ReadSide:
 
     def _collective(self, group: Any, src: int, version: VersionSpec, min_step: int | None,
                     timeout: float | None, bucket_bytes: int | None) -> Callable[[], Any]:
-        """The broadcast of a collective checkout (run by ``open_snapshot`` before it leases)."""
+        """The broadcast of a collective checkout (run before the version is leased here)."""
         from .collective import broadcast_version
 
         if isinstance(src, bool) or not isinstance(src, int) or src < 0:

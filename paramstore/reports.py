@@ -78,6 +78,16 @@ class FetchReport:
         """Whether any byte had to move."""
         return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group)
 
+    def absorb(self, pulled: "TransferReport") -> None:
+        """Count what a pull from the remote placed before this fetch as part of it (those
+        objects were not local: they came from the remote, whole or rebuilt from patches)."""
+        self.from_remote[:0] = pulled.moved
+        self.from_patches[:0] = pulled.from_patches
+        self.patch_bytes += pulled.patch_bytes
+        self.local -= len(pulled.moved) + len(pulled.from_patches)
+        self.bytes_from[pulled.url] += pulled.bytes
+        self.seconds += pulled.seconds
+
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
                 "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),

@@ -203,14 +203,13 @@ def test_a_failed_device_placement_releases_the_lease(store, monkeypatch):
     def refuse(self, sources):
         raise DeviceError("out of device memory (made up for this test)")
 
-    from paramstore.checkout import open_snapshot
-
     monkeypatch.setattr(DeviceTier, "load", refuse)  # a device out of memory: not to be had on a CPU host
     cache = DeviceCache()
+    # the placement a device checkout makes, onto this host's CPU (the only device here)
+    monkeypatch.setattr(store._read, "_device_placer",
+                        lambda device: lambda snap: cache.place(snap, torch.device("cpu"), store._root))
     with pytest.raises(DeviceError, match="made up"):
-        open_snapshot(store._root, store._read.fetcher, 1, min_step=None, timeout=None, holder="t",
-                      resolve=store._read.resolve, wait_for=None, pull=lambda s: None,
-                      place=lambda snap: cache.place(snap, torch.device("cpu"), store._root))
+        store.checkout(1, device="cpu")
     assert store.leases() == []
 
 
