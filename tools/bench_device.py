@@ -60,7 +60,8 @@ def _median(xs: list[float]) -> float:
 
 def staging(gib: float, rounds: int) -> dict[str, Any]:
     """Row 1: commit → staged vs a pinned copy_, and a concurrent matmul's slowdown."""
-    from paramstore import ParamStore, KeepLast
+    from paramstore import ParamStore
+    from paramstore.retention import KeepLast
 
     nbytes = int(gib * (1 << 30))
     model = _model(nbytes, 64, "cuda")
@@ -110,7 +111,8 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from paramstore import KeepLast, ParamStore
+    from paramstore import ParamStore
+    from paramstore.retention import KeepLast
 
     model = _model(int(gib * (1 << 30)), 64, "cuda")
     root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
