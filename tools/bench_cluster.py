@@ -46,6 +46,7 @@ SIGTERM or ``--timeout``. Needs root.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -66,11 +67,16 @@ STRATEGIES = ("swarm", "chain", "star")
 
 
 def store_has_patches() -> bool:
-    import inspect
+    """Whether the paramstore under test has patches (an older checkout, for a baseline, may not)."""
+    try:
+        from paramstore.options import StoreOptions
+    except ImportError:  # before StoreOptions: the options were ParamStore's keyword arguments
+        import inspect
 
-    from paramstore import ParamStore
+        from paramstore import ParamStore
 
-    return "patches" in inspect.signature(ParamStore).parameters
+        return "patches" in inspect.signature(ParamStore).parameters
+    return "patches" in {f.name for f in dataclasses.fields(StoreOptions)}
 
 
 def _cpu_s(pids: list[int]) -> list[float]:

@@ -103,7 +103,7 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
 from __future__ import annotations
 
 import asyncio
-import inspect
+import dataclasses
 import os
 import socket
 import time
@@ -129,6 +129,7 @@ from paramstore.errors import (
     WaitTimeoutError,
 )
 from paramstore.integrations._stores import close_stores, open_store
+from paramstore.options import StoreOptions
 from paramstore.retention import KeepLast
 from paramstore.store import ParamStore
 
@@ -156,8 +157,8 @@ def _plain(value: Any) -> Any:
 
 
 def _store_options() -> tuple[str, ...]:
-    params = inspect.signature(ParamStore.__init__).parameters
-    return tuple(p for p in params if p not in ("self", "root", "registry", "name"))
+    """The ParamStore options the engine passes through (its own keys set root, registry and name)."""
+    return tuple(f.name for f in dataclasses.fields(StoreOptions) if f.name not in ("registry", "name"))
 
 
 def _boot_id() -> str:
