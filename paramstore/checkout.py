@@ -61,7 +61,11 @@ __all__ = ["Fetcher", "map_version", "release_lease", "check_checkout_args"]
 
 
 class Fetcher:
-    """Obtains the objects of a version this host lacks: peers first, then the remote tier.
+    """Obtains the objects of a version this host lacks from an ordered list of sources.
+
+    :attr:`sources`: rebuilt from patches against a version this host holds (with ``patches``),
+    read from peers, downloaded from the remote (when there is one). Each source is given what is
+    still missing and places what it can, verified; the next one gets the rest.
 
     Args:
         root: the host's store.
@@ -71,7 +75,8 @@ class Fetcher:
             lazily: a store that never fetches from peers never starts a transfer engine).
         server: called to get this process's peer server, if it runs one (fetched objects are
             then served to other hosts at once).
-        prepare_buffers: after a peer fetch, prepare slabs for the next version of the same layout.
+        prepare_buffers: after objects arrived from peers or patches, prepare slabs for the next
+            version of the same layout.
         patches: first rebuild what patches can (:func:`paramstore.delta.fetch_by_patches`).
     """
 
@@ -80,7 +85,11 @@ class Fetcher:
                  prepare_buffers: bool = True, patches: bool = False) -> None:
         self._root, self._pool, self._remote = root, pool, remote
         self._transport, self._server, self._prepare = transport, server, prepare_buffers
-        self._patches = patches
+        #: Where objects come from, in order: ``source(step, manifest, missing, report)`` places
+        #: what it can and returns an error worth naming if nothing more comes, else None.
+        self.sources: list[Callable[[int, Manifest, list[str], FetchReport], Exception | None]] = [
+            *([self._from_patches] if patches else []), self._from_peers,
+            *([self._from_remote] if remote is not None else [])]
 
     def fetch(self, step: int, manifest: Manifest) -> FetchReport:
         """Make every object of ``manifest`` present in the local tier (the caller holds a lease).
@@ -90,47 +99,58 @@ class Fetcher:
             CorruptObjectError: the remote holds a damaged copy (nothing damaged is placed).
         """
         t0 = time.monotonic()
-        tier, reg = self._root.tier, self._root.registry
+        tier = self._root.tier
         objects = sorted(manifest.objects())
         missing = [o for o in objects if not tier.exists(o)]
         report = FetchReport(step, local=len(objects) - len(missing))
-        peer_error: TransferError | None = None
-        if missing and self._patches:
-            fetch_by_patches(self._root, self._pool, step, manifest, report, functools.partial(self._get, report))
-            missing = [o for o in missing if not tier.exists(o)]
-        if missing and reg.peers():
-            sizes = reg.object_sizes(missing)
-            spans = manifest.spans()
-            extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
-            try:
-                peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=report, server=self._server(),
-                           extents=extents)
-            except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
-                peer_error = e
+        errors: list[Exception] = []
+        for source in self.sources:
+            if not missing:
+                break
+            error = source(step, manifest, missing, report)
+            errors += [error] if error is not None else []
             missing = [o for o in missing if not tier.exists(o)]
         if self._prepare and (report.from_peers or report.from_patches):
             # destinations for the next version (same layout), faulted in the background
             self._pool.prepare(list(tier.sizes(objects).values()), purpose="fetch")
-        if missing and self._remote is not None:
-            try:
-                got = self._remote.fetch(self._root, step)
-            except VersionNotFoundError:
-                got = None
-            if got is not None:
-                report.from_remote = list(got.moved)
-                report.from_patches += got.from_patches
-                report.patch_bytes += got.patch_bytes
-                if got.bytes:
-                    report.bytes_from[self._remote.url] += got.bytes
-            missing = [o for o in missing if not tier.exists(o)]
         report.seconds = time.monotonic() - t0
         if missing:
             message = _unavailable(self._root, step, missing, self._remote is not None)
-            if peer_error is not None:
-                message += f" (the peer fetch failed: {peer_error})"
-            raise ObjectUnavailableError(message) from peer_error
+            message += "".join(f" ({e})" for e in errors)
+            raise ObjectUnavailableError(message) from (errors[0] if errors else None)
         return report
 
+    def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> None:
+        fetch_by_patches(self._root, self._pool, step, manifest, report, functools.partial(self._get, report))
+
+    def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> Exception | None:
+        reg = self._root.registry
+        if not reg.peers():
+            return None
+        spans = manifest.spans()
+        extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
+        try:
+            peer_fetch(self._root, self._transport(), reg.object_sizes(missing), pool=self._pool, report=report,
+                       server=self._server(), extents=extents)
+        except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
+            error = TransferError(f"the peer fetch failed: {e}")
+            error.__cause__ = e
+            return error
+        return None
+
+    def _from_remote(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> None:
+        assert self._remote is not None
+        try:
+            got = self._remote.fetch(self._root, step)
+        except VersionNotFoundError:
+            return None
+        if got is not None:
+            report.from_remote = list(got.moved)
+            report.from_patches += got.from_patches
+            report.patch_bytes += got.patch_bytes
+            if got.bytes:
+                report.bytes_from[self._remote.url] += got.bytes
+        return None
 
     def _get(self, report: FetchReport, sizes: "dict[str, int]") -> int:
         """Move these objects (patches) here from peers; returns the bytes moved (counted per peer in

@@ -196,8 +196,12 @@ class Committer:
     def __init__(self, tier: LocalTier, registry: Registry, pool: SlabPool, shard_size_bytes: int,
                  *, gc_lock: Callable[[], ContextManager[None]], prepare_buffers: bool = True,
                  on_commit: Callable[[Version, CommitHandle], None] | None = None, writer: str = "",
-                 reclaim: Callable[[float], bool] | None = None) -> None:
+                 reclaim: Callable[[float], bool] | None = None,
+                 announce: Callable[[list[str]], None] | None = None) -> None:
         self._writer = writer  # run id recorded with each version
+        # Serves the objects this host stored to other hosts before the version (or this rank's
+        # part) becomes visible, so whoever it wakes finds them announced (a process's peer server).
+        self._announce = announce
         self._reclaim_space = reclaim  # retention + GC now, waited for (False: none ran)
         self._tier = tier
         self._gc_lock = gc_lock
@@ -494,10 +498,19 @@ class Committer:
         # From the dedup lookup to the publish, GC must not delete what this commit will reference.
         with self._gc_lock():
             entries, new_objects, new_tensors, reused = self._store(job, digests)
+            self._serve(new_objects)
             manifest = Manifest.of(entries, job.collected.aliases)
             version = self._version(job, manifest)
             self._publish_version(version, manifest, new_objects, new_tensors, reused)
             return version
+
+    def _serve(self, objects: Mapping[str, object]) -> None:
+        """Announce the objects just stored here (when this process serves peers), before anyone
+        can see a version naming them. A registry that fails here fails the peer server's rescans
+        too, which say so: the commit goes on."""
+        if self._announce is not None and objects:
+            with contextlib.suppress(ParamStoreError):
+                self._announce(sorted(objects))
 
     def _publish_version(self, version: Version, manifest: Manifest, new_objects: dict[str, ObjectInfo],
                          new_tensors: dict[str, TensorLocation], reused: Mapping[str, int]) -> None:
@@ -545,6 +558,7 @@ class Committer:
                 held.enter_context(self._gc_lock())
                 if job.error is None:
                     entries, new_objects, new_tensors, reused = self._store(job, digests)
+                    self._serve(new_objects)
                     part = job.collected.part(entries) | {
                         "objects": {o: [i.size, list(i.tensors)] for o, i in new_objects.items()},
                         "tensors": {d: list(loc) for d, loc in new_tensors.items()},

@@ -63,7 +63,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import CorruptObjectError, VersionNotFoundError
+from .errors import CorruptObjectError, ParamStoreError, VersionNotFoundError
 from .format import TensorSpec, layout, loads, object_digest, parse_header, read_header, rehash, tensor_digest, tensor_spans
 from .patch import decode_into, encode
 from .reports import FetchReport, PatchReport
@@ -93,14 +93,16 @@ _Key = tuple[str, tuple[int, ...]]  # (tensor name, block offsets): a tensor's i
 
 # -- making ------------------------------------------------------------------------------------
 def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float = DEFAULT_MAX_RATIO,
-                 lock: bool = True) -> dict[str, tuple[str, int]]:
+                 lock: bool = True, announce: Callable[[list[str]], None] | None = None) -> dict[str, tuple[str, int]]:
     """Make, store and record the patch objects rebuilding ``target``'s new objects from ``base``.
 
     "New" objects are those of ``target`` that ``base`` does not reference and this host holds.
     Returns ``{target object: (patch object, size)}`` as recorded (empty when nothing was worth a
     patch, or when either version went meanwhile). Raises VersionNotFoundError if a version is gone
     before its manifest was read. ``lock``: hold the host's GC lock (shared) from the first patch
-    object placed until the record is written, so GC cannot sweep them in between.
+    object placed until the record is written, so GC cannot sweep them in between. ``announce``:
+    called with the patch objects before the record is written (a peer server serves them: readers
+    the record wakes find them announced).
     """
     reg, tier = root.registry, root.tier
     base_m, target_m = reg.get_manifest(base), reg.get_manifest(target)
@@ -121,6 +123,9 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
         return {}
     with (root.gc_lock() if lock else contextlib.nullcontext()):
         out = {obj: _write(root, *patch) for obj, patch in made.items()}
+        if announce is not None:
+            with contextlib.suppress(ParamStoreError):  # the peer server's rescan retries, and says so
+                announce(sorted({p for p, _ in out.values()}))
         return out if reg.add_patches(base, target, out) else {}
 
 
@@ -442,8 +447,9 @@ class Patcher:
         max_ratio: see :data:`DEFAULT_MAX_RATIO`.
     """
 
-    def __init__(self, root: "StoreRoot", writer: str, *, max_ratio: float = DEFAULT_MAX_RATIO) -> None:
-        self._root, self._max_ratio, self._writer = root, max_ratio, writer
+    def __init__(self, root: "StoreRoot", writer: str, *, max_ratio: float = DEFAULT_MAX_RATIO,
+                 announce: Callable[[list[str]], None] | None = None) -> None:
+        self._root, self._max_ratio, self._writer, self._announce = root, max_ratio, writer, announce
         self._announced = False
         self._pending: int | None = None
         self._prev: int | None = None
@@ -531,7 +537,8 @@ class Patcher:
             report.base = self._base(step)
             self._prev = step
             if report.base is not None:
-                report.patches = make_patches(self._root, report.base, step, max_ratio=self._max_ratio)
+                report.patches = make_patches(self._root, report.base, step, max_ratio=self._max_ratio,
+                                              announce=self._announce)
         except VersionNotFoundError as e:
             report.error = str(e)  # pruned before its patches were made: nothing to do
         except Exception as e:  # noqa: BLE001 - the thread must live on: a patch is never needed

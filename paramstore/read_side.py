@@ -234,6 +234,11 @@ class ReadSide:
             self.peer = PeerServer(self._open.root, self.get_transport())
         return self.peer
 
+    def announce(self, digests: list[str]) -> None:
+        """Serve these objects of this host to other hosts now, if this process serves (:meth:`serve`)."""
+        if self.peer is not None:
+            self.peer.serve(digests)
+
     def get_transport(self) -> Transport:
         """This process's transport, made on first use by the entry point ``$PARAMSTORE_TRANSPORT``
         names (default ``mooncake``; see :func:`paramstore.backends.transports.open_transport`)."""

@@ -83,7 +83,7 @@ class ParamStore:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))  # "~/run" is the home's, not ./~
         self._open = Opening(self.root, self.options, remote)
         self._read = ReadSide(self._open)
-        self._write = WriteSide(self._open, gather=self._read.gather)
+        self._write = WriteSide(self._open, gather=self._read.gather, announce=self._read.announce)
         # A script that commits and exits without close() must not lose the in-flight commit.
         ref = weakref.ref(self)
         self._atexit = lambda: (store := ref()) is not None and store.close()

@@ -46,11 +46,13 @@ class WriteSide:
     """Commits of one process to one store, and what follows each (see the module docstring).
 
     ``opening`` opens the store (the first commit creates it); ``gather(step)`` makes every object
-    of a version present on this host (the read side's), before it is pushed.
+    of a version present on this host (the read side's), before it is pushed; ``announce(objects)``
+    serves objects just stored to other hosts, if this process serves (the read side's), before
+    the version or patch record naming them is published.
     """
 
-    def __init__(self, opening: Opening, gather: Callable[[int], None]) -> None:
-        self._open, self._opts, self._gather = opening, opening.opts, gather
+    def __init__(self, opening: Opening, gather: Callable[[int], None], announce: Callable[[list[str]], None]) -> None:
+        self._open, self._opts, self._gather, self._announce = opening, opening.opts, gather, announce
         self.run_id = new_run_id() if self._opts.run_id is None else check_run_id(self._opts.run_id)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a streaming commit is queued
@@ -274,7 +276,7 @@ class WriteSide:
         with self._parts_lock:
             if self.patcher is None:
                 assert self._root is not None
-                self.patcher = Patcher(self._root, self.run_id)
+                self.patcher = Patcher(self._root, self.run_id, announce=self._announce)
             return self.patcher
 
     def _get_committer(self) -> Committer:
@@ -286,7 +288,7 @@ class WriteSide:
             self.committer = Committer(
                 root.tier, root.registry, self.pool, self._opts.shard_size_bytes, gc_lock=root.gc_lock,
                 prepare_buffers=self._opts.prepare_buffers, on_commit=self._after_commit, writer=self.run_id,
-                reclaim=m.reclaim if m is not None else None)
+                reclaim=m.reclaim if m is not None else None, announce=self._announce)
         return self.committer
 
     def _after_commit(self, version: Version, handle: CommitHandle) -> None:

@@ -5,7 +5,8 @@ on stdout and reads commands from stdin:
 
 * ``trainer``: serves, then for each stdin line ``commit STEP SEED CHANGED [SPARSE]`` commits
   :func:`model` and prints ``{"committed": step, "session": ...}`` (``patches`` then waits for
-  the patches of the last commit and prints their bytes).
+  the patches of the last commit and prints their bytes; ``commit-quiet`` does not ask the peer
+  server to rescan after the commit, and ``stop-rescans`` stops its rescans altogether).
 * ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
   out, compares every tensor with :func:`model` and prints what it read from which peer, and how
   many fetched objects landed in slabs the store had prepared (faulted in) beforehand.
@@ -64,11 +65,15 @@ def main() -> None:
         say(ready=True, session=server.peer.session, peer=server.peer.id)
         for line in sys.stdin:
             cmd, *args = line.split()
-            if cmd == "commit":
+            if cmd in ("commit", "commit-quiet"):
                 step, seed, changed = map(int, args[:3])
                 store.commit(step, model(seed, changed, float(args[3]) if args[3:] else 0.0)).result()
-                server.sync()  # announce now rather than on the next rescan
+                if cmd == "commit":
+                    server.sync()  # announce now rather than on the next rescan
                 say(committed=step)
+            elif cmd == "stop-rescans":  # from now on only what the store announces itself is served
+                server.sync = lambda: None  # type: ignore[method-assign]
+                say(stopped=True)
             elif cmd == "patches":
                 store.flush()
                 server.sync()

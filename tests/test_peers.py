@@ -161,6 +161,21 @@ def test_hosts_holding_a_version_move_patches_not_objects(hosts):
     print(f"patches: {made / MODEL_BYTES:.2%} of the model moved per host")
 
 
+def test_a_trainer_serves_what_it_publishes_before_anyone_sees_it(hosts):
+    """A serving trainer announces a commit's objects, and a version's patch objects, before the
+    version (or the patch record) is visible: a rollout woken by it finds every byte. Its peer
+    server's rescans are stopped here, so nothing else announces them (before, the rollout could
+    look before the rescan and find no holder: ObjectUnavailableError, or whole objects moved)."""
+    trainer, rollout = hosts("trainer"), hosts("rollout")
+    assert trainer.ask("stop-rescans") == {"stopped": True}
+    assert trainer.ask("commit-quiet 1 1 16") == {"committed": 1}
+    first = rollout.ask("checkout 1 1 16")
+    assert first["ok"] and first["fetched"] == 2, first
+    trainer.ask("commit-quiet 2 2 16 0.01")
+    second = rollout.ask("checkout 2 2 16 0.01")
+    assert second["ok"] and second["from_patches"] == 2 and second["fetched"] == 0, second
+
+
 def test_an_object_size_the_registry_lies_about_allocates_nothing(hosts, redis_url):
     """A registry writer records a trainer's 32 MiB object as 8 GiB: the rollout host checks the size
     against the header its holder serves before allocating, refuses it, and says so; the object
