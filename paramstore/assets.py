@@ -22,11 +22,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-import warnings
 import weakref
 from typing import Any, Mapping, Union
 
 from .errors import InvalidArgumentError, ParamStoreWarning
+from .text import warn
 from .safefs import create_new, read_regular
 from .validate import REFUSED_ASSET_SUFFIXES, check_asset_name
 
@@ -104,13 +104,12 @@ def dir_assets(directory: str | os.PathLike[str]) -> dict[str, bytes]:
             continue
         target = _inside(path, entry)
         if target is None:
-            warnings.warn(f"paramstore: {entry.path} links outside {path}: not read as an asset", ParamStoreWarning,
-                          stacklevel=3)
+            warn(f"paramstore: {entry.path} links outside {path}: not read as an asset", ParamStoreWarning)
             continue
         out[check_asset_name(entry.name)] = read_regular(target, limit=MAX_ASSET_BYTES)
     if skipped:
-        warnings.warn(f"paramstore: {path}: code and pickle files are never kept as assets: {', '.join(skipped)} "
-                      "skipped", ParamStoreWarning, stacklevel=3)
+        warn(f"paramstore: {path}: code and pickle files are never kept as assets: {', '.join(skipped)} skipped",
+             ParamStoreWarning)
     if not out:
         raise InvalidArgumentError(f"{path} holds no asset files (config, tokenizer...): only weights, "
                                    "subdirectories or hidden files")
@@ -149,9 +148,8 @@ def model_assets(model: Any, dtype: Any = None) -> dict[str, bytes]:
         if callable(getattr(generation, "to_json_string", None)) and can_generate():
             out["generation_config.json"] = generation.to_json_string(use_diff=True).encode()
     except Exception as e:  # noqa: BLE001 - a config transformers itself could not save: warn, commit the weights
-        warnings.warn(f"paramstore: the model's config cannot be written as config.json ({type(e).__name__}: {e}); "
-                      "the version is committed without it (export it with assets_from=MODEL_DIR)",
-                      ParamStoreWarning, stacklevel=3)
+        warn(f"paramstore: the model's config cannot be written as config.json ({type(e).__name__}: {e}); "
+             "the version is committed without it (export it with assets_from=MODEL_DIR)", ParamStoreWarning)
         return {}
     if key is not None:
         _MADE[model] = (key, out)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Callable
 
 from . import maintenance
 from .errors import ParamStoreWarning, StoreClosedError, WaitTimeoutError
+from .text import warn
 from .options import StoreOptions
 from .root import MARKER, StoreRoot, check_creatable, open_root
 from .scrub import Scrubber
@@ -161,11 +161,11 @@ def _warn_if_not_shared_memory(path: str) -> None:
     if fstype is None or fstype in _MEMORY_FILESYSTEMS or path in _warned_roots:
         return
     _warned_roots.add(path)
-    warnings.warn(
+    warn(
         f"store root {path} is on a {fstype} filesystem, not tmpfs: commits and checkouts work, but objects "
         "are written to that filesystem and checkouts map its page cache instead of shared memory (slower, "
         "and evictable). Put the root on /dev/shm (or another tmpfs) for zero-copy shared memory.",
-        ParamStoreWarning, stacklevel=4)
+        ParamStoreWarning)
 
 
 _MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}

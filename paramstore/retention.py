@@ -16,11 +16,11 @@ from __future__ import annotations
 import abc
 import difflib
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .errors import InvalidArgumentError
+from .text import warn
 from .manifest import Version
 
 __all__ = [
@@ -429,7 +429,7 @@ KeepBest or in commit(metrics=); nothing was written
     for r in rules:
         if r.metric not in settled:
             settled.add(r.metric)
-            warnings.warn(f"retention ranks versions by {r.metric!r} ({r}), but this commit passes only {names} and "
+            warn(f"retention ranks versions by {r.metric!r} ({r}), but this commit passes only {names} and "
                           f"no version has {r.metric!r} yet: versions without it are not ranked by KeepBest (the "
                           "policy's other rules still apply). Pass it in commit(metrics=) when you have it; this is "
-                          "said once", RuntimeWarning, stacklevel=4)
+                          "said once", RuntimeWarning)

@@ -28,11 +28,11 @@ import os
 import re
 import time
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 
 from . import liveness
 from .errors import InvalidArgumentError, ParamStoreWarning, UnsafeStoreError, WriterConflictError
+from .text import warn
 from .format import loads
 
 __all__ = ["Writer", "claim", "release", "check_owner", "check_run_id", "new_run_id"]
@@ -121,8 +121,7 @@ def claim(registry: object, run_id: str, *, takeover: bool = False, root: str = 
                     f"store {root} is written by {current.describe()}; this process (run {run_id}) may not commit "
                     "to it. Use another root for a second trainer, or take it over on purpose: "
                     "ParamStore(..., takeover=True)")
-            warnings.warn(f"store {root}: taking over from {current.describe()}, whose process is gone",
-                          ParamStoreWarning, stacklevel=4)
+            warn(f"store {root}: taking over from {current.describe()}, whose process is gone", ParamStoreWarning)
         if registry.swap_meta("writer", raw, me.to_text()) == me.to_text():  # type: ignore[attr-defined]
             return me
     raise WriterConflictError(f"store {root}: could not claim it as writer (another process keeps changing it)")

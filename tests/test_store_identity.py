@@ -327,3 +327,30 @@ def test_a_group_store_of_another_member_is_accepted(shm_path):
     os.chmod(root, 0o700)  # not a group store: someone else's private directory
     with pytest.raises(UnsafeStoreError):
         ParamStore(root)
+
+
+def test_warnings_raised_deep_in_the_package_name_the_callers_line(shm_dir):
+    """The writer-takeover warning is raised four calls below ParamStore.commit; it still names the
+    line of the caller that committed (paramstore.text.warn), not a line of the package."""
+    import dataclasses
+    import subprocess
+    import sys
+    import warnings
+
+    import torch
+
+    from paramstore import ParamStore, ParamStoreWarning
+    from paramstore.writer import Writer
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with ParamStore(os.path.join(shm_dir, "s")) as store:
+        store.commit(1, {"w": torch.ones(2)}).result()
+        gone = dataclasses.replace(Writer.this_process("gone-run"), pid=dead.pid, start=None)
+        reg = store._root.registry
+        reg.swap_meta("writer", reg.get_meta("writer"), gone.to_text())
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            store.commit(2, {"w": torch.zeros(2)}).result()
+    [w] = [w for w in record if issubclass(w.category, ParamStoreWarning)]
+    assert "taking over from run gone-run" in str(w.message) and w.filename == __file__
