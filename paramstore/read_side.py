@@ -1,4 +1,5 @@
-"""The rollout's half of a store in this process: resolve, wait, lease, obtain the bytes, map.
+"""The rollout's half of a store in this process: resolve, wait, lease, obtain the bytes, map;
+and prefetch (obtain the bytes ahead of the checkout that maps them).
 
 :class:`ReadSide` owns what reading starts: the fetcher that obtains the objects this host lacks
 (patches, peers, the remote: :mod:`paramstore.checkout`), this process's transport and peer server
@@ -12,11 +13,13 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .checkout import Fetcher, check_checkout_args, map_version
+from .checkout import Fetcher, check_checkout_args, map_version, release_lease
 from .errors import InvalidArgumentError, VersionNotFoundError, WaitTimeoutError
 from .manifest import Version
+from .objects import read_manifest
 from .peer import PeerServer
 from .reports import FetchReport, TransferReport
 from .opening import Opening
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ReadSide"]
 
+_CLOSE_POLL_S = 0.5  # how often a wait for a version looks whether the store was closed meanwhile
+
 
 class ReadSide:
     """Reads of one store by one process (see the module docstring)."""
@@ -46,6 +51,7 @@ class ReadSide:
         self.transport: Transport | None = None
         self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
         self.devices: DeviceCache | None = None  # made by the first device checkout
+        self._prefetcher: ThreadPoolExecutor | None = None  # made by the first prefetch
         opening.on_open(self._opened)
 
     def _opened(self, root: StoreRoot, pool: SlabPool) -> None:
@@ -78,7 +84,8 @@ class ReadSide:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise WaitTimeoutError(f"no version with step >= {step} within {timeout:.4g} s (latest: {latest})")
-                watch.wait(left)
+                watch.wait(_CLOSE_POLL_S if left is None else min(left, _CLOSE_POLL_S))
+                self._open.check_open()  # a wait (a prefetch's, say) ends when the store closes
 
     def subscribe(self, min_step: int | None, timeout: float | None) -> Iterator[Version]:
         """:meth:`ParamStore.subscribe <paramstore.ParamStore.subscribe>`."""
@@ -114,6 +121,30 @@ class ReadSide:
                     return
                 watch.wait(left)  # woken by any change (leases too): re-read and loop
                 self._open.check_open()
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None) -> Future[Version]:
+        """:meth:`ParamStore.prefetch <paramstore.ParamStore.prefetch>`: on this side's prefetch
+        thread, one version after another, in the order asked."""
+        check_checkout_args(version, min_step, timeout)
+        with self._parts_lock:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="paramstore-prefetch")
+            return self._prefetcher.submit(self._prefetch, version, min_step, timeout)
+
+    def _prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None) -> Version:
+        """Resolve (or wait for) the version, lease it while its objects come here, let go."""
+        if min_step is not None:
+            timeout = self._open.await_root(timeout)
+        root = self._open.root
+        step, lease_id, _ = self._lease(version, min_step, timeout, f"prefetch (pid {os.getpid()})", None)
+        try:
+            record = root.registry.get_version(step)
+            assert self.fetcher is not None
+            self.fetcher.fetch(step, read_manifest(root, step, version=record))
+        finally:
+            release_lease(root.registry, lease_id, os.getpid())
+        return record
 
     # -- checkout ----------------------------------------------------------------------------
     def checkout(self, version: VersionSpec, *, min_step: int | None, timeout: float | None, holder: str | None,
@@ -247,7 +278,10 @@ class ReadSide:
         return self.transport
 
     def close(self) -> None:
-        """Release the device copies, stop serving, close the transport."""
+        """End the prefetches (one waiting for a version ends at once), release the device
+        copies, stop serving, close the transport."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         for part in (self.devices, self.peer, self.transport):
             if part is not None:
                 part.close()

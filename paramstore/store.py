@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from . import maintenance, ops
@@ -259,6 +260,32 @@ class ParamStore:
         self._open.check_open()
         return self._read.checkout(version, min_step=min_step, timeout=timeout, holder=holder, verify=verify,
                                    device=device, group=group, src=src, bucket_bytes=bucket_bytes)
+
+    def prefetch(self, version: VersionSpec = "latest", *, min_step: int | None = None,
+                 timeout: float | None = None) -> Future[Version]:
+        """Bring a version's objects to this host in the background (from patches, peers or the
+        remote, verified, as a checkout would), so that its :meth:`checkout` then moves no bytes
+        (``snap.fetch.moved`` is False): a rollout prefetches the next version while it generates,
+        and pauses only to install. The same forms as ``checkout`` (a step, ``"latest"``, a tag,
+        or ``min_step=`` with ``timeout=``); prefetches run one after another, in the order asked.
+        The objects stay until the version is pruned (a prefetch holds no lease once done).
+
+        Returns:
+            A ``concurrent.futures.Future`` of the :class:`Version`, done once every object is
+            here; it fails with the error a checkout would raise (StoreClosedError if the store
+            is closed first).
+
+        Example:
+            >>> future = store.prefetch(min_step=2, timeout=60)  # the next version, when it comes
+            >>> _ = store.commit(2, model).result()  # (a trainer, elsewhere)
+            >>> future.result(timeout=60).step
+            2
+            >>> with store.checkout(2) as snap:
+            ...     snap.fetch.moved
+            False
+        """
+        self._open.check_open()
+        return self._read.prefetch(version, min_step, timeout)
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order.

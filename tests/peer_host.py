@@ -7,6 +7,8 @@ on stdout and reads commands from stdin:
   :func:`model` and prints ``{"committed": step, "session": ...}`` (``patches`` then waits for
   the patches of the last commit and prints their bytes; ``commit-quiet`` does not ask the peer
   server to rescan after the commit, and ``stop-rescans`` stops its rescans altogether).
+* ``prefetch STEP SEED CHANGED`` (rollout): prefetches ``min_step=STEP`` (says so at once), then
+  checks the version out and prints whether the checkout moved any byte.
 * ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
   out, compares every tensor with :func:`model` and prints what it read from which peer, and how
   many fetched objects landed in slabs the store had prepared (faulted in) beforehand.
@@ -71,6 +73,15 @@ def main() -> None:
                 if cmd == "commit":
                     server.sync()  # announce now rather than on the next rescan
                 say(committed=step)
+            elif cmd == "prefetch":  # prefetch min_step=STEP now; when it is here, check it out
+                step, seed, changed = map(int, args[:3])
+                future = store.prefetch(min_step=step, timeout=60)
+                say(prefetching=step)
+                version = future.result()
+                with store.checkout(version.step) as snap:
+                    want = model(seed, changed)
+                    ok = all(torch.equal(snap[k], v) for k, v in want.items()) and set(snap) == set(want)
+                    say(step=version.step, ok=ok, moved=snap.fetch.moved, local=snap.fetch.local)
             elif cmd == "stop-rescans":  # from now on only what the store announces itself is served
                 server.sync = lambda: None  # type: ignore[method-assign]
                 say(stopped=True)

@@ -176,6 +176,16 @@ def test_a_trainer_serves_what_it_publishes_before_anyone_sees_it(hosts):
     assert second["ok"] and second["from_patches"] == 2 and second["fetched"] == 0, second
 
 
+def test_a_rollout_prefetches_the_next_version_and_its_checkout_moves_nothing(hosts):
+    """Issue 28: the rollout asks for the next version before the trainer commits it; the objects
+    come from the trainer in the background, and the checkout that follows moves no byte."""
+    trainer, rollout = hosts("trainer"), hosts("rollout")
+    assert rollout.ask("prefetch 1 1 16") == {"prefetching": 1}
+    trainer.ask("commit 1 1 16")
+    reply = rollout.expect()
+    assert reply == {"step": 1, "ok": True, "moved": False, "local": 2}, reply
+
+
 def test_an_object_size_the_registry_lies_about_allocates_nothing(hosts, redis_url):
     """A registry writer records a trainer's 32 MiB object as 8 GiB: the rollout host checks the size
     against the header its holder serves before allocating, refuses it, and says so; the object
