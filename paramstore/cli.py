@@ -26,6 +26,7 @@ from . import __version__
 from .errors import (
     InvalidArgumentError, NotAStoreError, ParamStoreError, ParamStoreWarning, TagNotFoundError, VersionNotFoundError,
 )
+from .metrics import serve as serve_metrics
 from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin, Policy, infer_mode
 from .root import MARKER, VersionSpec
 from .store import ParamStore
@@ -55,17 +56,24 @@ def _serve(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     import signal
     import threading
 
-    if args.registry is None:
-        raise ParamStoreError("serve needs a registry shared by the hosts: --registry redis://... --name NAME")
+    if args.registry is None and args.metrics_port is None:
+        raise ParamStoreError("serve needs a registry shared by the hosts: --registry redis://... --name NAME "
+                              "(or --metrics-port N alone: this store's metrics only)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server = store.serve(args.host)
-    session = server.peer.session
-    print(f"serving {plural(len(server.served), 'object')} of {store.root} at {session} "
-          f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
+    out: dict[str, Any] = {}
+    if args.metrics_port is not None:  # the store was opened with metrics=True (_opened)
+        exporter = serve_metrics(args.metrics_port, args.metrics_host)
+        out["metrics"] = url = f"http://{args.metrics_host}:{exporter.server_port}/metrics"
+        print(f"serving the metrics of {store.root} at {url}", file=sys.stderr, flush=True)
+    if args.registry is not None:
+        server = store.serve(args.host)
+        out.update(session=server.peer.session, peer=server.peer.id)
+        print(f"serving {plural(len(server.served), 'object')} of {store.root} at {server.peer.session} "
+              f"(peer {server.peer.id}); Ctrl-C to stop", file=sys.stderr, flush=True)
     stop.wait()
-    return {"session": session, "peer": server.peer.id}, "stopped", 0
+    return out, "stopped", 0
 
 
 def _needs_remote(args: argparse.Namespace) -> bool:
@@ -419,10 +427,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed, remove nothing")
     sp.add_argument("--tier", choices=("local", "remote"), default="local",
                     help="remote: prune the remote's versions (--remote URL) instead of this host's")
-    add("serve", _serve, "serve this host's objects to other hosts (Mooncake transfer engine; "
-        "no authentication: private networks only)").add_argument(
-        "--host", default=os.environ.get("PARAMSTORE_HOST", "127.0.0.1"),
-        help="address other hosts reach this one at (default: $PARAMSTORE_HOST or 127.0.0.1)")
+    sp = add("serve", _serve, "serve this host's objects to other hosts (Mooncake transfer engine; "
+             "no authentication: private networks only), and/or the store's Prometheus metrics")
+    sp.add_argument("--host", default=os.environ.get("PARAMSTORE_HOST", "127.0.0.1"),
+                    help="address other hosts reach this one at (default: $PARAMSTORE_HOST or 127.0.0.1)")
+    sp.add_argument("--metrics-port", type=int, metavar="N",
+                    help="serve Prometheus metrics (paramstore_*, docs/api.md) at http://HOST:N/metrics "
+                         "(needs paramstore[metrics]; without --registry: the metrics alone)")
+    sp.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                    help="address the metrics are served at (default: 127.0.0.1)")
     sp = add("gc", _gc, "delete objects and temporary files no version references")
     sp.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     sp.add_argument("--tier", choices=("local", "remote"), default="local",
@@ -480,7 +493,8 @@ def _opened(args: argparse.Namespace, create: bool | None) -> Iterator[ParamStor
     with warnings.catch_warnings(record=True) as caught:
         try:
             store = ParamStore(args.root, create=create, registry=args.registry, name=args.name,
-                               remote=args.remote if _needs_remote(args) or _repairs(args) else None)
+                               remote=args.remote if _needs_remote(args) or _repairs(args) else None,
+                               metrics=getattr(args, "metrics_port", None) is not None)
         except BaseException:
             for w in caught:
                 if not _about_the_filesystem(w.message):

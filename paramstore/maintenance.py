@@ -30,7 +30,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import liveness
+from . import liveness, metrics
 from .errors import InvalidArgumentError
 from .manifest import Version
 from .reports import GcReport, PruneReport
@@ -86,6 +86,7 @@ def _check_metrics(policy: Policy, versions: list[Version]) -> None:
         raise InvalidArgumentError(f"no version has the metric {missing[0]!r}; check its name (nothing was pruned)")
 
 
+@metrics.observed("prune")
 def _prune(root: StoreRoot, policy: Policy, versions: list[Version], *, dry_run: bool = False,
            now: float | None = None, hold: Mapping[int, list[str]] | None = None) -> PruneReport:
     """:func:`prune` without the metric check; ``hold``: steps kept besides the policy, with reasons."""
@@ -118,6 +119,7 @@ def awaiting_remote(policy: Policy, local: list[Version], remote: list[Version],
             if s in present and received.get(s) != url}
 
 
+@metrics.observed("gc")
 def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
     """Mark and sweep the local tier: delete what no surviving version references."""
     reg, tier = root.registry, root.tier
@@ -162,6 +164,7 @@ def prune_remote(remote: "Remote", policy: Policy, *, dry_run: bool = False,
     return _prune_remote(remote, policy, versions, dry_run=dry_run, now=now)
 
 
+@metrics.observed("remote_prune")
 def _prune_remote(remote: "Remote", policy: Policy, versions: list[Version], *, dry_run: bool = False,
                   now: float | None = None) -> PruneReport:
     """:func:`prune_remote` without the metric check."""
@@ -174,6 +177,7 @@ def _prune_remote(remote: "Remote", policy: Policy, versions: list[Version], *, 
     return PruneReport(kept, remove, dry_run, str(policy), sorted(set(decision.remove) & bases))
 
 
+@metrics.observed("remote_gc")
 def gc_remote(remote: "Remote", *, dry_run: bool = False, grace: float | None = None,
               timeout: float = 60.0) -> GcReport:
     """Delete remote objects no version references, under the remote's exclusive lock.

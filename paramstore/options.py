@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import InvalidArgumentError
+from .metrics import check_available
 from .persist import DEFAULT_BACKLOG, check_backlog
 from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, KeepTagged, KeepWithin, Policy, infer_mode
 from .scrub import check_rate
@@ -92,6 +93,10 @@ class StoreOptions:
             pushed (see :mod:`paramstore.persist` for what is skipped when it is full).
         scrub_rate: re-hash this host's objects in the background at this many bytes per second,
             quarantining any found damaged; None (default): no scrub.
+
+    Observing:
+        metrics: record Prometheus metrics of this store's operations in this process
+            (:mod:`paramstore.metrics`; needs the ``metrics`` extra, else InvalidArgumentError).
     """
 
     create: bool | None = None
@@ -114,12 +119,13 @@ class StoreOptions:
     persist_retry_for: float = 900.0
     persist_backlog: int = DEFAULT_BACKLOG
     scrub_rate: float | None = None
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         for name in ("create", "patches"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
-        for name in ("shared_group", "takeover", "prepare_buffers", "recycle_buffers", "pin_memory"):
+        for name in ("shared_group", "takeover", "prepare_buffers", "recycle_buffers", "pin_memory", "metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _positive_int("shard_size_bytes", self.shard_size_bytes)
@@ -137,6 +143,8 @@ class StoreOptions:
             raise InvalidArgumentError("persist_retry_for must be a non-negative number of seconds, got None")
         check_backlog(self.persist_backlog)
         check_rate(self.scrub_rate)
+        if self.metrics:
+            check_available()  # prometheus_client: the paramstore[metrics] extra
         if self.device_latest is not None and self.device_latest is not False:
             from .device import check_device_latest  # (torch: only for a store that keeps a device copy)
 

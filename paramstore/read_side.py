@@ -16,6 +16,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from . import metrics
 from .checkout import Fetcher, check_checkout_args, map_version, release_lease
 from .errors import InvalidArgumentError, VersionNotFoundError, WaitTimeoutError
 from .manifest import Version
@@ -52,6 +53,7 @@ class ReadSide:
         self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
         self.devices: DeviceCache | None = None  # made by the first device checkout
         self._prefetcher: ThreadPoolExecutor | None = None  # made by the first prefetch
+        metrics.attach(opening)  # ParamStore(metrics=True)
         opening.on_open(self._opened)
 
     def _opened(self, root: StoreRoot, pool: SlabPool) -> None:
@@ -132,21 +134,24 @@ class ReadSide:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="paramstore-prefetch")
             return self._prefetcher.submit(self._prefetch, version, min_step, timeout)
 
+    @metrics.observed("prefetch")
     def _prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None) -> Version:
         """Resolve (or wait for) the version, lease it while its objects come here, let go."""
         if min_step is not None:
             timeout = self._open.await_root(timeout)
         root = self._open.root
-        step, lease_id, _ = self._lease(version, min_step, timeout, f"prefetch (pid {os.getpid()})", None)
+        step, lease_id, pulled = self._lease(version, min_step, timeout, f"prefetch (pid {os.getpid()})", None)
         try:
             record = root.registry.get_version(step)
             assert self.fetcher is not None
-            self.fetcher.fetch(step, read_manifest(root, step, version=record))
+            manifest = read_manifest(root, step, version=record)
+            metrics.fetched(self, self.fetcher.fetch(step, manifest), manifest, pulled)
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
 
     # -- checkout ----------------------------------------------------------------------------
+    @metrics.observed("checkout")
     def checkout(self, version: VersionSpec, *, min_step: int | None, timeout: float | None, holder: str | None,
                  verify: bool, device: Any, group: Any, src: int | None, bucket_bytes: int | None) -> Snapshot:
         """:meth:`ParamStore.checkout <paramstore.ParamStore.checkout>`."""

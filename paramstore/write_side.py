@@ -16,6 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
+from . import metrics
 from .assets import AssetsArg, model_assets, read_assets
 from .delta import Patcher
 from .errors import InvalidArgumentError, ParamStoreError, StepOrderError, WaitTimeoutError
@@ -71,6 +72,7 @@ class WriteSide:
         self.committer: Committer | None = None
         self.patcher: Patcher | None = None
         self.exporter: LatestExporter | None = None
+        metrics.attach(opening)  # ParamStore(metrics=True)
         opening.on_open(self._opened)
 
     def _opened(self, root: StoreRoot, pool: SlabPool) -> None:
@@ -86,6 +88,7 @@ class WriteSide:
             gather=self._before_push, keeps=m.awaiting_remote if m is not None and "remote" in policies else None)
 
     # -- commit ------------------------------------------------------------------------------
+    @metrics.observed("commit")
     def commit(self, step: int, model: Any, *, tags: Iterable[str] | str, metrics: Mapping[str, float] | None,
                metadata: Mapping[str, Any] | None, dtype: "torch.dtype | None", group: Any,
                assets: AssetsArg) -> CommitHandle:

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("data", "plain data, formats, input checks, reports and small utilities", (
         "paramstore.errors", "paramstore.text", "paramstore.format", "paramstore.validate", "paramstore.reports",
         "paramstore.manifest", "paramstore.patch", "paramstore.liveness", "paramstore.progress", "paramstore.safefs",
-        "paramstore.accel", "paramstore.pinning", "paramstore.plugins",
+        "paramstore.accel", "paramstore.pinning", "paramstore.plugins", "paramstore.metrics",
     )),
     ("contracts", "the backend contracts and their conformance suites", (
         "paramstore.backends", "paramstore.backends.*.base", "paramstore.backends.*.testing",
@@ -78,6 +78,7 @@ LAZY_DEPENDENCIES = {
     "vllm": "a framework (paramstore[vllm])",
     "sglang": "a framework",
     "transformers": "a framework",
+    "prometheus_client": "the paramstore[metrics] extra",
 }
 
 #: Modules whose function-level imports of paramstore modules are all allowed, and why.
