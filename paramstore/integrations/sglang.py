@@ -9,6 +9,14 @@ memory; fetched from peers first with a shared registry) and feeds it to the mod
 ``load_weights``, which shards it for tensor parallelism as it does a checkpoint. No weight crosses
 SGLang's serializer, and only what the host lacks crosses the network.
 
+Once a worker has loaded step ``s`` it prefetches the next version (``>= s + 1``) in the background,
+while the engine generates (:meth:`paramstore.ParamStore.prefetch`: from peers or the remote, with a
+shared registry); the next request for a version the prefetch covers waits for it, so the update
+pauses the engine only to install (the checkout moves nothing: :func:`last_fetches`). A request with
+``min_step`` still takes the newest version within the bound present when it arrives, without
+waiting for a newer one. On one host every object is already in the store and there is nothing to
+prefetch.
+
 Set-up (the server and the trainer; nothing else changes)::
 
     python -m sglang.launch_server --model-path MODEL_DIR \\
@@ -24,7 +32,8 @@ with SGLang's own serializer, as its docs show for tensors.)
 **Unverified against SGLang**: SGLang has no CPU build, and no GPU was available where this was
 written. What is tested (``tests/integrations/test_sglang.py``): the request's encoding, and
 :func:`load_weights` on a module exposing ``load_weights(iterable)`` as SGLang's models do, with a
-real store and real processes. What is not: a running SGLang engine, its serializer and its
+real store and real processes, and the prefetch across two hosts' stores (a shared Redis registry
+and a remote). What is not: a running SGLang engine, its serializer and its
 tensor-parallel workers.
 """
 
@@ -37,11 +46,13 @@ from typing import Any, Iterable
 
 import torch
 
-from paramstore.errors import InvalidArgumentError
+from paramstore.errors import InvalidArgumentError, ParamStoreError
 from paramstore.format import loads
+from paramstore.integrations._prefetch import NextVersion
 from paramstore.integrations._stores import request_store
 
-__all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions"]
+__all__ = ["REQUEST_NAME", "LOADER", "request", "load_weights", "update_weights", "loaded_versions",
+           "last_fetches"]
 
 #: The name of the one tensor a request is made of.
 REQUEST_NAME = "paramstore.request"
@@ -52,6 +63,8 @@ _FIELDS = {"root", "version", "min_step", "timeout", "registry", "name"}
 LOADER = "paramstore.integrations.sglang.load_weights"
 
 _loaded: dict[int, int] = {}  # id(model) -> step loaded last
+_fetches: dict[int, Any] = {}  # id(model) -> the FetchReport of its last load's checkout
+_next: dict[int, NextVersion] = {}  # id(store) -> its prefetch of the version after the one loaded
 _lock = threading.Lock()
 
 
@@ -83,22 +96,38 @@ def request(root: str | os.PathLike[str], *, version: int | str | None = None, m
 def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader: decode the request (:func:`request`), check the version out of
     this host's store, and load it with ``model.load_weights``; the snapshot (and its lease) is
-    released as soon as the model holds the weights. Raises InvalidArgumentError for anything but a
-    request, and the store's errors (WaitTimeoutError, VersionNotFoundError...) as they are."""
+    released as soon as the model holds the weights. Then the next version (step + 1) is prefetched
+    in the background while the engine generates; the next request waits for that prefetch when it
+    asks for a version it covers, so its checkout moves nothing (:func:`last_fetches`). Raises
+    InvalidArgumentError for anything but a request, and the store's errors (WaitTimeoutError,
+    VersionNotFoundError...) as they are."""
     items = list(named_tensors)
     if len(items) != 1 or items[0][0] != REQUEST_NAME:
         raise InvalidArgumentError(f"the paramstore loader takes one {REQUEST_NAME!r} tensor made by "
                                    f"paramstore.integrations.sglang.request(), got {[n for n, _ in items][:3]}")
     body = _body(items[0][1])
     store = request_store(body["root"], body["registry"], body["name"])
+    with _lock:
+        nxt = _next.setdefault(id(store), NextVersion())
     if body["min_step"] is not None:
+        # The newest version within the bound as soon as there is one; the prefetch's bytes if it covers it.
+        version = store.wait_for(body["min_step"], timeout=body["timeout"])
+        nxt.settle(version.step, body["timeout"])
         snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"])
     else:
+        try:
+            step = store.get(body["version"]).step
+        except ParamStoreError:
+            step = None  # the checkout raises what is wrong
+        if step is not None:
+            nxt.settle(step, body["timeout"])
         snap = store.checkout(body["version"])
     with snap:
         model.load_weights(iter(snap.items()))
         with _lock:
-            _loaded[id(model)] = snap.step
+            _loaded[id(model)] = snap.step  # only once the model holds every tensor
+            _fetches[id(model)] = snap.fetch
+    nxt.start(store, snap.step + 1)
 
 
 def _body(t: torch.Tensor) -> dict[str, Any]:
@@ -125,6 +154,13 @@ def loaded_versions() -> dict[int, int]:
     """In a worker process: ``id(model)`` -> the step :func:`load_weights` last loaded into it."""
     with _lock:
         return dict(_loaded)
+
+
+def last_fetches() -> dict[int, Any]:
+    """In a worker process: ``id(model)`` -> the :class:`paramstore.FetchReport` of the checkout of
+    its last :func:`load_weights` (``moved`` False: the bytes were here, prefetched or local)."""
+    with _lock:
+        return dict(_fetches)
 
 
 def update_weights(engine: Any, root: str | os.PathLike[str], **kwargs: Any) -> Any:

@@ -25,6 +25,7 @@ worker before the backend is built, which registers it)::
               # name: run-42                            # ...and the store's name there
               # keep_last: 1               # versions retention keeps (None: keep every one)
               # dtype: bfloat16            # store floating-point weights in this dtype
+              # prefetch: true             # fetch the next version while the rollout generates
 
 or on the command line::
 
@@ -43,7 +44,7 @@ rank and ``receive_weights`` on every rollout worker, then ``finalize`` on all.
 **Arguments** (:class:`ParamStoreCheckpointEngine`): verl passes ``bucket_size`` (unused: nothing is
 bucketed, each tensor goes to shared memory whole) and, on trainer ranks, ``is_master`` (rank 0);
 the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``name``, ``eta``,
-``timeout``, ``keep_last``, ``dtype``, and any other keyword argument of
+``timeout``, ``keep_last``, ``dtype``, ``prefetch``, and any other keyword argument of
 :class:`paramstore.ParamStore` (``shard_size_bytes``, ``remote``, ``storage_options``, ``run_id``,
 ...), passed on to it. An unknown key is refused at once with the list of accepted ones.
 
@@ -76,6 +77,22 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
   previous step) and returns at once. ``eta=0`` waits for the step itself (up to ``timeout``).
 - ``global_steps=None``: the trainer commits the store's latest step + 1 (0 for an empty store);
   a rollout takes the newest version there is (waiting up to ``timeout`` for one).
+- *Prefetch: the pause is the install.* As soon as a rollout has handed over every tensor of step
+  ``s``, it prefetches the next version (:meth:`paramstore.ParamStore.prefetch`): a background
+  thread waits for the first version with step ``>= s + 1`` and brings its objects to this host
+  (from patches, peers or the remote, verified) while the server generates. The next
+  ``receive_weights`` first finds the version the staleness bound allows (as before: with ``eta >=
+  1`` the newest one present, without waiting for the prefetch's), waits for the prefetch only when
+  that prefetch covers it, then checks out: the checkout maps bytes already here and moves nothing
+  (:attr:`~ParamStoreCheckpointEngine.last_fetch` ``.moved`` False). A failed prefetch only means the
+  checkout fetches itself. On one host (trainer and rollouts share the store's root) every object is
+  already here and the prefetch has nothing to do; it matters with a shared registry across hosts.
+  ``prefetch: false`` turns it off.
+- *Installed equals committed.* :attr:`~ParamStoreCheckpointEngine.installed_step` (the version
+  reported as installed) changes only once a receive has handed over every tensor; an install
+  stopped part-way leaves it as it was. :meth:`~ParamStoreCheckpointEngine.check_installed` compares
+  what the inference engine holds, through the loader's name mapping (renamed and fused tensors
+  included), with that version bit for bit and names what differs.
 - *Leases.* A rollout holds its snapshot (a lease: the version cannot be pruned) from
   ``receive_weights`` until ``finalize()`` or its next ``receive_weights``/``get_weights``; tensors
   already handed over stay valid after that (they keep their mapping).
@@ -108,7 +125,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import AsyncGenerator, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -128,6 +145,7 @@ from paramstore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from paramstore.integrations._prefetch import NextVersion
 from paramstore.integrations._stores import close_stores, open_store
 from paramstore.options import StoreOptions
 from paramstore.retention import KeepLast
@@ -142,7 +160,7 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Default number of versions retention keeps (besides those rollouts hold).
 DEFAULT_KEEP_LAST = 1
 
-_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype")
+_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype", "prefetch")
 
 
 
@@ -193,6 +211,9 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             Ignored when ``retention`` (a :mod:`paramstore.retention` policy) is passed.
         dtype: store floating-point weights in this dtype (``"bfloat16"``, ``torch.bfloat16``), cast
             while copying; None keeps the trainer's dtypes.
+        prefetch: a rollout prefetches the next version (step + 1) as soon as a receive completes, so
+            the next receive only installs (default True; False: the whole fetch happens inside
+            ``receive_weights``).
         **store_options: other :class:`paramstore.ParamStore` keyword arguments.
 
     Raises:
@@ -203,7 +224,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     def __init__(self, bucket_size: int = 0, is_master: bool = False, *, root: str | None = None,
                  registry: str | None = None, name: str | None = None, eta: int = 0,
                  timeout: float | None = DEFAULT_TIMEOUT_S, keep_last: int | None = DEFAULT_KEEP_LAST,
-                 dtype: str | torch.dtype | None = None, **store_options: Any) -> None:
+                 dtype: str | torch.dtype | None = None, prefetch: bool = True, **store_options: Any) -> None:
         if not root:
             raise InvalidArgumentError(
                 "the paramstore checkpoint engine needs a store root: set "
@@ -220,6 +241,8 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             raise InvalidArgumentError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None (keep every version), got {keep_last!r}")
+        if not isinstance(prefetch, bool):
+            raise InvalidArgumentError(f"prefetch must be true or false, got {prefetch!r}")
         if registry and not name:
             raise InvalidArgumentError("a shared registry needs engine_kwargs.paramstore.name: the store's name there, "
                                        "the same on every worker")
@@ -235,7 +258,16 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         self._options = {k: _plain(v) for k, v in store_options.items()}
         if "retention" not in self._options and keep_last is not None:
             self._options["retention"] = KeepLast(keep_last)
+        self.prefetch = prefetch
         self._snapshot: Any = None  # the rollout's leased version, held until finalize
+        self._next = NextVersion()  # the rollout's prefetch of the version after the one it installed
+        #: The step of the version this rollout last handed to the inference server *completely*
+        #: (every tensor of it consumed from :meth:`receive_weights` or :meth:`get_weights`); None
+        #: before the first. It does not change when an install stops part-way.
+        self.installed_step: int | None = None
+        #: The :class:`paramstore.FetchReport` of the last receive's checkout (``moved`` False: the
+        #: bytes were here already, brought by the prefetch or committed on this host).
+        self.last_fetch: Any = None
         self._objects: dict[int, frozenset[str]] = {}  # step -> objects its manifest references (immutable)
         self.rank: int | None = None
 
@@ -438,6 +470,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         self._hold(snap)
         for name in snap:
             yield name, snap[name]
+        self._installed(snap)
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield ``(name, tensor)`` of the latest version this host holds (verl's cached-weights hook).
@@ -451,6 +484,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         self._hold(snap)
         for name in snap:
             yield name, snap[name]
+        self._installed(snap)
 
     def _holder(self) -> str:
         return f"verl rollout pid {os.getpid()}"
@@ -458,6 +492,11 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     def _checkout_min(self, min_step: int, global_steps: int | None) -> Any:
         store = self.store
         try:
+            # The newest version within the bound, as soon as there is one (the staleness contract);
+            # then, if the prefetch started after the last receive covers it, its bytes (here or
+            # arriving): the checkout below maps them and moves nothing.
+            version = store.wait_for(min_step, timeout=self.timeout)
+            self._next.settle(version.step, self.timeout)
             return store.checkout(min_step=min_step, timeout=self.timeout, holder=self._holder())
         except WaitTimeoutError as e:
             try:
@@ -483,6 +522,74 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         old, self._snapshot = self._snapshot, snap
         if old is not None:
             old.close()
+        self.last_fetch = snap.fetch
+
+    def _installed(self, snap: Any) -> None:
+        """Every tensor of ``snap`` was handed over: it is the installed version now; the next one
+        is prefetched while the server generates."""
+        self.installed_step = snap.step
+        if self.prefetch:
+            self._next.start(self.store, snap.step + 1)
+
+    # -- installed equals committed ---------------------------------------------------------------
+    def check_installed(self, installed: Any, *, rename: Mapping[str, Any] | Callable[[str], Any] | None = None,
+                        step: int | None = None) -> list[str]:
+        """Compare what the inference engine holds with the version, tensor by tensor, bit for bit.
+
+        Run it on the rollout side after an update (as Miles' ``--check-weight-update-equal``): a
+        loader that skipped a tensor, a bucket overwritten before it was read, an install stopped
+        part-way all show here.
+
+        Args:
+            installed: the engine's tensors: a ``torch.nn.Module`` (its ``state_dict()``), a mapping
+                of name to tensor, or an iterable of ``(name, tensor)`` pairs; on any device.
+            rename: how the loader names the version's tensors in the engine (its name mapping): a
+                mapping or a callable from the version's name to the engine's name; or to ``(name,
+                index)`` for a tensor the loader placed inside a fused one (``installed[name][index]``
+                holds its bytes, e.g. ``("qkv_proj.weight", slice(0, 64))``); or to None for a tensor
+                not to compare. None: the same names.
+            step: the version to compare with (default :attr:`installed_step`).
+
+        Returns:
+            The version's names whose installed tensor is missing or differs (shape, or any byte
+            after casting the version's tensor to the engine's dtype, as a loader's ``copy_`` does),
+            sorted; ``[]`` when the engine holds the version exactly.
+
+        Raises:
+            InvalidArgumentError: no version installed yet and no ``step``.
+            VersionNotFoundError: the version was pruned meanwhile.
+        """
+        step = self.installed_step if step is None else step
+        if step is None:
+            raise InvalidArgumentError("check_installed: this rollout has installed no version yet: pass step=")
+        if isinstance(installed, torch.nn.Module):
+            installed = installed.state_dict(keep_vars=False)
+        elif not isinstance(installed, Mapping):
+            installed = dict(installed)
+        name_of: Callable[[str], Any]
+        if rename is None:
+            name_of = lambda n: n  # noqa: E731
+        elif isinstance(rename, Mapping):
+            name_of = lambda n: rename.get(n, n)  # noqa: E731
+        else:
+            name_of = rename
+        differ = []
+        with self.store.checkout(step, holder=f"{self._holder()} check_installed") as snap:
+            for name in snap:
+                target = name_of(name)
+                if target is None:
+                    continue
+                key, index = target if isinstance(target, tuple) else (target, None)
+                have = installed.get(key)
+                if have is None:
+                    differ.append(name)
+                    continue
+                have = have.detach()
+                if index is not None:
+                    have = have[index]
+                if not _bits_equal(have, snap[name]):
+                    differ.append(name)
+        return sorted(differ)
 
 
 class _Drainable:
@@ -507,6 +614,14 @@ class _Drainable:
         """Pull the remaining items (each a collective gather on the trainer ranks) and drop them."""
         for _ in self:
             pass
+
+
+def _bits_equal(have: torch.Tensor, want: torch.Tensor) -> bool:
+    """``have`` (the engine's) holds exactly ``want`` (the version's) as a loader's ``copy_`` places it."""
+    if tuple(have.shape) != tuple(want.shape):
+        return False
+    want = want.to(device=have.device, dtype=have.dtype)
+    return torch.equal(have.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -19,6 +19,15 @@ import paramstore
 from paramstore import ParamStore
 from paramstore.errors import InvalidArgumentError, WaitTimeoutError
 from paramstore.integrations import sglang
+from paramstore.integrations._stores import close_stores
+
+
+@pytest.fixture(autouse=True)
+def _close_stores(shm_dir):
+    """The loader's stores (cached per process) and their prefetches end after each test, before its
+    directory is removed."""
+    yield
+    close_stores()
 
 
 class Policy(torch.nn.Module):
@@ -144,3 +153,33 @@ def test_the_engines_roots_bound_what_a_request_opens(shm_dir, monkeypatch):
 def test_malformed_requests_are_refused(body):
     with pytest.raises(InvalidArgumentError):
         sglang.load_weights(Policy(), _raw(body))
+
+
+# -- prefetch (issue 28): the next version comes while the engine generates ---------------------
+def test_the_next_version_is_prefetched_and_the_next_load_moves_nothing(redis_url, shm_dir, tmp_path, monkeypatch):
+    """The trainer's store and the worker's on two "hosts" (two roots, a shared Redis registry, a
+    remote): the first load fetches its bytes; the worker then prefetches the next step, and the
+    next load's checkout moves nothing."""
+    name = f"sglang-prefetch-{os.getpid()}-{time.time()}"
+    common = dict(registry=redis_url, name=name, remote=f"file://{tmp_path}/bucket",
+                  storage_options={"auto_mkdir": True})
+    worker_root = os.path.join(shm_dir, "h2")
+    with ParamStore(os.path.join(shm_dir, "h1"), **common) as trainer, ParamStore(worker_root, **common) as host:
+        # The worker's host store knows the remote (a request names root, registry and name only).
+        monkeypatch.setattr(sglang, "request_store", lambda root, registry, name: host)
+        trainer.commit(1, weights(1)).persisted.result(60)
+        model = Policy()
+        sglang.load_weights(model, sglang.request(worker_root, min_step=1, timeout=60, registry=redis_url, name=name))
+        assert sglang.loaded_versions()[id(model)] == 1 and sglang.last_fetches()[id(model)].moved
+
+        trainer.commit(2, weights(2)).result()  # published before it reaches the remote: the prefetch retries
+        deadline = time.monotonic() + 60
+        while not all(host._root.tier.exists(o) for o in trainer.manifest(2).objects()):
+            assert time.monotonic() < deadline, "step 2 was not prefetched"
+            time.sleep(0.05)
+        sglang.load_weights(model, sglang.request(worker_root, min_step=2, timeout=60, registry=redis_url, name=name))
+        fetch = sglang.last_fetches()[id(model)]
+        assert sglang.loaded_versions()[id(model)] == 2 and fetch.step == 2 and not fetch.moved, fetch
+        for n, t in weights(2).items():
+            assert torch.equal(model.get_parameter(n), t), n
+        assert host.leases() == []

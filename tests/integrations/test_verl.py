@@ -143,6 +143,7 @@ def test_sync_through_verls_worker_code(worker_paths_report):
         assert 0 < s["metrics"]["paramstore/new_bytes"] <= s["metrics"]["paramstore/bytes"]
         assert s["rollout_global_steps"] == step and s["latest"] == step
         assert s["leased_during"] == [step] and s["leases_after"] == []
+        assert s["installed_step"] == step and s["check_installed"] == []  # the adapter holds the version exactly
 
 
 # -- 3: verl's CheckpointEngineManager over Ray --------------------------------------------------
@@ -259,6 +260,13 @@ def test_eta_1_returns_the_previous_step_at_once(shm_dir):
     assert [lease.step for lease in store.leases()] == [5]  # held until finalize
     rollout.finalize()
     assert store.leases() == []
+    # The prefetch of step 6 (started when step 5 was installed) waits for it; a receive for which
+    # step 5 is still within the bound does not wait for that prefetch.
+    assert rollout._next.min_step == 6 and not rollout._next.future.done()
+    start = time.monotonic()
+    assert_state_equal(asyncio.run(_receive(rollout, 6)), w5)
+    assert time.monotonic() - start < 5 and rollout.installed_step == 5
+    rollout.finalize()
 
 
 def test_eta_0_times_out_with_a_clear_error(shm_dir):
@@ -391,3 +399,112 @@ def test_build_topology_checks_that_workers_meet_in_one_store(shm_dir):
     other_host = dict(rollout, boot_id="another-kernel", host="h2")
     with pytest.raises(InvalidArgumentError, match="registry=redis"):
         cls.build_topology(1, 1, [master, other_host])
+
+
+# -- 6: prefetch (issue 28): the next version comes while the rollout generates ------------------
+def test_the_next_version_is_prefetched_and_the_next_receive_moves_nothing(redis_url, shm_dir, tmp_path):
+    """Trainer and rollout on two "hosts" (two roots, a shared Redis registry, a remote): the first
+    receive fetches its bytes; once it is installed the rollout prefetches the next step in the
+    background, so the second receive's checkout moves nothing."""
+    name = f"verl-prefetch-{os.getpid()}-{time.time()}"
+    common = dict(registry=redis_url, name=name, remote=f"file://{tmp_path}/bucket",
+                  storage_options={"auto_mkdir": True}, keep_last=None, eta=0, timeout=60)
+    trainer = CheckpointEngineRegistry.new("paramstore", is_master=True, bucket_size=1 << 20,
+                                           root=os.path.join(shm_dir, "h1"), **common)
+    rollout = CheckpointEngineRegistry.new("paramstore", bucket_size=1 << 20, root=os.path.join(shm_dir, "h2"),
+                                           **common)
+    wa, wb = _weights(1), _weights(2)
+    asyncio.run(trainer.send_weights(iter(wa.items()), global_steps=1))
+    trainer.store.wait_persisted(timeout=60)
+
+    assert_state_equal(asyncio.run(_receive(rollout, 1)), wa)
+    assert rollout.installed_step == 1 and rollout.last_fetch.moved  # step 1's bytes came from the remote
+    rollout.finalize()
+    assert rollout._next.min_step == 2 and not rollout._next.future.done()  # waiting for step 2
+
+    # Step 2 is published before it reaches the remote (a commit uploads after it publishes): the
+    # prefetch tries again until the remote holds it.
+    asyncio.run(trainer.send_weights(iter(wb.items()), global_steps=2))
+    assert rollout._next.future.result(60).step == 2  # brought here in the background
+    assert all(rollout.store._root.tier.exists(o) for o in trainer.store.manifest(2).objects())
+
+    assert_state_equal(asyncio.run(_receive(rollout, 2)), wb)
+    fetch = rollout.last_fetch
+    assert fetch.step == 2 and not fetch.moved and fetch.bytes == 0, fetch
+    assert rollout.installed_step == 2 and rollout._next.min_step == 3
+    rollout.finalize()
+    assert trainer.store.leases() == []
+
+
+# -- 7: installed equals committed (issue 28) -----------------------------------------------------
+class FusedModel(torch.nn.Module):
+    """An inference engine's copy of the policy: q and k fused into one parameter, names prefixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk_proj = torch.nn.Parameter(torch.zeros(8, 8))
+        self.o_proj = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
+        self.norm = torch.nn.Parameter(torch.zeros(8))
+
+
+#: The loader's name mapping: the version's name -> the engine's name, or (name, where in it).
+LOADER_NAMES = {"q.weight": ("qk_proj", slice(0, 4)), "k.weight": ("qk_proj", slice(4, 8)),
+                "o.weight": "o_proj", "norm.weight": "norm"}
+
+
+async def _install(engine, model, step):
+    """As a server adapter does: every received tensor copied into the engine's parameters."""
+    params = dict(model.named_parameters())
+    async for name, t in engine.receive_weights(step):
+        key, where = LOADER_NAMES[name] if isinstance(LOADER_NAMES[name], tuple) else (LOADER_NAMES[name], slice(None))
+        with torch.no_grad():
+            params[key][where].copy_(t)
+
+
+def _policy(seed: int, norm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"q.weight": torch.randn(4, 8, generator=g), "k.weight": torch.randn(4, 8, generator=g),
+            "o.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+            "norm.weight": torch.randn(8, generator=g) if norm is None else norm}
+
+
+def test_check_installed_finds_corruption_and_one_update_restores_every_bit(shm_dir):
+    trainer, rollout = _engines(os.path.join(shm_dir, "store"), keep_last=None)
+    model = FusedModel()
+    with pytest.raises(InvalidArgumentError, match="installed no version"):
+        rollout.check_installed(model)
+    w1 = _policy(1)
+    asyncio.run(trainer.send_weights(iter(w1.items()), global_steps=1))
+    asyncio.run(_install(rollout, model, 1))
+    rollout.finalize()
+    assert rollout.installed_step == 1
+    assert rollout.check_installed(model, rename=LOADER_NAMES) == []
+    assert rollout.check_installed(model) == sorted(w1)  # without the loader's names nothing matches
+
+    with torch.no_grad():  # the rollout's weights go bad: one bit of the norm, one element of k in the fused qk
+        model.norm.view(torch.int32)[3] ^= 1
+        model.qk_proj[6, 2] += 1
+    assert rollout.check_installed(model, rename=LOADER_NAMES) == ["k.weight", "norm.weight"]
+    assert rollout.check_installed(dict(model.named_parameters()), rename=LOADER_NAMES.get) == ["k.weight", "norm.weight"]
+
+    # Step 2 leaves the norm unchanged (deduplicated in the store): it is installed all the same.
+    w2 = _policy(2, norm=w1["norm.weight"])
+    asyncio.run(trainer.send_weights(iter(w2.items()), global_steps=2))
+
+    async def partial():  # an install that stops after the first tensor
+        gen = rollout.receive_weights(2)
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(partial())
+    assert rollout.installed_step == 1  # the reported version changes only after a complete install
+
+    asyncio.run(_install(rollout, model, 2))
+    rollout.finalize()
+    assert rollout.installed_step == 2
+    assert rollout.check_installed(model, rename=LOADER_NAMES) == []
+    fused = torch.cat([w2["q.weight"], w2["k.weight"]])
+    for have, want in ((model.qk_proj, fused), (model.o_proj, w2["o.weight"]), (model.norm, w2["norm.weight"])):
+        assert torch.equal(have.detach().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+    assert rollout.check_installed(model, rename=LOADER_NAMES, step=1) == ["k.weight", "o.weight", "q.weight"]
+    assert trainer.store.leases() == []

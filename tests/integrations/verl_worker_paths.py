@@ -78,6 +78,8 @@ def main(workdir: str, report_path: str) -> None:
             "differ": sorted(n for n in want if n not in got or not _bits_equal(got[n], want[n])),
             "latest": store.latest().step, "leased_during": leased,
             "leases_after": [lease.step for lease in store.leases()],
+            "installed_step": rollout.checkpoint_engine.installed_step,
+            "check_installed": rollout.checkpoint_engine.check_installed(got),
         }
 
     async def run() -> None:
