@@ -13,7 +13,8 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import metrics
@@ -52,7 +53,7 @@ class ReadSide:
         self.transport: Transport | None = None
         self._transport_host = os.environ.get("PARAMSTORE_HOST", "127.0.0.1")
         self.devices: DeviceCache | None = None  # made by the first device checkout
-        self._prefetcher: ThreadPoolExecutor | None = None  # made by the first prefetch
+        self._prefetcher: _Serial | None = None  # made by the first prefetch
         metrics.attach(opening)  # ParamStore(metrics=True)
         opening.on_open(self._opened)
 
@@ -131,7 +132,7 @@ class ReadSide:
         check_checkout_args(version, min_step, timeout)
         with self._parts_lock:
             if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="paramstore-prefetch")
+                self._prefetcher = _Serial("paramstore-prefetch")
             return self._prefetcher.submit(self._prefetch, version, min_step, timeout)
 
     @metrics.observed("prefetch")
@@ -286,7 +287,46 @@ class ReadSide:
         """End the prefetches (one waiting for a version ends at once), release the device
         copies, stop serving, close the transport."""
         if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher.close()
         for part in (self.devices, self.peer, self.transport):
             if part is not None:
                 part.close()
+
+
+class _Serial:
+    """Runs calls one after another on a daemon thread, each with a Future. Unlike a
+    ``ThreadPoolExecutor``'s worker, an exiting interpreter does not wait for it (a prefetch waiting
+    for a version that never comes must not hold the process at exit: the store's close ends it)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the caller's, through the future
+                    future.set_exception(e)
+
+    def close(self) -> None:
+        """Cancel the calls not started, then wait for the running one (the store is closed by
+        then: a wait in it ends within a poll)."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+        self._thread.join()

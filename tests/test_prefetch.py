@@ -61,3 +61,18 @@ def test_bad_prefetch_arguments_are_refused_at_once(shm_dir):
         with pytest.raises(Exception) as e:
             store.prefetch(7).result(10)
         assert "7" in str(e.value)
+
+
+def test_a_prefetch_still_waiting_does_not_hold_the_process_at_exit(shm_dir):
+    """A script that asks for a version that never comes and exits without close(): the prefetch
+    thread does not keep the interpreter alive (the store's exit hook closes it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from paramstore import ParamStore; s = ParamStore(sys.argv[1]); "
+            "s.commit(1, {'w': torch.ones(2)}).result(); f = s.prefetch(min_step=5); print('asked', flush=True)")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code, os.path.join(shm_dir, "s")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "asked" in done.stdout, done.stderr
+    assert time.monotonic() - t0 < 30
