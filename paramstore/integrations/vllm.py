@@ -62,6 +62,28 @@ through a ``VLLMWeightSyncClient`` (:class:`LLMClient` for an ``LLM`` in this pr
 
     llm = LLM(model=..., worker_extension_cls="paramstore.integrations.vllm.ParamStoreWorkerExtension")
     llm.collective_rpc("update_from_paramstore", args=("/dev/shm/run-42", 12))   # -> [12] (one per worker)
+    llm.collective_rpc("verify_paramstore")   # -> [{"step": 12, "ok": True, ...}]
+
+The extension works beside the native engine too (``verify_paramstore``, ``paramstore_status``).
+
+**The update only installs.** After each update every worker prefetches the next version (the first
+with a higher step, then the one after it: a subscription) while the engine generates: its objects
+come to this host (from patches, peers or the remote, verified) as soon as the trainer commits it,
+so the next ``update_weights`` checks out what is already here (its checkout moves no byte) and
+installs. An update that asks for the version being prefetched waits for that prefetch first
+rather than fetching beside it. ``llm.collective_rpc("paramstore_status")`` (worker extension)
+reports, per worker, the last update (``moved``, ``bytes``, ``checkout_s``, ``install_s``) and the
+prefetch.
+
+**Installed equals committed.** With the worker extension,
+``llm.collective_rpc("verify_paramstore")`` checks, on every worker, that the model holds the version
+it loaded (or ``kwargs={"version": ...}``), bit for bit: the version's tensors go through the same
+path as an update (the model's ``load_weights`` name mapping and loaders, which fill fused
+parameters such as ``qkv_proj`` and ``gate_up_proj``, then each layer's processing) into scratch
+tensors, one layer at a time, and are compared with the engine's; a weight that lives in a
+prepacked CPU kernel is compared as the kernel computes it (``name@kernel``). Nothing of the engine is
+written. Each worker returns ``{"step", "ok", "tensors", "mismatched", "not_loaded"}``; the next
+update makes corrupted weights the version again (tested).
 
 **Decisions.**
 
@@ -70,7 +92,8 @@ through a ``VLLMWeightSyncClient`` (:class:`LLMClient` for an ``LLM`` in this pr
   (truncated) fails the update and leaves the weights as they were. It is then loaded with vLLM's
   layerwise reload (the path for checkpoint-format weights, which repacks each layer as it
   completes: on the CPU backend a plain ``model.load_weights`` after the first load is refused) and
-  the snapshot is closed before ``update_weights`` returns. ``start_weight_update`` only checks
+  the snapshot is closed before ``update_weights`` returns. The weight version changes only after
+  that whole install (see below). ``start_weight_update`` only checks
   that the engine was initialized; ``finish_weight_update`` publishes the version. A second
   ``update_weights`` in one session loads another version over the first (the last one wins).
 - *The weight version is the step loaded.* vLLM keeps the weight version in the engine core
@@ -105,6 +128,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -112,6 +136,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from paramstore import ParamStore, Snapshot, Version
@@ -154,6 +180,8 @@ logger = logging.getLogger(__name__)
 # What each model holds, as the weight version to report: str(step) after a full load, INCOMPLETE
 # once a load began changing it and did not finish. Absent: the weights vLLM loaded at start-up.
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# The reader each model was last loaded from (the store verify_paramstore reads by default).
+_SOURCE: weakref.WeakKeyDictionary[torch.nn.Module, _Reader] = weakref.WeakKeyDictionary()
 
 
 # -- plugin ------------------------------------------------------------------------------------
@@ -188,9 +216,11 @@ def register() -> None:
 
 # -- the load, shared by the engine and the worker extension ----------------------------------
 class _Reader:
-    """One worker's store (opened once) and the load of a version from it into a vLLM model."""
+    """One worker's store (opened once), the load of a version from it into a vLLM model, and the
+    prefetch of the next version while the engine generates."""
 
     def __init__(self, root: str, registry: str | None = None, name: str | None = None) -> None:
+        from paramstore.integrations._prefetch import NextVersion
         from paramstore.integrations._stores import request_store
 
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
@@ -198,22 +228,94 @@ class _Reader:
         self.key = (os.fspath(root), registry, name)
         # the request names the store: only one the engine's environment allows, never created elsewhere
         self.store = request_store(os.fspath(root), registry, name, shared=False)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._after = -1  # the prefetch follows versions with a step above this one
+        self._next = NextVersion()
+        self._watched: Future[Version] | None = None  # the prefetch whose end starts the next one
+        self.prefetched: int | None = None
+        """The step of the last prefetch that finished (its objects are on this host)."""
+        self.last: dict[str, Any] | None = None
+        """The last load: step, moved (did its checkout move any byte), bytes, prefetch_wait_s,
+        checkout_s, install_s."""
 
     def load(self, model: torch.nn.Module, model_config: Any, version: int | str = "latest",
              min_step: int | None = None, timeout: float | None = None) -> int:
         """Check a version out (every rank the same step), load it into ``model``, release it;
-        return its step. The model is untouched if the checkout fails."""
+        return its step. The model is untouched if the checkout fails. Then prefetch the next
+        version (see :meth:`follow`)."""
         t0 = time.perf_counter()
+        self._await_prefetch(version, min_step, timeout)
+        t1 = time.perf_counter()
+        if timeout is not None:
+            timeout = max(0.0, timeout - (t1 - t0))
         with _checkout(self.store, version, min_step, timeout) as snap:
-            t1 = time.perf_counter()
+            t2 = time.perf_counter()
             _load_snapshot(model, model_config, snap)
-            step, n = snap.step, snap.version.nbytes
-        logger.info("paramstore: loaded step %d (%.1f MiB) from %s: checkout %.3f s, load %.3f s",
-                    step, n / 2**20, self.key[0], t1 - t0, time.perf_counter() - t1)
+            step, n, fetch = snap.step, snap.version.nbytes, snap.fetch
+        t3 = time.perf_counter()
+        _SOURCE[model] = self
+        self.last = {"step": step, "moved": bool(fetch.moved), "bytes": int(fetch.bytes),
+                     "prefetch_wait_s": t1 - t0, "checkout_s": t2 - t1, "install_s": t3 - t2}
+        logger.info("paramstore: loaded step %d (%.1f MiB) from %s: prefetch wait %.3f s, checkout %.3f s "
+                    "(%d bytes moved), install %.3f s", step, n / 2**20, self.key[0], t1 - t0, t2 - t1,
+                    fetch.bytes, t3 - t2)
+        self.follow(step)
         return step
 
+    def follow(self, after: int) -> None:
+        """Prefetch the next version (the first with a step above ``after``, and above any version
+        prefetched already) while the engine generates: its objects come to this host as soon as
+        the trainer commits it, and when that prefetch is done the one after it starts (a
+        subscription), so the update that follows only installs (``_prefetch.NextVersion``: the
+        wait runs on a daemon thread, the store's prefetch thread only fetches a version that exists)."""
+        with self._lock:
+            self._after = max(self._after, after)
+            if self._closed:
+                return
+            future = self._next.start(self.store, self._after + 1)
+            if future is self._watched:
+                return
+            self._watched = future
+        future.add_done_callback(self._prefetched)
+
+    def _prefetched(self, future: Future[Version]) -> None:
+        if future.cancelled() or self._closed:
+            return
+        error = future.exception()
+        if error is not None:  # the next load fetches what is missing (and raises what it must)
+            if not self._closed:
+                logger.warning("paramstore: prefetch of a step above %d failed: %s: %s", self._after,
+                               type(error).__name__, error)
+            return
+        self.prefetched = future.result().step
+        self.follow(self.prefetched)
+
+    def _await_prefetch(self, version: int | str, min_step: int | None, timeout: float | None) -> None:
+        """Wait for the prefetch in flight when it covers the version this load asks for, so the
+        checkout finds the objects here instead of fetching them a second time beside it."""
+        if self._next.future is None or self._next.future.done():
+            return
+        try:
+            if min_step is not None:
+                latest = self.store.latest()
+                step = max(min_step, latest.step if latest is not None else min_step)
+            else:
+                step = self.store.get(version).step
+        except Exception:  # no such version: the checkout says so
+            return
+        self._next.settle(step, timeout)
+
+    def status(self) -> dict[str, Any]:
+        """What this reader did: the last load and the prefetch (see :meth:`ParamStoreWorkerExtension.paramstore_status`)."""
+        future = self._next.future
+        return {"root": self.key[0], "last_update": self.last, "prefetched": self.prefetched,
+                "prefetching": None if future is None or future.done() else self._next.min_step}
+
     def close(self) -> None:
-        """Close the store (snapshots are already closed)."""
+        """Close the store, which ends the prefetch (snapshots are already closed)."""
+        with self._lock:
+            self._closed = True
         self.store.close()
 
 
@@ -260,11 +362,12 @@ def _spec(version: int | str, min_step: int | None) -> str:
     return f"the newest version with step >= {min_step}" if min_step is not None else f"version {version!r}"
 
 
-def _load_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot) -> None:
+def _load_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot, record: bool = True) -> None:
     """Load every tensor of ``snap`` into ``model`` through vLLM's layerwise reload (the model's
     own ``load_weights`` maps checkpoint names to its parameters; each layer is processed, e.g.
     repacked, when its last tensor arrives). Tensors go in name order, so each layer's tensors
-    arrive together and no layer buffers for long."""
+    arrive together and no layer buffers for long. ``record``: track the version the model holds
+    (not for the check, which installs nothing)."""
     try:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -280,9 +383,12 @@ def _load_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot) ->
         disable_mtp_completeness_check = contextlib.nullcontext  # type: ignore[assignment]
 
     weights = ((name, snap[name]) for name in sorted(snap))
-    _HELD[model] = INCOMPLETE  # until the load is whole
+    if record:
+        _HELD[model] = INCOMPLETE  # until the load is whole
     with disable_mtp_completeness_check():
         if initialize_layerwise_reload is None:
+            if not record:
+                raise RuntimeError("paramstore: this vLLM has no layerwise reload: the weights cannot be checked")
             model.load_weights(weights)
         else:
             initialize_layerwise_reload(model)
@@ -290,7 +396,8 @@ def _load_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot) ->
                 model.load_weights(weights)
             finally:  # also after a failure: layers that got nothing get their old tensors back
                 finalize_layerwise_reload(model, model_config)
-    _HELD[model] = str(snap.step)
+    if record:
+        _HELD[model] = str(snap.step)
 
 
 def _worker_model(worker: Any) -> torch.nn.Module:
@@ -303,6 +410,118 @@ def _held_version(worker: Any) -> str | None:
     """(Runs on each worker.) The weight version its model holds: a step, INCOMPLETE, or None
     (the weights vLLM started with)."""
     return _HELD.get(_worker_model(worker))
+
+
+# -- the check: what the engine holds is the version ------------------------------------------
+def _verify_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot) -> dict[str, Any]:
+    """Compare what ``model`` holds with what vLLM's update path makes of ``snap``, tensor by tensor.
+
+    The version's tensors go through the same layerwise reload as an update (the model's own
+    ``load_weights``: its name mapping, the loaders that fill fused parameters such as ``qkv_proj``
+    and ``gate_up_proj``, then each layer's processing, e.g. the CPU backend's repacking), except
+    that each layer's result is kept aside, one layer at a time, instead of being copied into the
+    engine's tensors; the engine's tensors are then put back untouched. Compared, by their bytes:
+    every parameter and buffer of every layer, and for a layer whose weights live in a prepacked
+    kernel (``cpu_linear``: vLLM's CPU linear layers keep an empty ``weight``) the weight as that
+    kernel computes it (``name@kernel``: the layer applied to an identity matrix, exact in fp32 and
+    bf16). Layers with weights that the version does not reach are listed in ``not_loaded``.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    names = {layer: prefix for prefix, layer in model.named_modules()}
+    held = {key: t for layer, prefix in names.items() for key, t in _readout(layer, prefix).items()}
+    expected: dict[str, torch.Tensor] = {}
+    reached: set[torch.nn.Module] = set()
+    copy_back = layerwise._copy_and_restore_kernel_tensors
+
+    def keep_aside(layer: torch.nn.Module, info: Any) -> None:  # in place of the copy into the engine
+        reached.add(layer)
+        loaded = {name for name, _ in info.loaded_weights}  # buffers the engine keeps as they are are not compared
+        kept = {b for b in (info.kernel_non_persistent_buffers or ()) if b not in loaded}
+        expected.update(_readout(layer, names.get(layer, "?"), kept))
+        live = attrs.get(layer)
+        layerwise._place_kernel_tensors(layer, info)  # the engine's own tensors, not written
+        if live is not None:  # the kernel processing set up (cpu_linear...) goes with the scratch
+            for key in [k for k in vars(layer) if k not in live and k not in _MODULE_STATE]:
+                delattr(layer, key)
+            vars(layer).update(live)
+
+    attrs = {layer: {k: v for k, v in vars(layer).items() if k not in _MODULE_STATE} for layer in names}
+    layerwise._copy_and_restore_kernel_tensors = keep_aside
+    try:
+        _load_snapshot(model, model_config, snap, record=False)
+    finally:
+        layerwise._copy_and_restore_kernel_tensors = copy_back
+        for layer, live in attrs.items():  # also after a failure midway
+            vars(layer).update(live)
+    mismatched: dict[str, str] = {}
+    for key, want in expected.items():
+        have = held.get(key)
+        why = _differs(have, want)
+        if why:
+            mismatched[key] = why
+    not_loaded = sorted(prefix for layer, prefix in names.items() if layer not in reached and _loadable(layer))
+    return {"step": snap.step, "ok": not mismatched and not not_loaded, "tensors": len(expected),
+            "mismatched": mismatched, "not_loaded": not_loaded}
+
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _readout(layer: torch.nn.Module, prefix: str, skip: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """A layer's own tensors by full name, and its weight as its prepacked kernel computes it."""
+    import torch
+
+    out = {}
+    for name, t in {**layer._parameters, **layer._buffers}.items():
+        if t is not None and t.device.type != "meta" and name not in skip:
+            out[f"{prefix}.{name}" if prefix else name] = t.detach()
+    kernel, weight = getattr(layer, "cpu_linear", None), getattr(layer, "weight", None)
+    shape = _weight_shape(layer)
+    if callable(kernel) and weight is not None and shape is not None and len(shape[0]) == 2:
+        (n, k), dtype = shape
+        with torch.no_grad():
+            cols = [kernel(torch.eye(k, dtype=dtype, device=weight.device)[i:i + 1024], weight, None)
+                    for i in range(0, k, 1024)]
+        out[f"{prefix}.weight@kernel"] = torch.cat(cols).t().contiguous()[:n]
+    return out
+
+
+def _weight_shape(layer: torch.nn.Module) -> tuple[tuple[int, ...], Any] | None:
+    """A layer's weight's shape and dtype as created (before processing emptied or repacked it)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return None
+    info = LAYERWISE_INFO.get(layer)
+    meta = None if info is None else info.restore_metadata[0].get("weight")
+    return None if meta is None else (tuple(meta.shape), meta.dtype)
+
+
+def _loadable(layer: torch.nn.Module) -> bool:
+    """A layer created with parameters for the checkpoint to fill (attention layers, processed
+    apart from the checkpoint, excepted)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(layer)
+    return info is not None and bool(info.restore_metadata[0]) and not is_deferred_attention_layer(layer)
+
+
+def _differs(have: torch.Tensor | None, want: torch.Tensor) -> str:
+    """'' when bit-identical, else why not."""
+    import torch
+
+    if have is None:
+        return "absent from the engine"
+    if have.shape != want.shape or have.dtype != want.dtype:
+        return f"engine {tuple(have.shape)} {have.dtype}, version {tuple(want.shape)} {want.dtype}"
+    a, b = have.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    if torch.equal(a, b):
+        return ""
+    size = have.element_size()
+    n = int((a != b).view(-1, size).any(1).sum()) if size else 0
+    return f"{n} of {have.numel()} elements differ"
 
 
 # -- worker side: the native engine -----------------------------------------------------------
@@ -461,6 +680,71 @@ class ParamStoreWorkerExtension:
             if callable(fn):
                 fn()
         return step
+
+    def verify_paramstore(self, version: int | str | None = None, root: str | None = None,
+                          registry: str | None = None, name: str | None = None) -> dict[str, Any]:
+        """Check that this worker's model holds ``version`` (default: the step it loaded last),
+        tensor by tensor, bit for bit; ``collective_rpc`` returns one report per worker.
+
+        The version's tensors are run through the same path as an update (the model's
+        ``load_weights`` name mapping and loaders, which fill fused parameters such as
+        ``qkv_proj`` and ``gate_up_proj``, then each layer's processing) into scratch tensors, one
+        layer at a time, and compared with what the engine holds; nothing of the engine is
+        written. The store is the one the last load came from (the native engine's or this
+        extension's), or the one ``root`` (``registry``, ``name``) names.
+
+        Returns:
+            ``{"step", "ok", "tensors" (how many compared), "mismatched" ({vLLM tensor name: what
+            differs}; ``name@kernel``: a weight as its prepacked kernel computes it), "not_loaded"
+            (layers with weights the version does not reach)}``; ``ok`` when both are empty.
+        """
+        worker: Any = self
+        model = _worker_model(worker)
+        if root is not None:
+            reader = getattr(self, "_paramstore_reader", None)
+            if reader is None or reader.key != (os.fspath(root), registry, name):
+                reader = _Reader(root, registry, name)
+                if getattr(self, "_paramstore_reader", None) is not None:
+                    self._paramstore_reader.close()
+                self._paramstore_reader = reader
+        else:
+            reader = _SOURCE.get(model)
+            if reader is None:
+                raise RuntimeError("paramstore: this worker loaded no version from a store: name one (root=...)")
+        if version is None:
+            held = _HELD.get(model)
+            if held is None or held == INCOMPLETE:
+                raise RuntimeError(f"paramstore: the model holds no whole version ({held or 'the start-up weights'}): "
+                                   f"name the version to compare with")
+            version = int(held)
+        try:
+            from vllm.config import set_current_vllm_config
+
+            context: Any = set_current_vllm_config(worker.vllm_config)
+        except ImportError:  # pragma: no cover - very old vLLM
+            context = contextlib.nullcontext()
+        with context, reader.store.checkout(version, holder=f"vllm verify pid {os.getpid()}") as snap:
+            report = _verify_snapshot(model, worker.vllm_config.model_config, snap)
+        if not report["ok"]:
+            logger.warning("paramstore: the engine does not hold step %d: %d tensors differ %s, layers not "
+                           "loaded %s", report["step"], len(report["mismatched"]),
+                           sorted(report["mismatched"])[:8], report["not_loaded"][:8])
+        return report
+
+    def paramstore_status(self) -> dict[str, Any]:
+        """What this worker holds and what its store reader did: ``{"held": the weight version
+        (a step as a string, "incomplete" or None), "last_update": {"step", "moved" (whether its
+        checkout moved any byte to this host), "bytes", "prefetch_wait_s", "checkout_s",
+        "install_s"}, "prefetched": the last step prefetched, "prefetching": the min_step the
+        prefetch in flight waits for, "root"}`` (the last two keys and the updates: None before a
+        first load)."""
+        model = _worker_model(self)
+        reader = _SOURCE.get(model)
+        out: dict[str, Any] = {"held": _HELD.get(model), "root": None, "last_update": None, "prefetched": None,
+                               "prefetching": None}
+        if reader is not None:
+            out.update(reader.status())
+        return out
 
 
 # -- engine core: the weight version is the step loaded ----------------------------------------

@@ -9,7 +9,10 @@ Skipped where vLLM is not installed. One ``LLM`` (a tiny fp32 Llama built here, 
 started for the whole module with V1 multiprocessing on: the ``LLM`` in this process, the engine
 core and the worker in two more. Two tests start their own: a tensor-parallel ``LLM`` (two workers)
 and an OpenAI-compatible server driven over HTTP. After every update the prompt logprobs vLLM
-computes are compared with those of a ``transformers`` model holding the same weights.
+computes are compared with those of a ``transformers`` model holding the same weights. The shared
+``LLM`` runs the worker extension of ``vllm_worker.py`` (paramstore's, plus ``corrupt_weights``);
+the prefetch test needs ``paramstore[redis,mooncake]`` and redis-server (two "hosts" of one store),
+and is skipped without them.
 """
 
 from __future__ import annotations
@@ -121,11 +124,32 @@ def store(shm):
         s.close()
 
 
+@pytest.fixture(scope="module")
+def peers_registry():
+    """A redis registry for a store shared by two "hosts" (the trainer's root and the worker's),
+    whose objects move through peers (paramstore[redis,mooncake]); None where those are missing."""
+    try:
+        import mooncake.engine  # noqa: F401
+        import redis  # noqa: F401
+        import redis_server
+    except ImportError:
+        yield None
+        return
+    if not os.path.exists(redis_server.BINARY):
+        yield None
+        return
+    with redis_server.running() as url:
+        yield url
+
+
 @contextlib.contextmanager
-def start_llm(model_dir, **kwargs):
+def start_llm(model_dir, env=(), **kwargs):
     """A vLLM ``LLM`` of the tiny model with the paramstore backend, multiprocessing on (this
-    process, the engine core and the workers); shut down on exit."""
+    process, the engine core and the workers); shut down on exit. ``env``: more variables for the
+    engine's processes."""
     with pytest.MonkeyPatch.context() as mp:
+        for key, value in env:
+            mp.setenv(key, value)
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
@@ -144,11 +168,18 @@ def start_llm(model_dir, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir, store, reference):
+def llm(model_dir, store, reference, shm, peers_registry):
     """One LLM for the module (start-up is the slow part), with the worker extension too (the
-    collective_rpc path)."""
-    with start_llm(model_dir,
-                   worker_extension_cls="paramstore.integrations.vllm.ParamStoreWorkerExtension") as engine:
+    collective_rpc path). Its workers may open stores under ``shm`` and, where the peer transport
+    is installed, use the test's shared registry."""
+    here = os.path.dirname(os.path.abspath(__file__))  # vllm_worker.py: the extension, with corrupt_weights
+    env = [("PARAMSTORE_ENGINE_ROOTS", shm),
+           ("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))]
+    if peers_registry is not None:
+        env += [("PARAMSTORE_ENGINE_REGISTRIES", peers_registry), ("MC_FORCE_TCP", "1")]
+        os.environ.setdefault("MC_FORCE_TCP", "1")  # the trainer's peer server, in this process
+    with start_llm(model_dir, env,
+                   worker_extension_cls="vllm_worker.CorruptingWorkerExtension") as engine:
         assert_serves(engine, reference, reference.initial)  # loaded from the export as it is
         yield engine
 
@@ -285,6 +316,83 @@ def test_the_worker_extension_loads_a_version_in_one_rpc(llm, store, reference):
     assert llm.collective_rpc("update_from_paramstore", args=(store.root, step)) == [step]
     assert_serves(llm, reference, weights)
     assert llm.get_weight_version() == str(step)
+    assert store.leases() == []
+
+
+# -- 3b. prefetch: the update only installs ------------------------------------------------------
+def status(llm) -> dict:
+    [out] = llm.collective_rpc("paramstore_status")
+    return out
+
+
+def test_the_next_version_comes_while_the_engine_generates_and_the_update_only_installs(
+        llm, shm, reference, peers_registry):
+    """Issue 28: the trainer and the worker are two hosts of one store (a shared registry; the
+    objects move from the trainer's peer server). After an update the worker prefetches the next
+    version; the trainer commits it while the engine serves the old one; the update that follows
+    moves no byte (its checkout reports moved False) and only installs."""
+    if peers_registry is None:
+        pytest.skip("the peer transport is not installed (pip install 'paramstore[redis,mooncake]'; redis-server)")
+    name = "vllm-prefetch"
+    with paramstore.ParamStore(os.path.join(shm, "prefetch-trainer"), registry=peers_registry, name=name) as trainer:
+        trainer.serve("127.0.0.1")
+        llm.init_weight_transfer_engine({"init_info": {"root": os.path.join(shm, "prefetch-host"),
+                                                       "registry": peers_registry, "name": name}})
+        v1, v2, v3 = (random_weights(reference.model, seed) for seed in (90, 91, 92))
+        commit(trainer, 1, v1)
+        update(llm, version=1)  # nothing was prefetched: this update fetches from the trainer
+        first = status(llm)
+        assert first["last_update"]["step"] == 1 and first["last_update"]["moved"] is True, first
+        assert first["prefetching"] == 2, first  # waits for the trainer's next version
+
+        for step, weights, before in ((2, v2, v1), (3, v3, v2)):
+            commit(trainer, step, weights)
+            deadline = time.monotonic() + 60
+            while status(llm)["prefetched"] != step:  # meanwhile the engine generates with the old weights
+                assert_serves(llm, reference, before)
+                assert time.monotonic() < deadline, status(llm)
+            assert llm.get_weight_version() == str(step - 1)  # prefetched is not installed
+            update(llm, version="latest")
+            now = status(llm)
+            assert now["last_update"]["step"] == step and now["last_update"]["moved"] is False, now
+            assert now["last_update"]["bytes"] == 0, now
+            assert llm.get_weight_version() == str(step)
+            assert_serves(llm, reference, weights)
+        [report] = llm.collective_rpc("verify_paramstore")
+        assert report["ok"] and report["step"] == 3, report
+        assert trainer.leases() == []
+
+
+# -- 3c. installed equals committed ------------------------------------------------------------
+def test_a_corrupted_engine_is_found_and_one_update_makes_it_the_version_again(llm, store, reference):
+    """Issue 28 (Miles' --check-weight-update-equal): the check compares what the engine holds with
+    what the update path makes of the version, through vLLM's name mapping and fused parameters;
+    corrupted weights are found, and one update makes them bit-identical again."""
+    llm.init_weight_transfer_engine({"init_info": {"root": store.root}})
+    step = (store.latest().step if store.latest() else 0) + 1
+    weights = random_weights(reference.model, 80)
+    commit(store, step, weights)
+    commit(store, step + 1, random_weights(reference.model, 81))
+    update(llm, version=step)
+
+    [report] = llm.collective_rpc("verify_paramstore")
+    assert report["ok"] and report["step"] == step and report["mismatched"] == {} and report["not_loaded"] == [], report
+    fused = {"model.layers.0.self_attn.qkv_proj.weight@kernel", "model.layers.1.mlp.gate_up_proj.weight@kernel",
+             "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert report["tensors"] >= 20
+    [other] = llm.collective_rpc("verify_paramstore", kwargs={"version": step + 1})  # not what it holds
+    assert not other["ok"] and fused <= set(other["mismatched"]), other
+
+    assert llm.collective_rpc("corrupt_weights")[0] > 10
+    [bad] = llm.collective_rpc("verify_paramstore")
+    assert not bad["ok"] and fused <= set(bad["mismatched"]), bad
+    assert (vllm_logprobs(llm) - reference(weights)).abs().max() > 100 * TOLERANCE  # it computes with them
+    assert llm.get_weight_version() == str(step)  # (a corruption is no load: the version is not re-published)
+
+    update(llm, version=step)  # one update
+    [good] = llm.collective_rpc("verify_paramstore")
+    assert good["ok"] and good["tensors"] == report["tensors"], good
+    assert_serves(llm, reference, weights)
     assert store.leases() == []
 
 
