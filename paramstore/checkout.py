@@ -203,8 +203,7 @@ def map_version(root: StoreRoot, fetcher: Fetcher, step: int, lease_id: str, *, 
         record = reg.get_version(step)
         manifest = read_manifest(root, step, version=record)
         report = given if given is not None else fetcher.fetch(step, manifest)
-        if pulled is not None and pulled.step == step:  # the pull placed some objects already
-            report.absorb(pulled)
+        report.absorb(pulled)  # what a pull of this version placed already
         snap = Snapshot(record, manifest, root.tier, on_close=release, fetch=report,
                         sizes=reg.object_sizes(manifest.objects()))
         if verify:

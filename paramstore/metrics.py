@@ -28,7 +28,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .errors import InvalidArgumentError
-from .reports import FetchReport, GcReport, PruneReport, TransferReport
+from .reports import FetchReport, GcReport, PruneReport
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -248,14 +248,11 @@ def observed(operation: str) -> Callable[[F], F]:
     return wrap
 
 
-def fetched(owner: Any, report: FetchReport, manifest: "Manifest", pulled: "TransferReport | None" = None) -> None:
-    """Count what a fetch (a prefetch's) moved, by source, with what a pull from the remote placed
-    before it (``pulled``)."""
+def fetched(owner: Any, report: FetchReport, manifest: "Manifest") -> None:
+    """Count what a fetch (a prefetch's, with what a pull placed before it absorbed) moved, by source."""
     m = _of(owner)
     if m is not None:
         try:
-            if pulled is not None and pulled.step == report.step:
-                report.absorb(pulled)
             m.fetched(report, manifest)
         except Exception:  # noqa: BLE001 - metrics never fail the operation they watch
             pass

@@ -146,7 +146,9 @@ class ReadSide:
             record = root.registry.get_version(step)
             assert self.fetcher is not None
             manifest = read_manifest(root, step, version=record)
-            metrics.fetched(self, self.fetcher.fetch(step, manifest), manifest, pulled)
+            report = self.fetcher.fetch(step, manifest)
+            report.absorb(pulled)  # what a pull of this version placed already
+            metrics.fetched(self, report, manifest)
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record

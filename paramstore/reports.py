@@ -78,9 +78,12 @@ class FetchReport:
         """Whether any byte had to move."""
         return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group)
 
-    def absorb(self, pulled: "TransferReport") -> None:
+    def absorb(self, pulled: "TransferReport | None") -> None:
         """Count what a pull from the remote placed before this fetch as part of it (those
-        objects were not local: they came from the remote, whole or rebuilt from patches)."""
+        objects were not local: they came from the remote, whole or rebuilt from patches); a pull
+        of another version, or none, changes nothing."""
+        if pulled is None or pulled.step != self.step:
+            return
         self.from_remote[:0] = pulled.moved
         self.from_patches[:0] = pulled.from_patches
         self.patch_bytes += pulled.patch_bytes

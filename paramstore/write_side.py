@@ -65,8 +65,6 @@ class WriteSide:
         self._claimed = False
         self._last_step: int | None = None  # highest step submitted by this process
         self.last_handle: CommitHandle | None = None
-        self._root: StoreRoot | None = None
-        self.pool: SlabPool | None = None
         self.maintainer: Maintainer | None = None
         self.persister: Persister | None = None
         self.committer: Committer | None = None
@@ -79,7 +77,6 @@ class WriteSide:
         """The store is open: start retention and the upload queue (which resumes nothing until
         this process commits)."""
         opts, policies, remote = self._opts, self._opts.policies, self._open.remote
-        self._root, self.pool = root, pool
         self.maintainer = Maintainer(root, policies, remote) if policies else None
         m = self.maintainer
         self.persister = None if remote is None else Persister(
@@ -109,8 +106,8 @@ class WriteSide:
             tags_t = tuple(check_tag(t) for t in ([tags] if isinstance(tags, str) else tags))
             metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
             if metrics_d and self._opts.policies:  # a KeepBest metric that looks misspelt: refused here
-                check_commit_metrics(self._opts.policies.values(), metrics_d, lambda: () if self._root is None
-                                     else self._root.registry.versions(), self._settled_metrics)
+                check_commit_metrics(self._opts.policies.values(), metrics_d, lambda: () if self._open.opened is None
+                                     else self._open.opened.registry.versions(), self._settled_metrics)
             cast = check_cast(dtype)
             files = {**read_assets(assets), **({} if stream else model_assets(model, cast))}
             if os.getpid() != self._open.owner:
@@ -270,26 +267,26 @@ class WriteSide:
             if self.exporter is None:
                 from .device import LatestExporter
 
-                assert self._root is not None and self._opts.device_latest is not None
-                self.exporter = LatestExporter(self._root, self._opts.device_latest,
+                assert self._open.opened is not None and self._opts.device_latest is not None
+                self.exporter = LatestExporter(self._open.opened, self._opts.device_latest,
                                                bucket_bytes=self._opts.device_bucket_bytes)
             return self.exporter
 
     def _patcher(self) -> Patcher:
         with self._parts_lock:
             if self.patcher is None:
-                assert self._root is not None
-                self.patcher = Patcher(self._root, self.run_id, announce=self._announce)
+                assert self._open.opened is not None
+                self.patcher = Patcher(self._open.opened, self.run_id, announce=self._announce)
             return self.patcher
 
     def _get_committer(self) -> Committer:
         if self.committer is None:
             from .commit import Committer
 
-            root, m = self._root, self.maintainer
-            assert root is not None and self.pool is not None
+            root, m = self._open.opened, self.maintainer
+            assert root is not None and self._open.pool is not None
             self.committer = Committer(
-                root.tier, root.registry, self.pool, self._opts.shard_size_bytes, gc_lock=root.gc_lock,
+                root.tier, root.registry, self._open.pool, self._opts.shard_size_bytes, gc_lock=root.gc_lock,
                 prepare_buffers=self._opts.prepare_buffers, on_commit=self._after_commit, writer=self.run_id,
                 reclaim=m.reclaim if m is not None else None, announce=self._announce)
         return self.committer
@@ -322,9 +319,9 @@ class WriteSide:
         for part in (self.committer, self.patcher, self.exporter):
             if part is not None:
                 part.close()
-        if self._claimed and self._root is not None:
+        if self._claimed and self._open.opened is not None:
             try:
-                release(self._root.registry, self.run_id)  # the next trainer starts without a warning
+                release(self._open.opened.registry, self.run_id)  # the next trainer starts without a warning
             except ParamStoreError:
                 pass  # the registry is gone or damaged: nothing to give up
         if self.persister is not None:

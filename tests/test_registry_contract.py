@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 import uuid
 
 import lmdb
@@ -22,7 +21,7 @@ import redis
 
 import redis_server
 from paramstore.backends.registries import LmdbRegistry, RedisRegistry, Registry, open_registry
-from paramstore.backends.registries.testing import RegistryTests
+from paramstore.backends.registries.testing import Forked, RegistryTests
 from paramstore.backends.registries.testing import digest as D
 from paramstore.backends.registries.testing import peer as PEER
 from paramstore.backends.registries.testing import publish
@@ -88,18 +87,12 @@ class TestRedisRegistry(RegistryTests):
         reg = opened(ttl_s=1.0)
         publish(reg, 1)
         lease = reg.acquire_lease(1, "parent")
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                reg.release_lease(lease.id)
-                reg.close()
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+        def child() -> None:
+            reg.release_lease(lease.id)
+            reg.close()
+
+        Forked(child).join()
         time.sleep(1.3)  # past the TTL: the parent's heartbeat still renews it
         assert [x.id for x in reg.leases()] == [lease.id]
         reg.release_lease(lease.id)

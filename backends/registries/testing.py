@@ -96,6 +96,27 @@ def steps(reg: Registry, after: int | None = None) -> list[int]:
     return [v.step for v in reg.versions(after)]
 
 
+class Forked:
+    """``body`` run in a forked child of this process (as a registry must survive: one object per
+    process, the parent's leases and peers left alone). The child exits 0 when ``body`` returns,
+    1 (its traceback printed) when it raises; :meth:`join` waits and asserts it succeeded."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                body()
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+
+    def join(self) -> None:
+        assert os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1]) == 0, "the forked child failed"
+
+
 def peer(name: str, pid: int | None = None) -> Peer:
     """A peer named ``name`` (its id), of this process unless ``pid`` is given."""
     return Peer(name, f"10.0.0.{len(name)}:15012", f"host-{name}", pid or os.getpid(), 1.7e9)
@@ -470,21 +491,15 @@ class RegistryTests:
         reg = opened(ttl_s=1.0)
         publish(reg, 1)
         lease = reg.acquire_lease(1, "parent")
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                assert steps(reg) == [1] and [x.id for x in reg.leases()] == [lease.id]
-                publish(reg, 2)
-                mine = reg.acquire_lease(2, "child")
-                reg.release_lease(mine.id)
-                reg.close()
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+        def child() -> None:
+            assert steps(reg) == [1] and [x.id for x in reg.leases()] == [lease.id]
+            publish(reg, 2)
+            mine = reg.acquire_lease(2, "child")
+            reg.release_lease(mine.id)
+            reg.close()
+
+        Forked(child).join()
         assert reg.latest_step() == 2  # the parent's handle works after the child closed its own
         assert [x.id for x in reg.leases()] == [lease.id]
         if self.expires:
@@ -596,30 +611,25 @@ class RegistryTests:
         reg.announce_objects(parent.id, {D("p"): 1})
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(ready_r)
-                os.close(go_w)
-                assert reg.peers() == [parent]
-                reg.withdraw_peer(parent.id)  # the parent's: a child never withdraws it
-                mine = PEER("child", pid=os.getpid())
-                reg.announce_peer(mine)  # (where peers expire, the child's own heartbeat runs from now on)
-                reg.announce_objects(mine.id, {D("c"): 2})
-                os.write(ready_w, b"r")
-                os.read(go_r, 1)  # wait until the parent closes its end
-                reg.close()  # withdraws the child's peer only
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
+
+        def child() -> None:
+            os.close(ready_r)
+            os.close(go_w)
+            assert reg.peers() == [parent]
+            reg.withdraw_peer(parent.id)  # the parent's: a child never withdraws it
+            mine = PEER("child", pid=os.getpid())
+            reg.announce_peer(mine)  # (where peers expire, the child's own heartbeat runs from now on)
+            reg.announce_objects(mine.id, {D("c"): 2})
+            os.write(ready_w, b"r")
+            os.read(go_r, 1)  # wait until the parent closes its end
+            reg.close()  # withdraws the child's peer only
+
+        forked = Forked(child)
         os.close(ready_w)
         os.close(go_r)
         try:
             assert os.read(ready_r, 1) == b"r", "the child failed"
-            kid = PEER("child", pid=pid)
+            kid = PEER("child", pid=forked.pid)
             assert reg.peers() == [kid, parent]
             if self.expires:
                 time.sleep(1.3)  # past the TTL: each peer renewed by its own process
@@ -631,8 +641,7 @@ class RegistryTests:
         finally:
             os.close(go_w)
             os.close(ready_r)
-            status = os.waitpid(pid, 0)[1]
-        assert os.waitstatus_to_exitcode(status) == 0
+            forked.join()
         assert reg.peers() == []
 
     # -- capabilities --------------------------------------------------------------------------

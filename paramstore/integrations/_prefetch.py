@@ -1,5 +1,5 @@
-"""The next version, brought to this host while the engine generates (used by the verl and SGLang
-integrations; issue 28).
+"""The next version, brought to this host while the engine generates (used by the verl, SGLang and
+vLLM integrations; issue 28).
 
 After an engine installs step ``s`` it calls :meth:`NextVersion.start` with ``s + 1``: a daemon
 thread waits for the first version with a step ``>= s + 1`` and has the store prefetch it
@@ -8,11 +8,10 @@ verified). The next update first calls :meth:`NextVersion.settle` with the step 
 when the prefetch covers that step it waits for it (the bytes are then here, or arriving), so the
 checkout that follows maps what is already here and moves nothing (``snap.fetch.moved`` False).
 
-The wait for the version runs on a daemon thread of its own, not on the store's prefetch thread: a
-prefetch waiting with no timeout would keep the interpreter from exiting (``concurrent.futures``
-joins its threads before :mod:`atexit` closes the store). The store's thread only fetches a version
-that exists, which ends. A version published before any source holds its bytes (it reaches the
-remote after it is published) is tried again for up to :data:`RETRY_FOR_S`. A failed prefetch is not an error: the checkout fetches what is missing
+The wait and the retries run on a daemon thread of their own (the store's prefetch thread takes one
+prefetch at a time, in order: a retry loop there would hold up the next one). A version published
+before any source holds its bytes (it reaches the remote after it is published) is tried again for
+up to :data:`RETRY_FOR_S`. A failed prefetch is not an error: the checkout fetches what is missing
 itself, and raises its own errors.
 """
 
