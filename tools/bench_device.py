@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import traceback
 import time
 from typing import Any
 
@@ -283,6 +284,7 @@ def markdown(res: dict[str, Any]) -> str:
         md.insert(1, f"Broadcast: medians of {b['rounds']} rounds; other processes used {b.get('foreign_cpu_pct', '?')}% "
                      "of the machine's CPU meanwhile.")
     md.append("| broadcast over NCCL | not run (needs ≥ 2 GPUs) | | | ≥ 0.9× |")
+    md += [f"| failed: {e.splitlines()[0][:200]} | | | | |" for e in res.get("errors", [])]
     return "\n".join(md)
 
 
@@ -297,25 +299,47 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
-    res: dict[str, Any] = {"argv": ["tools/bench_device.py", *sys.argv[1:]], "machine": machine()}
+    res: dict[str, Any] = {"argv": ["tools/bench_device.py", *sys.argv[1:]], "machine": machine(), "errors": []}
     t0 = time.monotonic()
+
+    def save() -> None:  # after every row: a run stopped part way still leaves what it measured
+        res["total_seconds"] = time.monotonic() - t0
+        write_outputs(args.json, res, args.markdown, markdown(res))
+
+    def row(key: str, fn: Any, *params: Any) -> None:
+        log(f"{key} {params}")
+        try:
+            res.setdefault(key, []).append(fn(*params))
+        except Exception as e:  # one failing row must not hide the others: it is reported instead
+            traceback.print_exc()
+            res["errors"].append(f"{key}{params}: {type(e).__name__}: {e}")
+        save()
+
     sizes = [float(x) for x in args.gib.split(",")]
     if torch.cuda.is_available():
         res["gpu"] = torch.cuda.get_device_name(0)
         free = torch.cuda.mem_get_info()[0]
         fits = [g for g in sizes if g * 3 * (1 << 30) < free]  # the model, staging and a matmul
         log(f"GPU rows on {res['gpu']}: {fits} GiB")
-        res["staging"] = [staging(g, args.rounds) for g in fits]
-        res["stall"] = [stall(g, args.rounds) for g in fits[:2]]
-        res["h2d"] = [h2d(g, args.rounds) for g in fits[:2]]
-        res["ipc"] = [ipc(int(n), args.rounds) for n in args.ipc_tensors.split(",")]
-    res["latency"] = [checkout_latency(int(n), args.rounds) for n in args.ipc_tensors.split(",")]
+        for i, g in enumerate(fits):  # every kind of row at the smallest size first
+            row("staging", staging, g, args.rounds)
+            if i < 2:
+                row("stall", stall, g, args.rounds)
+                row("h2d", h2d, g, args.rounds)
+            if i == 0:
+                for n in args.ipc_tensors.split(","):
+                    row("ipc", ipc, int(n), args.rounds)
+    for n in args.ipc_tensors.split(","):
+        row("latency", checkout_latency, int(n), args.rounds)
     log("broadcast over gloo")
-    res["broadcast"] = broadcast(args.broadcast_mib, args.receivers, args.bucket_mib, args.rounds)
-    res["total_seconds"] = time.monotonic() - t0
-    md = markdown(res)
-    write_outputs(args.json, res, args.markdown, md)
-    print(md)
+    try:
+        res["broadcast"] = broadcast(args.broadcast_mib, args.receivers, args.bucket_mib, args.rounds)
+    except Exception as e:
+        traceback.print_exc()
+        res["errors"].append(f"broadcast: {type(e).__name__}: {e}")
+    save()
+    print(markdown(res))
+    return 1 if res["errors"] else 0
     return 0
 
 

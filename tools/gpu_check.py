@@ -6,10 +6,14 @@ that folder). This script then, within ``--budget`` seconds in all:
 
 1. installs those wheels into a private folder (``--no-index``: nothing is fetched) and runs with
    the checkout on ``PYTHONPATH`` (``import paramstore`` works from a plain checkout);
-2. runs every ``gpu``-marked test (``pytest -m gpu``), its report in ``OUT/gpu-tests.xml``;
-3. runs the GPU rows of ``tools/bench_device.py`` (``OUT/bench_device.md`` and ``.json``);
-4. commits a model of CUDA tensors, checks it out with ``device="cuda"`` into a CUDA model and
-   compares every tensor bit for bit (``OUT/gpu-check.json``).
+2. commits a model of CUDA tensors, checks it out with ``device="cuda"`` into a CUDA model and
+   compares every tensor bit for bit (``OUT/gpu-check.json``);
+3. runs every ``gpu``-marked test (``pytest -m gpu``), its report in ``OUT/gpu-tests.xml``;
+4. runs the GPU rows of ``tools/bench_device.py`` (``OUT/bench_device.md`` and ``.json``, written
+   after every row).
+
+Each step's output streams to ``OUT/<step>.log`` and the report is rewritten after every step, so
+a run stopped at the device's limit still brings back what it did.
 
 ``OUT`` is ``$OUT`` (the device tool's folder that comes back) or ``build/gpu-check``. Without a
 CUDA device it says so and exits 0. Exit 1 when a step failed.
@@ -55,16 +59,33 @@ def install(site: str) -> str:
     return (out.stdout + out.stderr).strip() or f"installed {len(wheels)} wheels"
 
 
-def step(name: str, argv: list[str], env: dict[str, str], timeout: float) -> dict:
-    """Run one step as a child process; its result (exit code, seconds, the output's tail)."""
+def step(name: str, argv: list[str], env: dict[str, str], timeout: float, log: str) -> dict:
+    """Run one step as a child process, its output streamed to ``log`` (so a step stopped at its
+    limit still leaves what it printed); its result (exit code, seconds, the output's tail)."""
     t0 = time.monotonic()
-    try:
-        out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
-        rc, text = out.returncode, out.stdout + out.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, text = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=max(1.0, timeout)).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+            f.write(f"\ntimed out after {timeout:.0f} s\n")
+    with open(log) as f:
+        text = f.read()
     print(f"== {name}: exit {rc} in {time.monotonic() - t0:.1f} s", flush=True)
     return {"name": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "tail": text[-4000:]}
+
+
+def environment() -> dict:
+    """What the machine is: the GPU, the driver, torch, the room in /dev/shm."""
+    import torch
+
+    shm = os.statvfs("/dev/shm")
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+            "nvidia_smi": smi.stdout.strip(), "cpus": os.cpu_count(),
+            "dev_shm_free_gib": round(shm.f_bavail * shm.f_frsize / (1 << 30), 1)}
 
 
 def model_roundtrip() -> dict:
@@ -92,42 +113,54 @@ def model_roundtrip() -> dict:
             "bytes": sum(t.nbytes for t in model.state_dict().values())}
 
 
+def _write_json(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for everything (default 8 minutes)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "build", "gpu-check"))
-    ap.add_argument("--roundtrip", action="store_true", help=argparse.SUPPRESS)  # step 4, in a child
+    ap.add_argument("--roundtrip", action="store_true", help=argparse.SUPPRESS)  # step 2, in a child
     a = ap.parse_args()
     if a.roundtrip:
         print(json.dumps(model_roundtrip()))
         return 0
     os.makedirs(a.out, exist_ok=True)
+    save = lambda report: _write_json(os.path.join(a.out, "gpu-check.json"), report)  # noqa: E731
     devices = cuda_devices()
     if not devices:
         print("gpu-check: no CUDA device here: nothing to check (run it on the machine the device tool lends)")
         return 0
     deadline = time.monotonic() + a.budget
     site = tempfile.mkdtemp(prefix="gpu-check-site-")
-    report: dict = {"devices": devices, "python": sys.version.split()[0], "install": install(site), "steps": []}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, REPO]), "MC_FORCE_TCP": "1"}
+    report: dict = {"devices": devices, "python": sys.version.split()[0], "environment": environment(),
+                    "install": install(site), "steps": []}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, REPO]), "MC_FORCE_TCP": "1", "PYTHONUNBUFFERED": "1"}
     left = lambda: deadline - time.monotonic()  # noqa: E731
-    report["steps"].append(step("gpu tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                              "-o", "addopts=", "-m", "gpu", f"--junitxml={a.out}/gpu-tests.xml",
-                                              *GPU_TESTS], env, left() * 0.5))
-    report["steps"].append(step("bench_device", [sys.executable, "tools/bench_device.py", "--rounds", "3",
-                                                 "--json", f"{a.out}/bench_device.json",
-                                                 "--markdown", f"{a.out}/bench_device.md"], env, left() * 0.8))
-    roundtrip = step("model roundtrip", [sys.executable, "tools/gpu_check.py", "--roundtrip"], env, left())
+    # The shortest and most telling first: a GPU model's round trip, then the tests, then the bench.
+    roundtrip = step("model roundtrip", [sys.executable, "tools/gpu_check.py", "--roundtrip"], env,
+                     min(120.0, left()), f"{a.out}/roundtrip.log")
     report["steps"].append(roundtrip)
     try:
         report["roundtrip"] = json.loads(roundtrip["tail"].strip().splitlines()[-1])
     except (ValueError, IndexError):
         report["roundtrip"] = None
+    save(report)
+    report["steps"].append(step("gpu tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                              "-o", "addopts=", "-m", "gpu", "-rfEs", f"--junitxml={a.out}/gpu-tests.xml",
+                                              *GPU_TESTS], env, left() * 0.35, f"{a.out}/gpu-tests.log"))
+    save(report)
+    report["steps"].append(step("bench_device", [sys.executable, "tools/bench_device.py", "--rounds", "3",
+                                                 "--json", f"{a.out}/bench_device.json",
+                                                 "--markdown", f"{a.out}/bench_device.md"], env, left() - 5,
+                                f"{a.out}/bench_device.log"))
     ok = all(s["rc"] == 0 for s in report["steps"]) and bool(report["roundtrip"]) \
         and report["roundtrip"]["bit_identical"]
     report["ok"] = ok
-    with open(os.path.join(a.out, "gpu-check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    save(report)
     print(f"gpu-check: {'ok' if ok else 'FAILED'}; report in {a.out}/gpu-check.json")
     return 0 if ok else 1
 
