@@ -157,6 +157,8 @@ class WriteSide:
         if step <= floor:
             raise StepOrderError(f"step {step} must be above the latest step {floor}")
         previous, self._last_step = self._last_step, step
+        if self._opts.device_latest is not None:
+            self._exporter()  # there before the commit resolves: its export is submitted after
         return persist, previous, self._get_committer()
 
     def _fail_in_group(self, group: Any, step: int, error: BaseException) -> None:

@@ -29,6 +29,7 @@ Rows 1–4 need a CUDA GPU: without one they are reported as "not run" (never es
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -90,11 +91,11 @@ def staging(gib: float, rounds: int) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 copy_s = time.perf_counter() - t
                 t = time.perf_counter()
-                handle = store.commit(r + 1, model)
+                handle = store.commit(2 * r + 1, model)
                 handle.staged.result()
                 staged_s = time.perf_counter() - t
                 alone_s = train_step()
-                handle = store.commit(r + 1000, model)
+                handle = store.commit(2 * r + 2, model)
                 during_s = train_step()  # runs while the stager's D2H copies run
                 handle.staged.result()
                 store.flush()
@@ -121,6 +122,11 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
         ours, theirs, copied = [], [], []
         stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                               use_async_staging=True, use_non_blocking_copy=True))
+        # torch 2.11's stager has no deepcopy entry for classes (2.13 has; async_save then fails
+        # with KeyError: <class 'type'>): give it the one copy.deepcopy uses.
+        stager_copy = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+        if stager_copy is not None:
+            stager_copy.setdefault(type, copy._deepcopy_atomic)  # type: ignore[attr-defined]
         with ParamStore(os.path.join(root, "s"), create=True, retention=KeepLast(2)) as store:
             store.prepare(model, wait=True)
             for r in range(rounds + 1):

@@ -9,8 +9,9 @@ so a version that shares most objects with the last one moves only the ones that
 
 How bytes get onto the device (:meth:`DeviceTier.load`): in buckets of ``bucket_bytes``, each
 copied by the CPU into one of two pinned bounce buffers and then to the device with
-``non_blocking=True`` on a side stream; the CPU fills one bounce buffer while the other one's DMA
-runs (an event per bounce buffer says when it may be refilled). One synchronisation at the end of
+``non_blocking=True`` on a side stream; the CPU fills one bounce buffer (split across up to
+``COPY_THREADS`` threads: one thread's memcpy out of a fresh mapping, page faults included, is
+several times slower than the DMA) while the other one's DMA runs (an event per bounce buffer says when it may be refilled). One synchronisation at the end of
 a load, none per tensor. The copies run on a side stream (which first waits for the work queued on
 the caller's stream, whose memory pool the destinations come from), so a load can overlap compute.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Mapping
 
 import torch
@@ -56,6 +58,9 @@ __all__ = ["DeviceTier", "DEFAULT_BUCKET_BYTES"]
 
 #: Size of one host-to-device copy (and of each of the two pinned bounce buffers).
 DEFAULT_BUCKET_BYTES = 64 << 20
+#: Threads that fill a bounce buffer together (each copies one part of the bucket).
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+_MIN_PART = 4 << 20  # below this a part is not worth a thread
 
 #: The buffers a load copies from: an object's bytes in host memory.
 HostBytes = memoryview | mmap.mmap | bytes | torch.Tensor
@@ -85,6 +90,7 @@ class DeviceTier(Tier):
         self._bounce: list[torch.Tensor] = []  # two pinned host buffers, made on first use
         self._load_lock = threading.Lock()
         self._stream: "torch.Stream | None" = None
+        self._copiers: "ThreadPoolExecutor | None" = None  # fill the bounce buffers, made on first use
 
     # -- the primitives ------------------------------------------------------------------------
     def exists(self, digest: str) -> bool:
@@ -193,7 +199,7 @@ class DeviceTier(Tier):
                     n = min(self.bucket_bytes, host.numel() - start)
                     if events[turn] is not None:
                         events[turn].synchronize()  # type: ignore[union-attr]  # its last DMA is done
-                    bounce[turn][:n].copy_(host[start : start + n])
+                    self._fill(bounce[turn][:n], host[start : start + n])
                     with accel.on_stream(stream):
                         dst[start : start + n].copy_(bounce[turn][:n], non_blocking=True)
                     events[turn] = accel.record_event(stream)
@@ -211,6 +217,17 @@ class DeviceTier(Tier):
             self._stream = accel.new_stream(self.device)
         return self._stream
 
+    def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` (host to host), split across the copy threads when it is large."""
+        parts = min(COPY_THREADS, src.numel() // _MIN_PART)
+        if parts <= 1:
+            dst.copy_(src)
+            return
+        if self._copiers is None:
+            self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="paramstore-h2d")
+        step = -(-src.numel() // parts)
+        list(self._copiers.map(lambda a: dst[a : a + step].copy_(src[a : a + step]), range(0, src.numel(), step)))
+
     def _bounce_buffers(self) -> list[torch.Tensor]:
         if not self._bounce:
             try:
@@ -224,6 +241,9 @@ class DeviceTier(Tier):
             self._objects.clear()
         self._bounce = []
         self._stream = None
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=False)
+            self._copiers = None
 
 
 def _as_uint8(src: HostBytes) -> torch.Tensor:
