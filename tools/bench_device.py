@@ -108,6 +108,26 @@ def staging(gib: float, rounds: int) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _give_dcp_stager_class_copies() -> None:
+    """torch 2.11's DCP stager has no deepcopy entry for classes (2.13 has one): ``async_save``
+    with a stager then fails with ``KeyError: <class 'type'>``. Give every stager the entry
+    ``copy.deepcopy`` itself uses (a no-op where it is there)."""
+    try:
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    except ImportError:
+        return
+    if getattr(StateDictStager, "_paramstore_patched", False):
+        return
+    init = StateDictStager.__init__
+
+    def patched(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        self._deepcopy_dispatch.setdefault(type, copy._deepcopy_atomic)  # type: ignore[attr-defined]
+
+    StateDictStager.__init__ = patched  # type: ignore[method-assign]
+    StateDictStager._paramstore_patched = True  # type: ignore[attr-defined]
+
+
 def stall(gib: float, rounds: int) -> dict[str, Any]:
     """Row 2: the training thread's wait for a commit vs DCP async_save with pinned staging."""
     import torch.distributed.checkpoint as dcp
@@ -122,11 +142,7 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
         ours, theirs, copied = [], [], []
         stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                               use_async_staging=True, use_non_blocking_copy=True))
-        # torch 2.11's stager has no deepcopy entry for classes (2.13 has; async_save then fails
-        # with KeyError: <class 'type'>): give it the one copy.deepcopy uses.
-        stager_copy = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-        if stager_copy is not None:
-            stager_copy.setdefault(type, copy._deepcopy_atomic)  # type: ignore[attr-defined]
+        _give_dcp_stager_class_copies()
         with ParamStore(os.path.join(root, "s"), create=True, retention=KeepLast(2)) as store:
             store.prepare(model, wait=True)
             for r in range(rounds + 1):
@@ -152,21 +168,35 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
 
 
 def h2d(gib: float, rounds: int) -> dict[str, Any]:
-    """Row 3: checkout(device=) vs a pinned copy_ of the same bytes."""
+    """Row 3: checkout(device=) vs a pinned copy_ of the same bytes; and where its time goes, on
+    another version's objects: the CPU checkout alone, filling pinned memory from a fresh mapping
+    (the tier's copy threads: page faults and memcpy), again on one thread (memcpy alone), an
+    unpinned ``copy_`` straight from the mapping, and the tier's load alone."""
     from paramstore import ParamStore
+    from paramstore.backends.tiers import device as tiers_device
 
     cpu = _model(int(gib * (1 << 30)), 64, "cpu")
     pinned = {k: v.pin_memory() for k, v in cpu.items()}
     dst = {k: torch.empty_like(v, device="cuda") for k, v in cpu.items()}
     root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
+    parts: dict[str, list[float]] = {"cpu_checkout_s": [], "fill_warm_1_thread_s": [], "fill_fresh_threads_s": [],
+                                     "unpinned_copy_s": [], "tier_load_s": []}
+
+    def timed(fn: Any) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
     try:
         ours, base = [], []
         with ParamStore(os.path.join(root, "s"), create=True) as store:
             for r in range(rounds + 1):
-                store.commit(r + 1, {k: v + (r + 1) for k, v in cpu.items()}).result()  # every object new
+                store.commit(2 * r + 1, {k: v + (r + 1) for k, v in cpu.items()}).result()  # every object new
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                with store.checkout(r + 1, device="cuda:0") as snap:
+                with store.checkout(2 * r + 1, device="cuda:0") as snap:
                     torch.cuda.synchronize()
                     mine = time.perf_counter() - t
                     assert snap.device_bytes > 0
@@ -176,8 +206,41 @@ def h2d(gib: float, rounds: int) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 if r:
                     ours.append(mine), base.append(time.perf_counter() - t)
+                # The breakdown, each on a fresh mapping of a new version's objects.
+                step = 2 * r + 2
+                store.commit(step, {k: v - (r + 1) for k, v in cpu.items()}).result()
+                with store.checkout(step) as snap:
+                    hosts = list(snap._host.values())
+                    total = sum(h.numel() for h in hosts)
+                    bounce = torch.empty(min(total, 64 << 20), dtype=torch.uint8, pin_memory=True)
+                    tier = tiers_device.DeviceTier("cuda:0")
+                    ones = tiers_device.COPY_THREADS
+                    try:
+                        def fill(threads: int) -> None:
+                            tiers_device.COPY_THREADS = threads
+                            for h in hosts:
+                                for a in range(0, h.numel(), bounce.numel()):
+                                    n = min(bounce.numel(), h.numel() - a)
+                                    tier._fill(bounce[:n], h[a : a + n])
+                        fn = timed(lambda: fill(ones))  # first touch of this mapping: its page faults too
+                        f1 = timed(lambda: fill(1))  # the mapping faulted in: memcpy alone
+                        gpu = [torch.empty(h.numel(), dtype=torch.uint8, device="cuda") for h in hosts]
+                        un = timed(lambda: [g.copy_(h) for g, h in zip(gpu, hosts)])
+                        del gpu
+                        tl = timed(lambda: tier.load(dict(snap._maps)))
+                    finally:
+                        tiers_device.COPY_THREADS = ones
+                        tier.close()
+                t = time.perf_counter()  # the CPU part alone (a mapping already made once)
+                store.checkout(step).close()
+                cpu_s = time.perf_counter() - t
+                if r:
+                    for key, val in (("cpu_checkout_s", cpu_s), ("fill_warm_1_thread_s", f1), ("fill_fresh_threads_s", fn),
+                                     ("unpinned_copy_s", un), ("tier_load_s", tl)):
+                        parts[key].append(val)
         return {"gib": gib, "checkout_s": _median(ours), "pinned_copy_s": _median(base),
-                "ratio": _median(base) / _median(ours)}
+                "ratio": _median(base) / _median(ours), "copy_threads": tiers_device.COPY_THREADS,
+                **{k: _median(v) for k, v in parts.items()}}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -271,6 +334,13 @@ def markdown(res: dict[str, Any]) -> str:
         for r in res["h2d"]:
             md.append(f"| `checkout(device=)` {r['gib']:g} GiB | {r['checkout_s'] * 1e3:.0f} ms | pinned `copy_` "
                       f"{r['pinned_copy_s'] * 1e3:.0f} ms | {r['ratio']:.2f}× | ≥ 0.8× |")
+            if "tier_load_s" in r:
+                md.append(f"| its parts, {r['gib']:g} GiB: CPU checkout / fill pinned from a fresh mapping, "
+                          f"{r['copy_threads']} threads / again, 1 thread / unpinned `copy_` from the mapping / "
+                          f"the tier's load from it | {r['cpu_checkout_s'] * 1e3:.1f} / "
+                          f"{r['fill_fresh_threads_s'] * 1e3:.0f} / {r['fill_warm_1_thread_s'] * 1e3:.0f} / "
+                          f"{r['unpinned_copy_s'] * 1e3:.0f} / "
+                          f"{r['tier_load_s'] * 1e3:.0f} ms | | | |")
     else:
         md.append(f"| `checkout(device=)` H2D vs pinned `copy_` | {NOT_RUN} | | | ≥ 0.8× |")
     if res.get("ipc"):
@@ -302,6 +372,7 @@ def main() -> int:
     ap.add_argument("--broadcast-mib", type=int, default=256)
     ap.add_argument("--receivers", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--rows", default="staging,stall,h2d,ipc,latency,broadcast", help="which rows to run")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
@@ -313,6 +384,8 @@ def main() -> int:
         write_outputs(args.json, res, args.markdown, markdown(res))
 
     def row(key: str, fn: Any, *params: Any) -> None:
+        if key not in rows:
+            return
         log(f"{key} {params}")
         try:
             res.setdefault(key, []).append(fn(*params))
@@ -321,6 +394,7 @@ def main() -> int:
             res["errors"].append(f"{key}{params}: {type(e).__name__}: {e}")
         save()
 
+    rows = set(args.rows.split(","))
     sizes = [float(x) for x in args.gib.split(",")]
     if torch.cuda.is_available():
         res["gpu"] = torch.cuda.get_device_name(0)
@@ -337,12 +411,13 @@ def main() -> int:
                     row("ipc", ipc, int(n), args.rounds)
     for n in args.ipc_tensors.split(","):
         row("latency", checkout_latency, int(n), args.rounds)
-    log("broadcast over gloo")
-    try:
-        res["broadcast"] = broadcast(args.broadcast_mib, args.receivers, args.bucket_mib, args.rounds)
-    except Exception as e:
-        traceback.print_exc()
-        res["errors"].append(f"broadcast: {type(e).__name__}: {e}")
+    if "broadcast" in rows:
+        log("broadcast over gloo")
+        try:
+            res["broadcast"] = broadcast(args.broadcast_mib, args.receivers, args.bucket_mib, args.rounds)
+        except Exception as e:
+            traceback.print_exc()
+            res["errors"].append(f"broadcast: {type(e).__name__}: {e}")
     save()
     print(markdown(res))
     return 1 if res["errors"] else 0
