@@ -315,6 +315,7 @@ def broadcast(mib: int, receivers: int, bucket_mib: int, rounds: int) -> dict[st
 def markdown(res: dict[str, Any]) -> str:
     gpu = res.get("gpu")
     md = [f"GPU: {gpu or NOT_RUN}.", "", "| row | paramstore | baseline | ratio | goal |", "|---|---|---|---|---|"]
+    missing = "not run in this run (`--rows`, or it failed: below)" if gpu else NOT_RUN
     if res.get("staging"):
         for r in res["staging"]:
             md.append(f"| D2H staging {r['gib']:g} GiB (commit → staged) | {r['staged_s'] * 1e3:.0f} ms | pinned "
@@ -322,14 +323,14 @@ def markdown(res: dict[str, Any]) -> str:
             md.append(f"| concurrent training step during staging {r['gib']:g} GiB | {r['step_during_s'] * 1e3:.1f} ms | "
                       f"alone {r['step_alone_s'] * 1e3:.1f} ms | {r['slowdown']:.2f}× slower | |")
     else:
-        md.append(f"| D2H staging 1/4/16 GiB, concurrent step slowdown | {NOT_RUN} | | | ≥ 0.8× |")
+        md.append(f"| D2H staging 1/4/16 GiB, concurrent step slowdown | {missing} | | | ≥ 0.8× |")
     if res.get("stall"):
         for r in res["stall"]:
             md.append(f"| trainer blocked by a commit, {r['gib']:g} GiB (copy done after {r['staged_s'] * 1e3:.0f} ms) | "
                       f"{r['ours_s'] * 1e3:.1f} ms | DCP `async_save` (pinned) {r['dcp_s'] * 1e3:.0f} ms | "
                       f"{r['ratio']:.2f}× | ≤ 0.2× |")
     else:
-        md.append(f"| trainer blocked by a commit vs DCP `async_save` | {NOT_RUN} | | | ≤ 0.2× |")
+        md.append(f"| trainer blocked by a commit vs DCP `async_save` | {missing} | | | ≤ 0.2× |")
     if res.get("h2d"):
         for r in res["h2d"]:
             md.append(f"| `checkout(device=)` {r['gib']:g} GiB | {r['checkout_s'] * 1e3:.0f} ms | pinned `copy_` "
@@ -342,13 +343,13 @@ def markdown(res: dict[str, Any]) -> str:
                           f"{r['unpinned_copy_s'] * 1e3:.0f} / "
                           f"{r['tier_load_s'] * 1e3:.0f} ms | | | |")
     else:
-        md.append(f"| `checkout(device=)` H2D vs pinned `copy_` | {NOT_RUN} | | | ≥ 0.8× |")
+        md.append(f"| `checkout(device=)` H2D vs pinned `copy_` | {missing} | | | ≥ 0.8× |")
     if res.get("ipc"):
         for r in res["ipc"]:
             md.append(f"| IPC checkout of the latest, {r['tensors']} tensors ({r['source']}) | "
                       f"{r['checkout_s'] * 1e3:.2f} ms | | | ≤ 1 ms |")
     else:
-        md.append(f"| IPC checkout of the latest, 100 / 10k tensors | {NOT_RUN} | | | ≤ 1 ms |")
+        md.append(f"| IPC checkout of the latest, 100 / 10k tensors | {missing} | | | ≤ 1 ms |")
     for r in res.get("latency", []):
         md.append(f"| its CPU part (lease, manifest, mapping), {r['tensors']} tensors: a version read before / "
                   f"read for the first time | {r['again_s'] * 1e3:.2f} ms / {r['first_s'] * 1e3:.1f} ms | | | ≤ 1 ms |")
@@ -373,9 +374,16 @@ def main() -> int:
     ap.add_argument("--receivers", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--rows", default="staging,stall,h2d,ipc,latency,broadcast", help="which rows to run")
+    ap.add_argument("--from-json", help="measure nothing: write the tables of an earlier run's JSON")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            earlier = json.load(f)
+        write_outputs(None, None, args.markdown, markdown(earlier))
+        print(markdown(earlier))
+        return 0
     res: dict[str, Any] = {"argv": ["tools/bench_device.py", *sys.argv[1:]], "machine": machine(), "errors": []}
     t0 = time.monotonic()
 
