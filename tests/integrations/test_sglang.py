@@ -146,6 +146,8 @@ def test_the_engines_roots_bound_what_a_request_opens(shm_dir, monkeypatch):
     b'{"root": "/x", "version": 1, "min_step": null, "timeout": -1, "registry": null, "name": null}',
     b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": 5, "name": null}',
     b'{"root": "/x"}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": "yes"}',
+    b'{"root": "/x", "version": null, "min_step": 1, "timeout": null, "registry": null, "name": null, "check": true}',
     b"[" * 100_000,
     b"\xff\xfe",
     b" " * (128 << 10),
@@ -183,3 +185,162 @@ def test_the_next_version_is_prefetched_and_the_next_load_moves_nothing(redis_ur
         for n, t in weights(2).items():
             assert torch.equal(model.get_parameter(n), t), n
         assert host.leases() == []
+
+
+# -- installed equals committed (issue 28, item 3) ---------------------------------------------
+SHARDS = {"q": slice(0, 8), "k": slice(8, 16), "v": slice(16, 24)}
+
+
+class FusedPolicy(torch.nn.Module):
+    """Loads as SGLang's models with fused parameters do: the version's ``attn.{q,k,v}_proj`` go into
+    one ``qkv`` parameter at their offsets (a stacked-params mapping and a shard's weight loader),
+    ``lm_head.*`` is renamed ``head.*``, and the engine holds bfloat16 (the loader's ``copy_`` casts).
+    ``fail_after``: raise after that many tensors were loaded (an install stopped part way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 4)
+        self.to(torch.bfloat16)
+        self.fail_after: int | None = None
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for i, (name, tensor) in enumerate(weights):
+            if self.fail_after is not None and i == self.fail_after:
+                raise RuntimeError(f"stopped at {name}")
+            module, _, kind = name.rpartition(".")
+            if module == "lm_head":
+                params[f"head.{kind}"].data.copy_(tensor)
+            else:
+                shard = module.removeprefix("attn.").removesuffix("_proj")
+                params[f"qkv.{kind}"].data[SHARDS[shard]].copy_(tensor)
+
+
+def version(seed: int) -> dict[str, torch.Tensor]:
+    """A version in the trainer's names (float32): what FusedPolicy loads."""
+    g = torch.Generator().manual_seed(seed)
+    out = {f"attn.{s}_proj.{k}": torch.randn(*shape, generator=g)
+           for s in SHARDS for k, shape in (("weight", (8, 8)), ("bias", (8,)))}
+    return out | {"lm_head.weight": torch.randn(4, 8, generator=g), "lm_head.bias": torch.randn(4, generator=g)}
+
+
+def engine_bytes(model: FusedPolicy) -> dict[str, bytes]:
+    return {n: p.detach().reshape(-1).view(torch.uint8).numpy().tobytes() for n, p in model.named_parameters()}
+
+
+def expected_bytes(v: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """What the engine holds after installing ``v``, worked out apart from the loader: q, k, v
+    concatenated in order, cast to bfloat16."""
+    def b(t):
+        return t.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {f"qkv.{k}": b(torch.cat([v[f"attn.{s}_proj.{k}"] for s in SHARDS])) for k in ("weight", "bias")} \
+        | {f"head.{k}": b(v[f"lm_head.{k}"]) for k in ("weight", "bias")}
+
+
+def test_corrupted_weights_are_the_version_again_after_one_update(store_root):
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+        model = FusedPolicy()
+        sglang.load_weights(model, sglang.request(store_root, version=1))
+        assert engine_bytes(model) == expected_bytes(version(1))
+        assert sglang.check_installed(model) == {"step": 1, "ok": True, "tensors": 4, "mismatched": {},
+                                                 "not_loaded": []}
+
+        with torch.no_grad():  # the rollout's weights corrupted
+            for p in model.parameters():
+                p.add_(1)
+        report = sglang.check_installed(model)
+        assert not report["ok"] and sorted(report["mismatched"]) == ["head.bias", "head.weight", "qkv.bias",
+                                                                     "qkv.weight"], report
+
+        sglang.load_weights(model, sglang.request(store_root))  # one update
+        assert engine_bytes(model) == expected_bytes(version(1))  # bit-identical to the committed version
+        assert sglang.check_installed(model)["ok"]
+
+        with torch.no_grad():  # one element of the fused parameter (k's rows), the check names it
+            model.qkv.weight[10, 3] += 1
+        corrupted, ptr = model.qkv.weight[10, 3].item(), model.qkv.weight.data_ptr()
+        report = sglang.check_installed(model, device="cpu")
+        assert report["mismatched"] == {"qkv.weight": "1 of 192 elements differ"} and not report["ok"], report
+        assert model.qkv.weight[10, 3].item() == corrupted and model.qkv.weight.data_ptr() == ptr  # nothing written
+        assert store.leases() == []
+
+
+def test_a_check_request_through_the_loader_compares_and_loads_nothing(store_root):
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+        store.commit(2, version(2), tags=["best"]).result()
+        model = FusedPolicy()
+        sglang.load_weights(model, sglang.request(store_root, version=2))
+        sglang.load_weights(model, sglang.request(store_root, check=True))  # the step loaded
+        assert sglang.last_checks()[id(model)] == {"step": 2, "ok": True, "tensors": 4, "mismatched": {},
+                                                   "not_loaded": []}
+        sglang.load_weights(model, sglang.request(store_root, version=1, check=True))  # another version
+        report = sglang.last_checks()[id(model)]
+        assert report["step"] == 1 and not report["ok"] and len(report["mismatched"]) == 4, report
+        assert engine_bytes(model) == expected_bytes(version(2)) and sglang.loaded_versions()[id(model)] == 2
+        with torch.no_grad():
+            model.head.bias[1] = 7.0
+        sglang.load_weights(model, sglang.request(store_root, version="best", check=True))  # a mismatch: no raise
+        report = sglang.last_checks()[id(model)]
+        assert report["step"] == 2 and report["mismatched"] == {"head.bias": "1 of 4 elements differ"}, report
+        assert model.head.bias[1].item() == 7.0
+        assert store.leases() == []
+
+
+def test_an_install_that_fails_part_way_leaves_the_reported_step(store_root):
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+        store.commit(2, version(2)).result()
+        model = FusedPolicy()
+        sglang.load_weights(model, sglang.request(store_root, version=1))
+        model.fail_after = 3
+        with pytest.raises(RuntimeError, match="stopped at"):
+            sglang.load_weights(model, sglang.request(store_root, version=2))
+        assert sglang.loaded_versions()[id(model)] == 1  # not the step that was not installed whole
+        held = engine_bytes(model)
+        assert held != expected_bytes(version(1)) and held != expected_bytes(version(2))  # it did stop part way
+        model.fail_after = None
+        assert not sglang.check_installed(model)["ok"]  # compared with step 1: the model holds a mix
+        assert not sglang.check_installed(model, step=2)["ok"]
+        sglang.load_weights(model, sglang.request(store_root, version=2))
+        assert sglang.loaded_versions()[id(model)] == 2 and engine_bytes(model) == expected_bytes(version(2))
+        assert sglang.check_installed(model)["ok"]
+        assert store.leases() == []
+
+
+def test_the_check_names_what_the_version_does_not_reach(store_root):
+    class Wider(FusedPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = torch.nn.Parameter(torch.zeros(3))
+
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+        store.commit(2, {n: t for n, t in version(2).items() if n != "attn.v_proj.weight"}).result()
+        model = Wider()
+        sglang.load_weights(model, sglang.request(store_root, version=1))
+        report = sglang.check_installed(model)
+        assert report["not_loaded"] == ["extra"] and report["mismatched"] == {} and not report["ok"], report
+        sglang.load_weights(model, sglang.request(store_root, version=2))  # v's rows keep step 1's weights
+        report = sglang.check_installed(model)
+        assert report["mismatched"] == {"qkv.weight": "64 of 192 elements differ"}, report  # filled in part
+
+
+def test_the_check_refuses_what_it_cannot_compare_and_leaves_the_model_as_it_was(store_root):
+    model = FusedPolicy()
+    with pytest.raises(InvalidArgumentError, match="loaded no version"):
+        sglang.check_installed(model)
+    with pytest.raises(InvalidArgumentError, match="not min_step"):
+        sglang.request(store_root, min_step=1, check=True)
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+        store.commit(2, version(2) | {"unknown.weight": torch.zeros(2)}).result()
+        sglang.load_weights(model, sglang.request(store_root, version=1))
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        with pytest.raises(KeyError):  # the model's loader refuses the version midway
+            sglang.check_installed(model, step=2)
+        assert [p.data_ptr() for p in model.parameters()] == ptrs  # its own tensors back
+        assert engine_bytes(model) == expected_bytes(version(1)) and sglang.check_installed(model)["ok"]
+        assert store.leases() == []
