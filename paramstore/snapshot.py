@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import queue
 import struct
+import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -44,10 +47,56 @@ from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "release_mappings"]
 
 #: madvise advice that maps every page of a range readable now (Linux 5.14+).
 MADV_POPULATE_READ = 22
+
+
+class _Unmapper:
+    """Drops the mappings of closed snapshots on a thread of its own.
+
+    Unmapping a GiB of faulted-in pages tears down a quarter of a million page-table entries
+    (~0.1 s here), which a rollout's pause need not wait for: :meth:`Snapshot.close` releases the
+    lease at once and hands its references here. :func:`release_mappings` waits for them (a store's
+    ``close`` does, so memory is returned by the time it returns).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._pid: int | None = None
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+
+    def drop(self, refs: Any) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first use, or a forked child: the parent's thread is not here
+                self._pid, self._pending, self._queue = os.getpid(), 0, queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(self._queue,), name="paramstore-unmap", daemon=True).start()
+            self._pending += 1
+            self._queue.put(refs)
+
+    def _run(self, q: "queue.SimpleQueue[Any]") -> None:
+        while True:
+            refs = q.get()
+            del refs  # the last references: the mappings go now (tensors taken from them keep theirs)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            if self._pid != os.getpid():
+                return True
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+
+_unmapper = _Unmapper()
+
+
+def release_mappings(timeout: float | None = None) -> bool:
+    """Wait until the mappings of every snapshot this process closed are dropped; False on timeout."""
+    return _unmapper.wait(timeout)
 
 
 class Snapshot(Mapping[str, torch.Tensor]):
@@ -346,6 +395,9 @@ class Snapshot(Mapping[str, torch.Tensor]):
     def close(self) -> None:
         """Release the snapshot. Tensors already taken from it stay valid (they keep their mapping).
 
+        The lease is released at once; the snapshot's own mappings are dropped on a background
+        thread (unmapping a GiB takes ~0.1 s, which the caller need not wait for).
+
         Example:
             >>> snap = store.checkout("latest")
             >>> weight = snap["0.weight"]
@@ -357,10 +409,14 @@ class Snapshot(Mapping[str, torch.Tensor]):
             ...
             paramstore.errors.StoreClosedError: snapshot of step 1 is closed
         """
+        refs = (self._maps, self._host, self._bufs, self._views)
         self._bufs = None
         self._views = {}
         self._host = {}
         self._maps = {}
+        if any(refs):
+            _unmapper.drop(refs)
+        del refs
         if self._finalizer is not None:
             self._finalizer()
 

@@ -233,6 +233,49 @@ def test_tensors_stay_valid_after_snapshot_close(store):
         snap["w"]
 
 
+def _mapped(path: str) -> int:
+    """How many mappings of ``path`` this process has (the committer may keep its own)."""
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(path) for line in f)
+
+
+def test_closing_a_snapshot_releases_its_lease_at_once_and_its_mappings_in_the_background(store_root):
+    from paramstore.snapshot import release_mappings
+
+    with ParamStore(store_root, create=True) as writer:  # closed: its staging mappings are gone
+        writer.commit(1, {"w": torch.ones(1 << 16), "v": torch.zeros(1 << 16)}).result()
+    store = ParamStore(store_root)
+    files = [os.path.realpath(store._open.root.tier.object_path(o)) for o in store.manifest(1).objects()]
+    before = [_mapped(f) for f in files]
+    snap = store.checkout(1)
+    assert [_mapped(f) for f in files] == [n + 1 for n in before]
+    snap.close()
+    assert store.leases() == []  # released before close returned
+    assert release_mappings(timeout=30)
+    assert [_mapped(f) for f in files] == before
+    store.close()
+
+
+def test_a_tensor_taken_keeps_its_mapping_after_the_snapshot_is_released(store_root):
+    from paramstore.snapshot import release_mappings
+
+    with ParamStore(store_root, create=True) as writer:
+        writer.commit(1, {"w": torch.ones(1 << 16)}).result()
+    store = ParamStore(store_root)
+    snap = store.checkout(1)
+    (obj,) = snap.manifest.objects()
+    path = os.path.realpath(store._open.root.tier.object_path(obj))
+    w = snap["w"]
+    mapped = _mapped(path)
+    snap.close()
+    assert release_mappings(timeout=30)
+    assert _mapped(path) == mapped  # the tensor holds the snapshot's mapping
+    assert torch.equal(w, torch.ones(1 << 16))
+    del w
+    assert _mapped(path) == mapped - 1
+    store.close()
+
+
 def test_snapshot_is_a_read_only_mapping(store):
     state = {"b": torch.ones(2), "a": torch.zeros(3), "c": torch.arange(4)}
     v = store.commit(3, state, metrics={"loss": 0.5}).result()
