@@ -26,7 +26,6 @@ from .peer import PeerServer
 from .reports import FetchReport, TransferReport
 from .opening import Opening
 from .root import StoreRoot, VersionSpec
-from .snapshot import release_mappings
 from .staging import SlabPool
 from .validate import check_bound, check_timeout
 
@@ -298,6 +297,8 @@ class ReadSide:
         for part in (self.devices, self.peer, self.transport):
             if part is not None:
                 part.close()
+        from .snapshot import release_mappings  # loads torch: `paramstore` alone (the CLI) must not
+
         release_mappings(timeout=60)
 
 
