@@ -162,7 +162,7 @@ def main() -> None:
     proc.start()
     assert parent.recv() == "ready"
     trainer = CheckpointEngineRegistry.new("paramstore", bucket_size=2048 << 20, is_master=True, root=root)
-    ps_s, send_s, pause_s, bare_s, ps_noise = [], [], [], [], []
+    ps_s, send_s, pause_s, bare_s, wait_s, ps_noise = [], [], [], [], [], []
     scratch = {n: torch.zeros_like(t) for n, t in model.items()}
     meter = CpuMeter(lambda: [os.getpid(), proc.pid])
     try:
@@ -177,9 +177,10 @@ def main() -> None:
             ps_s.append(done - t0)
             send_s.append(sent)
             pause_s.append(pause)
+            wait_s.append(metrics["paramstore/publish_wait_s"])
             bare_s.append(_bare_copy(model, scratch))
             print(f"paramstore sync {step}: {ps_s[-1]:.3f} s (trainer held {sent:.3f} s, bare copy {bare_s[-1]:.3f} s; "
-                  f"rollout paused {pause:.3f} s; new bytes {metrics['paramstore/new_bytes'] / (1 << 30):.3f} GiB; "
+                  f"of which waiting for the publish {wait_s[-1]:.3f} s; rollout paused {pause:.3f} s; new bytes {metrics['paramstore/new_bytes'] / (1 << 30):.3f} GiB; "
                   f"other processes used {ps_noise[-1]}% of the CPUs)", flush=True)
         proc.join(60)
     finally:
@@ -200,13 +201,15 @@ def main() -> None:
         "slowest sync / median": (max(ps_s[1:] or ps_s) / med(ps_s), 1.5),
     }
     summary = (f"medians over syncs 2..{len(steps)}: naive {med(naive_s):.3f} s; paramstore sync {med(ps_s):.3f} s, "
-               f"rollout paused {med(pause_s):.3f} s, trainer held {med(send_s):.3f} s, bare copy {med(bare_s):.3f} s; "
+               f"rollout paused {med(pause_s):.3f} s, trainer held {med(send_s):.3f} s (of which waiting for the publish, "
+               f"after the last byte was staged: {med(wait_s):.3f} s), bare copy {med(bare_s):.3f} s; "
                f"cold sync 1: {ps_s[0]:.3f} s")
     print(summary)
     for name, (got, goal) in goals.items():
         print(f"  {name}: {got:.2f}x (goal <= {goal}x: {'met' if got <= goal else 'missed'})")
     res.update(gib=round(nbytes / (1 << 30), 3), tensors=len(model), pause_s=args.pause, naive_s=naive_s,
                paramstore_s=ps_s, rollout_pause_s=pause_s, trainer_held_s=send_s, bare_copy_s=bare_s,
+               publish_wait_s=wait_s,
                others_cpu_pct={"naive": naive_noise, "paramstore": ps_noise},
                goals={k: {"ratio": v[0], "goal": v[1]} for k, v in goals.items()},
                total_seconds=time.monotonic() - t_start)
