@@ -28,7 +28,8 @@ one thread. Three rules keep a slow or absent remote from filling shared memory:
   server errors) are retried with exponential backoff (0.5 s doubling to 30 s), always on the
   oldest waiting version; each version gives up ``retry_for`` seconds after it was queued (its
   future fails with the last error), so a long outage fails a backlog at once, not one
-  ``retry_for`` after another. Refusals (missing bucket, access denied) fail that version at once.
+  ``retry_for`` after another. Refusals (missing bucket, access denied, another version at that
+  step in the remote) fail that version at once, and it is not queued again in this run.
 * **Resume.** A store opened with a remote queues, in the background, the uploads a previous run
   left unfinished: local versions not marked persisted for this remote, whose objects are on this
   host, at or above the remote's newest step (older ones were skipped or failed for good), and
@@ -48,7 +49,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable
 
-from .errors import InvalidArgumentError, ParamStoreError, RemoteError, VersionNotFoundError
+from .errors import InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError
 from .manifest import Version
 from .remote import Remote
 from .root import StoreRoot
@@ -242,14 +243,23 @@ class Persister:
                 elif self._retry_later(upload, e, delay):
                     time.sleep(delay)  # one wait for the whole queue
                     delay = min(delay * 2, _MAX_DELAY)
+            except StepOrderError as e:
+                # The remote holds another version at this step (another run's): a refusal too, and
+                # for good. Not a RemoteError, so said here: else every later successful push would
+                # queue this version again (the remote policy keeps it and the remote lacks it), lease
+                # it and fail it again, with a warning each time.
+                self._refused.add(upload.step)
+                self._finish(upload, error=e)
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 self._finish(upload, error=e)
             else:
                 delay = _FIRST_DELAY
                 with self._cond:
                     self._outage = None
-                self._finish(upload, version=version)
+                # Before this upload counts as done: wait() (and whoever saw handle.persisted resolve)
+                # must not find the queue empty in between, with a version about to be queued again.
                 self._requeue_left_behind(upload.step)
+                self._finish(upload, version=version)
             finally:
                 self._pushing = None
 

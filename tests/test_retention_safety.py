@@ -12,6 +12,7 @@ LMDB stores on /dev/shm, real ``file://`` remotes, real commits of small models.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from helpers import random_tensor
 from paramstore import InvalidArgumentError, ParamStore
 from paramstore.errors import RemoteError, StepOrderError
+from paramstore.maintenance import Maintainer
 from paramstore.manifest import Version
 from paramstore.remote import Remote
 from paramstore.retention import AnyOf, KeepBest, KeepEvery, KeepLast, decide
@@ -179,9 +181,44 @@ def test_local_retention_keeps_what_the_remote_wants_and_has_not_received(shm_di
                 settle(store)
             with pytest.raises(StepOrderError, match="another version at step 5"):
                 handles[5].persisted.result(30)
+            # Refused for good: not queued again after each later push (it was, leased meanwhile, so a
+            # prune could find it leased after wait() had returned).
+            assert store._write.persister.resumed == []
             assert steps(store) == [5, 7]
             report = store.prune(KeepLast(1), dry_run=True)  # an explicit prune is the user's choice
             assert report.removed == [5]
+
+
+def test_wait_covers_a_milestone_queued_again_after_a_push(shm_dir, monkeypatch):
+    """A push that goes through queues again the milestone whose upload was given up before it is
+    counted done: ``persisted`` resolving and ``wait()`` returning mean the milestone is uploaded too,
+    however long it takes to find which versions the remote still lacks."""
+    url = f"file://{shm_dir}/remote"
+    retention = {"local": KeepLast(1), "remote": AnyOf(KeepLast(1), KeepEvery(5))}
+    push, awaiting = Remote.push, Maintainer.awaiting_remote
+    failed = []
+
+    def flaky_push(self, root, step, **kw):
+        if step == 5 and not failed:  # one transient failure: given up at once (persist_retry_for)
+            failed.append(step)
+            raise RemoteError("the endpoint is down", transient=True)
+        return push(self, root, step, **kw)
+
+    def slow_awaiting(self):
+        time.sleep(0.2)  # widens the window between a push's end and the queueing of what it leaves behind
+        return awaiting(self)
+
+    monkeypatch.setattr(Remote, "push", flaky_push)
+    monkeypatch.setattr(Maintainer, "awaiting_remote", slow_awaiting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with ParamStore(os.path.join(shm_dir, "s"), remote=url, retention=retention, persist_retry_for=0.1) as store:
+            with pytest.raises(RemoteError, match="endpoint is down"):
+                store.commit(5, model(5)).persisted.result(30)
+            store.commit(6, model(6)).persisted.result(30)
+            assert store._write.persister.wait(60)
+            assert store._write.persister.resumed == [5]
+            assert 5 in [v.step for v in store.remote_versions()]
 
 
 def test_a_milestone_given_up_in_an_outage_is_uploaded_once_the_remote_is_back(s3_server, s3_remote, shm_dir):
