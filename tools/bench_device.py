@@ -29,7 +29,6 @@ Rows 1–4 need a CUDA GPU: without one they are reported as "not run" (never es
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -108,26 +107,6 @@ def staging(gib: float, rounds: int) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _give_dcp_stager_class_copies() -> None:
-    """torch 2.11's DCP stager has no deepcopy entry for classes (2.13 has one): ``async_save``
-    with a stager then fails with ``KeyError: <class 'type'>``. Give every stager the entry
-    ``copy.deepcopy`` itself uses (a no-op where it is there)."""
-    try:
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-    except ImportError:
-        return
-    if getattr(StateDictStager, "_paramstore_patched", False):
-        return
-    init = StateDictStager.__init__
-
-    def patched(self: Any, *a: Any, **k: Any) -> None:
-        init(self, *a, **k)
-        self._deepcopy_dispatch.setdefault(type, copy._deepcopy_atomic)  # type: ignore[attr-defined]
-
-    StateDictStager.__init__ = patched  # type: ignore[method-assign]
-    StateDictStager._paramstore_patched = True  # type: ignore[attr-defined]
-
-
 def stall(gib: float, rounds: int) -> dict[str, Any]:
     """Row 2: the training thread's wait for a commit vs DCP async_save with pinned staging."""
     import torch.distributed.checkpoint as dcp
@@ -140,9 +119,8 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
     try:
         ours, theirs, copied = [], [], []
-        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                              use_async_staging=True, use_non_blocking_copy=True))
-        _give_dcp_stager_class_copies()
+        options = StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                 use_non_blocking_copy=True)
         with ParamStore(os.path.join(root, "s"), create=True, retention=KeepLast(2)) as store:
             store.prepare(model, wait=True)
             for r in range(rounds + 1):
@@ -155,6 +133,11 @@ def stall(gib: float, rounds: int) -> dict[str, Any]:
                 staged = time.perf_counter() - t
                 store.flush()
                 t = time.perf_counter()
+                # A stager per save: torch 2.11's DefaultStager closes its StateDictStager after each
+                # save, which clears its copy table (and its cache of pinned buffers: so a new one
+                # costs DCP nothing it would not pay anyway); the next save through it fails
+                # (KeyError: <class 'type'>, copying the dict itself).
+                stager = DefaultStager(options)
                 resp = dcp.async_save(model, checkpoint_id=os.path.join(root, f"dcp{r}"), async_stager=stager)
                 resp.staging_completion.result()
                 dcp_s = time.perf_counter() - t
