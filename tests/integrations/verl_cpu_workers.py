@@ -1,5 +1,5 @@
 """verl workers for the paramstore backend's tests, runnable on a CPU-only host (imported by test_verl.py,
-by the Ray workers it starts, and by tools/bench_verl.py).
+by the Ray workers it starts, and by tools/bench_verl_manager.py).
 
 What is verl's own code and what is not:
 
@@ -233,6 +233,40 @@ class RolloutWorker(CheckpointEngineWorker):
         return a.global_steps, a.updates, a.received
 
 
+class InstallingRollout(RecordingRollout):
+    """A server adapter that installs as an inference engine does: every tensor copied into weights
+    it keeps (made and faulted at the first update), and how long each update took (``time.monotonic``)."""
+
+    def __init__(self, config: Any, model_config: Any) -> None:
+        super().__init__(config, model_config)
+        self.durations: list[float] = []
+
+    async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+        import time
+
+        assert wire_format == "named_tensors", wire_format
+        start = time.monotonic()
+        async for name, tensor in weights:
+            if name not in self.received:
+                self.received[name] = torch.zeros_like(tensor)
+            self.received[name].copy_(tensor)
+        self.durations.append(time.monotonic() - start)
+        self.global_steps = kwargs.get("global_steps")
+        self.updates += 1
+
+
+class InstallingRolloutWorker(CheckpointEngineWorker):
+    """verl's ``CheckpointEngineWorker`` with an :class:`InstallingRollout` as its server adapter."""
+
+    def __init__(self, rollout_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(rollout_config, model_config, InstallingRollout(rollout_config, model_config), *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def durations(self) -> list[float]:
+        """Seconds each update took in the adapter (the install)."""
+        return list(self.server_adapter.durations)
+
+
 class LocalReplica(RolloutReplica):
     """A rollout replica made of workers of an existing group, with no HTTP server to launch."""
 
@@ -244,5 +278,6 @@ class LocalReplica(RolloutReplica):
         raise NotImplementedError("LocalReplica builds no Ray worker class: its workers come from init_hybrid()")
 
 
-__all__ = ["CpuFSDPEngine", "CpuTrainingWorker", "LocalReplica", "RecordingRollout", "RolloutWorker",
-           "TrainerWorker", "Worker", "backend_overrides", "compose_config", "make_tiny_model"]
+__all__ = ["CpuFSDPEngine", "CpuTrainingWorker", "InstallingRollout", "InstallingRolloutWorker", "LocalReplica",
+           "RecordingRollout", "RolloutWorker", "TrainerWorker", "Worker", "backend_overrides", "compose_config",
+           "make_tiny_model"]
