@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("data", "plain data, formats, input checks, reports and small utilities", (
         "paramstore.errors", "paramstore.text", "paramstore.format", "paramstore.validate", "paramstore.reports",
         "paramstore.manifest", "paramstore.patch", "paramstore.liveness", "paramstore.progress", "paramstore.safefs",
-        "paramstore.accel", "paramstore.pinning", "paramstore.plugins", "paramstore.metrics",
+        "paramstore.accel", "paramstore.pinning", "paramstore.plugins", "paramstore.metrics", "paramstore.recipes",
     )),
     ("contracts", "the backend contracts and their conformance suites", (
         "paramstore.backends", "paramstore.backends.*.base", "paramstore.backends.*.testing",
