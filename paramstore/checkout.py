@@ -65,7 +65,9 @@ class Fetcher:
 
     :attr:`sources`: rebuilt from patches against a version this host holds (with ``patches``),
     read from peers, downloaded from the remote (when there is one). Each source is given what is
-    still missing and places what it can, verified; the next one gets the rest.
+    still missing and places what it can, verified; the next one gets the rest. A peer caught
+    serving bad bytes (named in the report's ``rejected``) is asked nothing more in that fetch, by
+    any source: they share one set of excluded peers, made for each :meth:`fetch`.
 
     Args:
         root: the host's store.
@@ -85,9 +87,10 @@ class Fetcher:
                  prepare_buffers: bool = True, patches: bool = False) -> None:
         self._root, self._pool, self._remote = root, pool, remote
         self._transport, self._server, self._prepare = transport, server, prepare_buffers
-        #: Where objects come from, in order: ``source(step, manifest, missing, report)`` places
-        #: what it can and returns an error worth naming if nothing more comes, else None.
-        self.sources: list[Callable[[int, Manifest, list[str], FetchReport], Exception | None]] = [
+        #: Where objects come from, in order: ``source(step, manifest, missing, report, excluded)``
+        #: places what it can (asking no peer whose id is in ``excluded``, and adding those it
+        #: catches serving bad bytes) and returns an error worth naming if nothing more comes, else None.
+        self.sources: list[Callable[[int, Manifest, list[str], FetchReport, set[str]], Exception | None]] = [
             *([self._from_patches] if patches else []), self._from_peers,
             *([self._from_remote] if remote is not None else [])]
 
@@ -104,10 +107,11 @@ class Fetcher:
         missing = [o for o in objects if not tier.exists(o)]
         report = FetchReport(step, local=len(objects) - len(missing))
         errors: list[Exception] = []
+        excluded: set[str] = set()  # peers caught serving bad bytes: not asked again for this version
         for source in self.sources:
             if not missing:
                 break
-            error = source(step, manifest, missing, report)
+            error = source(step, manifest, missing, report, excluded)
             errors += [error] if error is not None else []
             missing = [o for o in missing if not tier.exists(o)]
         if self._prepare and (report.from_peers or report.from_patches):
@@ -120,10 +124,13 @@ class Fetcher:
             raise ObjectUnavailableError(message) from (errors[0] if errors else None)
         return report
 
-    def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> None:
-        fetch_by_patches(self._root, self._pool, step, manifest, report, functools.partial(self._get, report))
+    def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
+                      excluded: set[str]) -> None:
+        fetch_by_patches(self._root, self._pool, step, manifest, report,
+                         functools.partial(self._get, report, excluded))
 
-    def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> Exception | None:
+    def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
+                    excluded: set[str]) -> Exception | None:
         reg = self._root.registry
         if not reg.peers():
             return None
@@ -131,14 +138,15 @@ class Fetcher:
         extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
         try:
             peer_fetch(self._root, self._transport(), reg.object_sizes(missing), pool=self._pool, report=report,
-                       server=self._server(), extents=extents)
+                       server=self._server(), extents=extents, excluded=excluded)
         except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
             error = TransferError(f"the peer fetch failed: {e}")
             error.__cause__ = e
             return error
         return None
 
-    def _from_remote(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport) -> None:
+    def _from_remote(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
+                     excluded: set[str]) -> None:
         assert self._remote is not None
         try:
             got = self._remote.fetch(self._root, step)
@@ -152,14 +160,16 @@ class Fetcher:
                 report.bytes_from[self._remote.url] += got.bytes
         return None
 
-    def _get(self, report: FetchReport, sizes: "dict[str, int]") -> int:
-        """Move these objects (patches) here from peers; returns the bytes moved (counted per peer in
-        ``report.bytes_from``). What no peer delivers is simply not here afterwards."""
+    def _get(self, report: FetchReport, excluded: set[str], sizes: "dict[str, int]") -> int:
+        """Move these objects (patches) here from peers, none from a peer in ``excluded``; returns the
+        bytes moved (counted per peer in ``report.bytes_from``). What no peer delivers is simply not
+        here afterwards."""
         if not self._root.registry.peers():
             return 0
         sub = FetchReport(report.step)
         try:
-            peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=sub, server=self._server())
+            peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=sub, server=self._server(),
+                       excluded=excluded)
         except TransferError:
             pass  # no transfer engine here: the objects move whole from the remote, if any
         report.bytes_from.update(sub.bytes_from)

@@ -8,10 +8,12 @@
   read straight into a pre-faulted slab of the local tier (registered memory, no intermediate
   copy), in slices spread over every peer that announced it or the slice; a slice whose peer fails
   is read again from another one. Slices are hashed as they arrive (:class:`ObjectHasher`); the
-  slab is renamed into place only if the digest matches its name; if the mixed read does not, the
-  object is read again from one peer at a time, so a peer serving bad bytes is skipped. Objects no
-  peer could deliver are left for the remote tier. Then the object is announced by this process's
-  server, if it runs one (swarm: the next host can fetch it from here).
+  slab is renamed into place only if the digest matches its name; if the mixed read does not, each
+  peer's slices are read again from another holder until it does, and a peer whose slices differ
+  from the verified bytes is named in the report's ``rejected`` and asked nothing more in that fetch
+  (:meth:`_Fetch.recover`). Objects no peer could deliver are left for the remote tier. Then the
+  object is announced by this process's server, if it runs one (swarm: the next host can fetch it
+  from here).
 
 Delta comes from content addressing: unchanged tensors stay in the objects a host already holds, so
 only objects with changed tensors move.
@@ -144,7 +146,7 @@ class PeerServer:
 
 def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, pool: SlabPool,
           report: FetchReport, server: PeerServer | None = None, concurrency: int | None = None,
-          extents: Mapping[str, int] | None = None) -> None:
+          extents: Mapping[str, int] | None = None, excluded: set[str] | None = None) -> None:
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
     The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
@@ -156,16 +158,20 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
     the same version read it from here: a swarm) and each object once verified. ``report`` (the
     checkout's) gets the objects delivered intact (``from_peers``), bytes per peer and rejections;
-    an object no peer delivered intact is simply not in the local tier afterwards.
+    an object no peer delivered intact is simply not in the local tier afterwards. ``excluded``:
+    ids of peers not to ask (caught serving bad bytes earlier in the same checkout); a peer caught
+    now is added, so neither the other objects of this fetch nor the caller's later sources for
+    the same version ask it again.
     """
     concurrency = FETCH_CONCURRENCY if concurrency is None else concurrency
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
     lock = threading.Lock()
+    excluded = set() if excluded is None else excluded
     random.shuffle(todo)  # hosts fetching at once start on different objects
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-fetch") as readers, \
             ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
         def one(digest: str) -> None:
-            job = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers)
+            job = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers, excluded)
             ok = (extents is not None and extents.get(digest) == objects[digest] or job.sized()) and job.run()
             if ok:
                 with lock:
@@ -183,12 +189,13 @@ class _Fetch:
     (its origin) only when no fetching host holds any of them, so the origin serves each slice
     about once; alone, a round reads twice as many as the last one, up to :data:`BURST_SLICES`.
     Each slice that arrives is hashed at once (:class:`ObjectHasher`), so little hashing is left
-    after the last one.
+    after the last one. Who served each slice is kept (:attr:`served`): the object's digest says
+    only that some byte is wrong, so blame needs to know whose it was (:meth:`recover`).
     """
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
                  server: PeerServer | None, report: FetchReport, lock: threading.Lock,
-                 hashers: ThreadPoolExecutor) -> None:
+                 hashers: ThreadPoolExecutor, excluded: set[str]) -> None:
         self.root, self.transport, self.pool, self.digest, self.size = root, transport, pool, digest, size
         self.server, self.report, self.lock, self.hashers = server, report, lock, hashers
         self.me = server.peer.id if server is not None else None
@@ -198,6 +205,11 @@ class _Fetch:
         start = random.randrange(n)  # hosts fetching at once start on different slices
         self.order = [(start + i) % n for i in range(n)]
         self.bad: set[str] = set()  # peers that failed this object
+        self.excluded = excluded  # peers caught serving bad bytes: asked nothing more in this fetch (shared)
+        # slice -> (peer whose bytes are in the slab there, whether it holds the whole object)
+        self.served: dict[int, tuple[Peer, bool]] = {}
+        self.prints: dict[tuple[int, str], tuple[Peer, bytes]] = {}  # (slice, peer id) -> its bytes' hash
+        self.culprits: set[str] = set()  # peers blamed for this object (each counted once)
         self.hashing: list[Future[None]] = []
         # A read that timed out may leave slices in flight that write later: the file is then
         # never verified nor published (the object is left to another source).
@@ -220,8 +232,8 @@ class _Fetch:
                     placed = self._hashed() == self.digest
                 if announced:
                     self.root.registry.withdraw_objects(self.me, announced)  # type: ignore[arg-type]
-                if not placed:  # one whole-object holder at a time: a bad peer is found and skipped
-                    placed = self._one_peer_at_a_time(buf)
+                if not placed:
+                    placed = self.recover(buf)
             finally:
                 wait(self.hashing)
                 buf.release()
@@ -288,28 +300,139 @@ class _Fetch:
         except ValueError as e:
             return str(e)
 
+    def recover(self, buf: memoryview) -> bool:
+        """The mixed read did not verify (or stopped short): find a good copy, and who served bad bytes.
+
+        When every slice arrived, some peer served wrong bytes, but the object's digest does not say
+        whose: each slice is fingerprinted with who served it, then each peer's slices are read again
+        from another holder, one peer at a time, until the object verifies (:meth:`_substitute`);
+        failing that, it is read whole from one holder at a time. Once a copy verifies, a peer is
+        blamed only for a slice whose bytes differ from it (:meth:`_blame_differing`), or for a
+        read it served alone that failed: never an honest one. Before, the object was read again
+        whole from whichever holder the registry named first; a good one first verified it, and the
+        corrupt peer went unblamed and was asked again for the next object.
+        """
+        wait(self.hashing)  # no hash thread reads the slab while it is overwritten
+        if self.tainted:
+            return False
+        placed = False
+        if len(self.served) == len(self.order):  # all there, and wrong
+            self._fingerprint(buf, list(self.served))
+            self._convict_sole_server()
+            placed = self._substitute(buf)
+        placed = placed or self._one_peer_at_a_time(buf)
+        if placed:
+            self._blame_differing(buf)
+        return placed
+
+    def _substitute(self, buf: memoryview) -> bool:
+        """Read each contributing peer's slices again from another whole-object holder (a peer
+        already caught in this fetch first: the likeliest culprit), one peer at a time, until the
+        object verifies; True once it does.
+
+        A replacement that does not verify the object is undone (the slices it overwrote were kept
+        aside: at most one uncaught peer's share of the object, in memory, only on this path), so each slice
+        is read again once at most: the extra bytes are at most the object's size. Reading it again
+        whole from one holder at a time cost 1 to 2 times its size, and blamed nobody when the
+        holder the registry named first was a good one.
+        """
+        peers = list({p.id: p for p, _ in self.served.values()}.values())
+        random.shuffle(peers)
+        peers.sort(key=lambda p: p.id not in self.excluded)
+        for peer in peers:
+            mine = [i for i, (p, _) in self.served.items() if p.id == peer.id]
+            others = [h for h in self._holders([self.digest]).get(self.digest, []) if h[0].id != peer.id]
+            if not mine or not others:
+                continue
+            # a peer already caught: its slices are not worth putting back if the replacement fails
+            kept = {} if peer.id in self.excluded else {i: (bytes(buf[self._span(i)]), self.served[i]) for i in mine}
+            other, addr = random.choice(others)
+            got = self._read({(other, True): [(i, addr + i * SLICE_BYTES) for i in mine]})
+            if self.tainted:
+                return False  # a late write may still land: nothing here can be trusted
+            if len(got) == len(mine) and self._verified(buf):
+                return True
+            self._fingerprint(buf, got)
+            self._convict_sole_server()
+            for i, (data, server) in kept.items():
+                buf[self._span(i)] = data
+                self.served[i] = server
+        return False
+
     def _one_peer_at_a_time(self, buf: memoryview) -> bool:
-        for peer in self._holders([self.digest]).get(self.digest, []):
+        """Read the whole object from one holder at a time; a holder whose copy fails is blamed."""
+        for peer, addr in self._holders([self.digest]).get(self.digest, []):
             if self.tainted:
                 return False
-            whole = {peer: [(i, peer[1] + i * SLICE_BYTES) for i in self.order]}
-            if len(self._read(whole)) == len(self.order) and not self.tainted:
-                wait(self.hashing)
-                try:
-                    if rehash(buf)[0] == self.digest:
-                        return True
-                except ValueError:
-                    pass
-            with self.lock:
-                self.report.rejected[peer[0].session] += 1
+            if len(self._read({(peer, True): [(i, addr + i * SLICE_BYTES) for i in self.order]})) < len(self.order):
+                continue  # it failed to serve (dead, refused): not a bad copy
+            if self.tainted:
+                return False
+            if self._verified(buf):
+                return True
+            self._blame(peer)
         return False
+
+    def _verified(self, buf: memoryview) -> bool:
+        try:
+            return rehash(buf)[0] == self.digest
+        except ValueError:
+            return False
+
+    def _span(self, i: int) -> slice:
+        return slice(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES))
+
+    def _slice(self, buf: memoryview, i: int) -> bytes:
+        """blake3 of slice ``i`` as it is in the slab now."""
+        return blake3.blake3(buf[self._span(i)], max_threads=1).digest()
+
+    def _fingerprint(self, buf: memoryview, slices: Iterable[int]) -> None:
+        """Keep a hash of these slices as served, with who served them, for :meth:`_blame_differing`.
+        A host fetching the object too (it serves slices it has not verified yet) is never blamed:
+        it may only pass on what a bad peer served it."""
+        for i in slices:
+            peer, whole = self.served[i]
+            if whole:
+                self.prints[i, peer.id] = (peer, self._slice(buf, i))
+
+    def _convict_sole_server(self) -> None:
+        """If one whole-object holder served every slice now in the slab (which failed), blame it."""
+        servers = {p.id: (p, whole) for p, whole in self.served.values()}
+        if len(self.served) == len(self.order) and len(servers) == 1:
+            peer, whole = next(iter(servers.values()))
+            if whole:
+                self._blame(peer)
+
+    def _blame_differing(self, buf: memoryview) -> None:
+        """The slab verified: blame each peer that served some slice with other bytes than these."""
+        truth: dict[int, bytes] = {}
+        for (i, _), (peer, fingerprint) in self.prints.items():
+            if peer.id not in self.culprits:
+                truth[i] = truth[i] if i in truth else self._slice(buf, i)
+                if fingerprint != truth[i]:
+                    self._blame(peer)
+
+    def _blame(self, peer: Peer) -> None:
+        """``peer`` served bytes of this object that fail verification: counted in the report's
+        ``rejected`` (once per object), said in a warning, and asked nothing more in this fetch."""
+        with self.lock:
+            if peer.id in self.culprits:
+                return
+            self.culprits.add(peer.id)
+            self.excluded.add(peer.id)
+            self.report.rejected[peer.session] += 1
+        warnings.warn(f"paramstore: peer {peer.session} served bytes of object {self.digest[:16]}… that fail "
+                      "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=2)
 
     def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
         found = self.root.registry.holders(keys)
-        return {k: [(p, a) for p, a in v if p.id != self.me and p.id not in self.bad] for k, v in found.items()}
+        skip = self.bad | self.excluded
+        return {k: [(p, a) for p, a in v if p.id != self.me and p.id not in skip] for k, v in found.items()}
 
     def _swarm(self, announced: list[str]) -> bool:
-        """Read every slice, each from a peer holding it; True once all arrived."""
+        """Read every slice, each from a peer holding it; True once all arrived.
+
+        A plan maps ``(peer, whether it holds the whole object)`` to the slices read from it."""
         if self.server is not None:
             self._announce({self.fetch_key: 0}, announced)
         pending = list(self.order)
@@ -319,20 +442,20 @@ class _Fetch:
             found = self._holders([self.digest, self.fetch_key] + [self.keys[i] for i in window])
             crowd = bool(found.get(self.fetch_key))  # other hosts fetch it too
             whole = found.get(self.digest, [])
-            plan: dict[tuple[Peer, int], list[tuple[int, int]]] = {}
+            plan: dict[tuple[Peer, bool], list[tuple[int, int]]] = {}
             rest = []
             for i in window:
                 partial = found.get(self.keys[i], [])
                 if partial:
                     peer = random.choice(partial)
-                    plan.setdefault((peer[0], 0), []).append((i, peer[1]))
+                    plan.setdefault((peer[0], False), []).append((i, peer[1]))
                 else:
                     rest.append(i)
             # from whole-object holders: alone, a growing burst; in a crowd, one slice, and only
             # when no other fetching host holds one we lack (so the origin serves each about once)
             for i in rest[:burst if not crowd else 0 if plan else 1] if whole else []:
                 peer = random.choice(whole)
-                plan.setdefault((peer[0], 0), []).append((i, peer[1] + i * SLICE_BYTES))
+                plan.setdefault((peer[0], True), []).append((i, peer[1] + i * SLICE_BYTES))
             if not plan:
                 return False  # nobody (left) holds what is missing
             done = self._read(plan)
@@ -353,12 +476,13 @@ class _Fetch:
         for i in sorted(done):
             self.hasher.arrived(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES))
 
-    def _read(self, plan: Mapping[tuple[Peer, int], list[tuple[int, int]]]) -> list[int]:
-        """Read each peer's slices (in parallel across peers); returns the slices that arrived."""
+    def _read(self, plan: Mapping[tuple[Peer, bool], list[tuple[int, int]]]) -> list[int]:
+        """Read each peer's slices (in parallel across peers); returns the slices that arrived
+        (and records who served them in :attr:`served`)."""
         done: list[int] = []
 
-        def read(item: tuple[tuple[Peer, int], list[tuple[int, int]]]) -> None:
-            (peer, _), mine = item
+        def read(item: tuple[tuple[Peer, bool], list[tuple[int, int]]]) -> None:
+            (peer, whole), mine = item
             ranges = [(self.addr + i * SLICE_BYTES, remote, min(SLICE_BYTES, self.size - i * SLICE_BYTES))
                       for i, remote in mine]
             try:
@@ -367,10 +491,13 @@ class _Fetch:
                 with self.lock:
                     self.bad.add(peer.id)
                     self.tainted = self.tainted or e.code == -2
+                    for i, _ in mine:  # part of it may have landed: nobody's bytes for sure
+                        self.served.pop(i, None)
                 return
             with self.lock:
                 self.report.bytes_from[peer.session] += sum(n for _, _, n in ranges)
                 done.extend(i for i, _ in mine)
+                self.served.update((i, (peer, whole)) for i, _ in mine)
 
         if len(plan) == 1:
             read(next(iter(plan.items())))

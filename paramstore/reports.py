@@ -36,10 +36,12 @@ class FetchReport:
         from_group: objects received over a collective group (``checkout(group=pg, src=r)``;
             verified), counted in ``bytes_from`` under ``"group:<src rank>"``.
         bytes_from: bytes read per source: a peer's session (``host:port``) or the remote's URL.
-        rejected: per peer session, objects whose bytes from that peer failed verification
-            (``"patch"``: patches that did not rebuild their object, which then moved whole;
-            ``"size"``: objects whose size in the registry the header their holder serves
-            contradicts, which were then not read from peers).
+        rejected: per peer session, objects whose bytes from that peer failed verification: a copy
+            it served alone failed, or bytes it served differ from a copy that verified (so it is
+            named even when another holder's bytes made the object whole); a peer named here is
+            asked nothing more in that fetch (``"patch"``: patches that did not rebuild their
+            object, which then moved whole; ``"size"``: objects whose size in the registry the
+            header their holder serves contradicts, which were then not read from peers).
         seconds: time spent obtaining bytes.
 
     Example:
