@@ -23,7 +23,7 @@ the inference engine's own weights; here preallocated CPU tensors):
 
 Issue 28's goals, over the steady syncs (2..N): the rollout's pause ≤ 1.5× naive, the trainer held
 ≤ 1.3× a bare copy, the slowest sync ≤ 1.5× the median. (The issue asks for them over verl's
-``CheckpointEngineManager`` on Ray; this benchmark drives the backends directly.)
+``CheckpointEngineManager`` on Ray: tools/bench_verl_manager.py measures that; this one drives the backends directly.)
 
 Each line also gives the share of the machine's CPU that other processes used meanwhile (the
 benchmark hosts are shared: a high share makes that sync's time meaningless).
