@@ -135,19 +135,21 @@ class Snapshot(Mapping[str, torch.Tensor]):
         # Releases the lease on close, or when the snapshot is garbage collected unclosed.
         self._finalizer = weakref.finalize(self, on_close) if on_close is not None else None
         self._maps: dict[str, mmap.mmap] = {}
+        self._host: dict[str, torch.Tensor] = {}
+        self._bufs: dict[str, torch.Tensor] | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        #: where the tensors live: the CPU (views of shared memory), or the device of a device checkout
+        self.device = torch.device("cpu")
         try:
             for o, extent in sorted(manifest.memo("extents", lambda: _extents(manifest)).items()):
                 self._maps[o] = _map_checked(tier, o, version.step, extent, (sizes or {}).get(o))
         except BaseException:
             self.close()  # releases the lease too
             raise
-        self._host: dict[str, torch.Tensor] = {o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()}
+        self._host = {o: torch.frombuffer(m, dtype=torch.uint8) for o, m in self._maps.items()}
         # what tensor views are made of: the shared-memory pages, or (a device checkout) the
         # objects' buffers on a device (see :meth:`_on_device`)
-        self._bufs: dict[str, torch.Tensor] | None = dict(self._host)
-        self._views: dict[str, torch.Tensor] = {}
-        #: where the tensors live: the CPU (views of shared memory), or the device of a device checkout
-        self.device = torch.device("cpu")
+        self._bufs = dict(self._host)
         #: how a device checkout got its buffers: ``"ipc"`` (the owner's device memory, mapped),
         #: ``"copy"`` (copied from shared memory), or None (a CPU checkout)
         self.device_source: str | None = None
