@@ -86,11 +86,8 @@ def main() -> None:
 
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.single_controller.ray.base import split_resource_pool
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl_cpu_workers import (InstallingRolloutWorker, LocalReplica, TrainerWorker, backend_overrides,
-                                  compose_config, make_tiny_model)
+    from verl_cpu_workers import (InstallingRolloutWorker, backend_overrides, compose_config, make_tiny_model,
+                                  start_ray, start_workers)
 
     work = tempfile.mkdtemp(prefix="bench-verl-manager-", dir=args.shm_dir)
     model_dir, root = os.path.join(work, "model"), os.path.join(work, "store")
@@ -98,20 +95,10 @@ def main() -> None:
     try:
         make_tiny_model(model_dir, hidden=HIDDEN, layers=_layers(args.gib))
         cfg = compose_config(model_dir, backend_overrides(root, eta=0, timeout=600))
-        rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-        model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-        ce_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
-        ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([WORKERS, os.environ.get("PYTHONPATH", "")])}})
+        start_ray(num_cpus=4)
         try:
-            pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-            trainer_pool, rollout_pool = split_resource_pool(pool, [1, 1])
-            actor_wg = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
-                cls=ray.remote(TrainerWorker), config=cfg.actor_rollout_ref, role="actor"))
-            rollout_wg = RayWorkerGroup(resource_pool=rollout_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
-                cls=ray.remote(InstallingRolloutWorker), rollout_config=rollout_config, model_config=model_config))
-            actor_wg.init_model()
-            replica = LocalReplica(replica_rank=0, config=rollout_config, model_config=model_config)
+            actor_wg, rollout_wg, (replica,), ce_config = start_workers(cfg, trainers=1, replicas=1,
+                                                                        rollout_cls=InstallingRolloutWorker)
             state = actor_wg.full_state()[0]  # for the in-process baselines: the same tensors, sizes, dtypes
             nbytes, ntensors = sum(t.nbytes for t in state.values()), len(state)
             print(f"model: {len(state)} tensors, {nbytes / (1 << 30):.3f} GiB (fp32)", flush=True)

@@ -154,40 +154,14 @@ def test_manager_over_ray_two_trainer_ranks_two_replicas(shm_dir):
     only changed tensors stored anew, no lease left."""
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
-    from verl.single_controller.ray import (
-        RayClassWithInitArgs,
-        RayResourcePool,
-        RayWorkerGroup,
-    )
-    from verl.single_controller.ray.base import split_resource_pool
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl_cpu_workers import (
-        LocalReplica,
-        RolloutWorker,
-        TrainerWorker,
-        backend_overrides,
-        compose_config,
-        make_tiny_model,
-    )
+    from verl_cpu_workers import backend_overrides, compose_config, make_tiny_model, start_ray, start_workers
 
     model, root = os.path.join(shm_dir, "model"), os.path.join(shm_dir, "store")
     make_tiny_model(model)
     cfg = compose_config(model, backend_overrides(root, eta=0, timeout=30, keep_last=None))
-    rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-    ce_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
-
-    ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}})
+    start_ray(num_cpus=8)
     try:
-        pool = RayResourcePool(process_on_nodes=[4], use_gpu=False, max_colocate_count=1)
-        trainer_pool, rollout_pool = split_resource_pool(pool, [2, 2])
-        actor_wg = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
-            cls=ray.remote(TrainerWorker), config=cfg.actor_rollout_ref, role="actor"))
-        rollout_wg = RayWorkerGroup(resource_pool=rollout_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
-            cls=ray.remote(RolloutWorker), rollout_config=rollout_config, model_config=model_config))
-        actor_wg.init_model()  # builds each rank's checkpoint engine from the config
-        replicas = [LocalReplica(replica_rank=i, config=rollout_config, model_config=model_config) for i in range(2)]
+        actor_wg, rollout_wg, replicas, ce_config = start_workers(cfg, trainers=2, replicas=2)
 
         async def run() -> list[tuple[int, dict, dict, list]]:
             await asyncio.gather(*[r.init_hybrid(rollout_wg) for r in replicas])

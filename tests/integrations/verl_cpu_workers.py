@@ -89,6 +89,39 @@ def compose_config(model_path: str, overrides: list[str]) -> Any:
         return compose(config_name="ppo_trainer", overrides=base + list(overrides))
 
 
+def start_ray(num_cpus: int) -> None:
+    """A local Ray instance (loopback only) whose workers can import this module."""
+    import ray
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}})
+
+
+def start_workers(cfg: Any, trainers: int, replicas: int, rollout_cls: Any = None) -> tuple[Any, Any, list[Any], Any]:
+    """On the Ray instance :func:`start_ray` made: ``trainers`` :class:`TrainerWorker` ranks (their
+    ``init_model`` run: each built its checkpoint engine from ``cfg``), one rollout worker of
+    ``rollout_cls`` (default :class:`RolloutWorker`) per replica, and the replicas. Returns
+    ``(actor_wg, rollout_wg, replicas, checkpoint-engine config)``: what a ``CheckpointEngineManager``
+    is made of (after each replica's ``init_hybrid(rollout_wg)``)."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import split_resource_pool
+    from verl.utils.config import omega_conf_to_dataclass
+
+    rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    pool = RayResourcePool(process_on_nodes=[trainers + replicas], use_gpu=False, max_colocate_count=1)
+    trainer_pool, rollout_pool = split_resource_pool(pool, [trainers, replicas])
+    actor_wg = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(TrainerWorker), config=cfg.actor_rollout_ref, role="actor"))
+    rollout_wg = RayWorkerGroup(resource_pool=rollout_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(rollout_cls or RolloutWorker), rollout_config=rollout_config, model_config=model_config))
+    actor_wg.init_model()  # builds each rank's checkpoint engine from the config
+    made = [LocalReplica(replica_rank=i, config=rollout_config, model_config=model_config) for i in range(replicas)]
+    return actor_wg, rollout_wg, made, omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
+
+
 # -- trainer -----------------------------------------------------------------------------------
 class CpuFSDPEngine:
     """The weight-sync side of verl's FSDP engine, on CPU: the model sharded with FSDP2 over the
@@ -280,4 +313,4 @@ class LocalReplica(RolloutReplica):
 
 __all__ = ["CpuFSDPEngine", "CpuTrainingWorker", "InstallingRollout", "InstallingRolloutWorker", "LocalReplica",
            "RecordingRollout", "RolloutWorker", "TrainerWorker", "Worker", "backend_overrides", "compose_config",
-           "make_tiny_model"]
+           "make_tiny_model", "start_ray", "start_workers"]
