@@ -310,7 +310,8 @@ def test_a_load_that_fails_midway_reports_no_version_until_a_whole_one(llm, stor
 
 # -- 3. the worker extension ---------------------------------------------------------------------
 def test_the_worker_extension_loads_a_version_in_one_rpc(llm, store, reference):
-    step = store.latest().step + 1
+    latest = store.latest()  # the module's store: earlier tests may have committed to it, or none
+    step = 1 if latest is None else latest.step + 1
     weights = random_weights(reference.model, 40)
     commit(store, step, weights)
     assert llm.collective_rpc("update_from_paramstore", args=(store.root, step)) == [step]
