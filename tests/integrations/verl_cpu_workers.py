@@ -254,10 +254,12 @@ class RecordingRollout(BaseRollout):
 
 
 class RolloutWorker(CheckpointEngineWorker):
-    """verl's ``CheckpointEngineWorker`` with a :class:`RecordingRollout` as its server adapter."""
+    """verl's ``CheckpointEngineWorker`` with a :class:`RecordingRollout` (``adapter_cls``) as its server adapter."""
+
+    adapter_cls: Any = RecordingRollout
 
     def __init__(self, rollout_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(rollout_config, model_config, RecordingRollout(rollout_config, model_config), *args, **kwargs)
+        super().__init__(rollout_config, model_config, self.adapter_cls(rollout_config, model_config), *args, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def received(self) -> tuple[int | None, int, dict[str, torch.Tensor]]:
@@ -288,11 +290,10 @@ class InstallingRollout(RecordingRollout):
         self.updates += 1
 
 
-class InstallingRolloutWorker(CheckpointEngineWorker):
-    """verl's ``CheckpointEngineWorker`` with an :class:`InstallingRollout` as its server adapter."""
+class InstallingRolloutWorker(RolloutWorker):
+    """A :class:`RolloutWorker` whose server adapter is an :class:`InstallingRollout`."""
 
-    def __init__(self, rollout_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(rollout_config, model_config, InstallingRollout(rollout_config, model_config), *args, **kwargs)
+    adapter_cls = InstallingRollout
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def durations(self) -> list[float]:
