@@ -16,7 +16,7 @@ import torch
 import paramstore
 from paramstore import InvalidArgumentError
 from paramstore.backends.registries import LmdbRegistry, Registry, open_registry
-from paramstore.backends.transports import open_transport
+from paramstore.backends.transports import open_transport, parse_transport
 from paramstore.plugins import REGISTRIES, TRANSPORTS, _toml_entry_points, entry_points
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,6 +117,25 @@ def test_an_unknown_transport_lists_the_installed_ones(monkeypatch):
     monkeypatch.setenv("PARAMSTORE_TRANSPORT", "nixl")  # what a store's transport is made by
     with pytest.raises(InvalidArgumentError, match=r"unknown transport 'nixl'"):
         open_transport(None, "127.0.0.1")
+
+
+def test_a_transport_spec_carries_the_factorys_options(monkeypatch):
+    assert parse_transport("mooncake?protocol=rdma&device=mlx5_0&timeout=2.5&window=8") == (
+        "mooncake", {"protocol": "rdma", "device": "mlx5_0", "timeout": 2.5, "window": 8})
+    for bad in ("mooncake?protocol", "mooncake?a=1&a=2", "mooncake?1x=2"):
+        with pytest.raises(InvalidArgumentError, match="transport"):
+            parse_transport(bad)
+    # An option the factory does not take is refused before anything starts, with the ones it takes.
+    with pytest.raises(InvalidArgumentError, match=r"'protocl'.*takes protocol, device, timeout, slice_bytes, window"):
+        open_transport("mooncake?protocl=rdma", "127.0.0.1")
+    pytest.importorskip("mooncake")
+    # The real engine, its options through the environment as a store gets them (TCP: no RDMA NIC here).
+    monkeypatch.setenv("PARAMSTORE_TRANSPORT", "mooncake?protocol=tcp&timeout=30&window=4")
+    t = open_transport(None, "127.0.0.1")
+    try:
+        assert (t.protocol, t.timeout, t.window) == ("tcp", 30.0, 4)
+    finally:
+        t.close()
 
 
 def test_the_builtins_are_declared_as_entry_points():
