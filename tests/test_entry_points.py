@@ -138,6 +138,26 @@ def test_a_transport_spec_carries_the_factorys_options(monkeypatch):
         t.close()
 
 
+def test_rdma_on_a_host_without_the_device_is_refused_not_tcp_in_disguise(monkeypatch, tmp_path):
+    pytest.importorskip("mooncake")
+    from paramstore.backends.transports import mooncake
+    from paramstore.errors import TransferError
+
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setattr(mooncake, "RDMA_SYSFS", str(tmp_path / "infiniband"))  # a host with no RDMA device
+    with pytest.raises(TransferError, match=r"RDMA device\(s\) \['mlx5_0'\] but this host has none"):
+        open_transport("mooncake?protocol=rdma&device=mlx5_0", "127.0.0.1")
+    (tmp_path / "infiniband" / "mlx5_1").mkdir(parents=True)
+    with pytest.raises(TransferError, match=r"\['mlx5_0'\] but this host has \['mlx5_1'\]"):
+        open_transport("mooncake?protocol=rdma&device=mlx5_0", "127.0.0.1")
+    monkeypatch.setenv("MC_FORCE_TCP", "1")  # forced to TCP: nothing to check
+    t = open_transport("mooncake?protocol=rdma&device=mlx5_0", "127.0.0.1")
+    try:
+        assert t.protocol == "tcp"
+    finally:
+        t.close()
+
+
 def test_the_builtins_are_declared_as_entry_points():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         declared = _toml_entry_points(f.read().decode())

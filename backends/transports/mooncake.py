@@ -85,6 +85,26 @@ def _log_level() -> int | None:
     return _QUIET_LEVEL if verbose in ("", "0", "false", "no", "off") else _VERBOSE_LEVEL
 
 
+#: Where Linux lists the host's RDMA devices (one directory per device).
+RDMA_SYSFS = "/sys/class/infiniband"
+
+
+def _check_rdma(device: str) -> None:
+    """TransferError unless this host has the RDMA devices ``device`` names (a comma-separated list;
+    empty: any). Asked for RDMA on a host without them, the engine logs a warning and quietly
+    listens on TCP instead, so a run would go at TCP speed thinking it has RDMA."""
+    try:
+        have = sorted(os.listdir(RDMA_SYSFS))
+    except OSError:
+        have = []
+    wanted = [d.strip() for d in device.split(",") if d.strip()]
+    missing = [d for d in wanted if d not in have]
+    if not have or missing:
+        raise TransferError(f"protocol 'rdma' asks for RDMA device(s) {missing or 'any'} but this host has "
+                            f"{have or 'none'} ({RDMA_SYSFS}): Mooncake would fall back to TCP without a "
+                            "word; use protocol 'tcp' (or MC_FORCE_TCP=1), or name a device this host has")
+
+
 def _set_log_level(library: str | None) -> None:
     """Write glog's ``FLAGS_minloglevel`` as seen by Mooncake's engine library.
 
@@ -125,8 +145,10 @@ class MooncakeTransport(Transport):
 
     Args:
         host: the address peers reach this process at (the engine listens on every interface).
-        protocol: ``"tcp"`` or ``"rdma"`` (ignored when ``MC_FORCE_TCP`` is set).
-        device: the RDMA device(s), e.g. ``"mlx5_0"``; empty for TCP.
+        protocol: ``"tcp"`` or ``"rdma"`` (ignored when ``MC_FORCE_TCP`` is set). ``"rdma"`` on a
+            host without the RDMA device(s) asked for raises TransferError (the engine itself
+            would fall back to TCP silently). RDMA transfers are not verified here (no RDMA NIC).
+        device: the RDMA device(s), e.g. ``"mlx5_0"`` (comma-separated; empty: any); empty for TCP.
         timeout: default limit in seconds for one :meth:`read`.
         slice_bytes: the largest range submitted as one transfer.
         window: how many slices are in flight at once.
@@ -160,6 +182,8 @@ class MooncakeTransport(Transport):
             raise InvalidArgumentError("timeout, slice_bytes and window must be positive")
         if "MC_FORCE_TCP" in os.environ:
             protocol = "tcp"
+        if protocol == "rdma":
+            _check_rdma(device)
         engine = _engine_class()()
         rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
