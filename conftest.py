@@ -104,6 +104,13 @@ def _doctest_globals(request):
             s3 = request.getfixturevalue("_doctest_s3")
             added["bucket_url"] = f"s3://{s3.new_bucket()}/runs/42"
             added["storage_options"] = s3.options()
+        if _uses(source, "Policy") and "class Policy" not in source:  # the engine model of the SGLang examples
+            class Policy(torch.nn.Sequential):
+                def load_weights(self, weights):
+                    for name, tensor in weights:
+                        self.get_parameter(name).data.copy_(tensor)
+
+            added["Policy"] = Policy
         if _uses(source, "redis_url"):
             redis_url = added["redis_url"] = request.getfixturevalue("_doctest_redis")
         namespace.update(added)

@@ -506,11 +506,9 @@ class Committer:
 
     def _serve(self, objects: Mapping[str, object]) -> None:
         """Announce the objects just stored here (when this process serves peers), before anyone
-        can see a version naming them. A registry that fails here fails the peer server's rescans
-        too, which say so: the commit goes on."""
-        if self._announce is not None and objects:
-            with contextlib.suppress(ParamStoreError):
-                self._announce(sorted(objects))
+        can see a version naming them."""
+        if self._announce is not None:
+            self._announce(sorted(objects))
 
     def _publish_version(self, version: Version, manifest: Manifest, new_objects: dict[str, ObjectInfo],
                          new_tensors: dict[str, TensorLocation], reused: Mapping[str, int]) -> None:

@@ -63,7 +63,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import CorruptObjectError, ParamStoreError, VersionNotFoundError
+from .errors import CorruptObjectError, VersionNotFoundError
 from .format import TensorSpec, layout, loads, object_digest, parse_header, read_header, rehash, tensor_digest, tensor_spans
 from .patch import decode_into, encode
 from .reports import FetchReport, PatchReport
@@ -124,8 +124,7 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
     with (root.gc_lock() if lock else contextlib.nullcontext()):
         out = {obj: _write(root, *patch) for obj, patch in made.items()}
         if announce is not None:
-            with contextlib.suppress(ParamStoreError):  # the peer server's rescan retries, and says so
-                announce(sorted({p for p, _ in out.values()}))
+            announce(sorted({p for p, _ in out.values()}))
         return out if reg.add_patches(base, target, out) else {}
 
 

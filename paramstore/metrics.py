@@ -299,10 +299,9 @@ class _StoreCollector:
                 continue
             seen.add(m.label)
             leases.add_metric([m.label], len(held))
-            if step is not None:
-                latest.add_metric([m.label], step)
             if held:
                 oldest.add_metric([m.label], min(held))
             if step is not None:
+                latest.add_metric([m.label], step)
                 stale.add_metric([m.label], max(step - min(held), 0) if held else 0)
         yield from (latest, leases, oldest, stale)

@@ -474,7 +474,8 @@ class _Fetch:
 
     def _arrived(self, done: list[int]) -> None:
         for i in sorted(done):
-            self.hasher.arrived(i * SLICE_BYTES, min(self.size, (i + 1) * SLICE_BYTES))
+            span = self._span(i)
+            self.hasher.arrived(span.start, span.stop)
 
     def _read(self, plan: Mapping[tuple[Peer, bool], list[tuple[int, int]]]) -> list[int]:
         """Read each peer's slices (in parallel across peers); returns the slices that arrived

@@ -236,20 +236,15 @@ class Persister:
                 version = self._root.registry.get_version(upload.step)
                 if report.bytes:
                     self._last_push = (report.bytes, report.seconds)
-            except RemoteError as e:
-                if not e.transient:
+            except (RemoteError, StepOrderError) as e:
+                # A StepOrderError (the remote holds another run's version at this step) is a refusal
+                # for good too: not retried after each later push.
+                if isinstance(e, StepOrderError) or not e.transient:
                     self._refused.add(upload.step)
                     self._finish(upload, error=e)
                 elif self._retry_later(upload, e, delay):
                     time.sleep(delay)  # one wait for the whole queue
                     delay = min(delay * 2, _MAX_DELAY)
-            except StepOrderError as e:
-                # The remote holds another version at this step (another run's): a refusal too, and
-                # for good. Not a RemoteError, so said here: else every later successful push would
-                # queue this version again (the remote policy keeps it and the remote lacks it), lease
-                # it and fail it again, with a warning each time.
-                self._refused.add(upload.step)
-                self._finish(upload, error=e)
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 self._finish(upload, error=e)
             else:

@@ -9,6 +9,7 @@ and prefetch (obtain the bytes ahead of the checkout that maps them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import metrics
 from .checkout import Fetcher, check_checkout_args, map_version, release_lease
-from .errors import InvalidArgumentError, VersionNotFoundError, WaitTimeoutError
+from .errors import InvalidArgumentError, ParamStoreError, VersionNotFoundError, WaitTimeoutError
 from .manifest import Version
 from .objects import read_manifest
 from .peer import PeerServer
@@ -277,9 +278,12 @@ class ReadSide:
         return self.peer
 
     def announce(self, digests: list[str]) -> None:
-        """Serve these objects of this host to other hosts now, if this process serves (:meth:`serve`)."""
+        """Serve these objects of this host to other hosts now, if this process serves (:meth:`serve`).
+        A registry that fails here fails the peer server's rescans too, which retry and say so: the
+        caller (a commit, a patch) goes on."""
         if self.peer is not None:
-            self.peer.serve(digests)
+            with contextlib.suppress(ParamStoreError):
+                self.peer.serve(digests)
 
     def get_transport(self) -> Transport:
         """This process's transport, made on first use by the entry point ``$PARAMSTORE_TRANSPORT``

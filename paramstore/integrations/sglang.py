@@ -66,6 +66,7 @@ import torch
 
 from paramstore.errors import InvalidArgumentError, ParamStoreError
 from paramstore.format import loads
+from paramstore.integrations._compare import differs
 from paramstore.integrations._prefetch import NextVersion
 from paramstore.integrations._stores import request_store
 
@@ -247,12 +248,8 @@ def check_installed(model: Any, step: int | None = None, *, root: str | os.PathL
         VersionNotFoundError: the version is not (or no longer) in the store; the model's own
             errors when its ``load_weights`` refuses the version.
 
-    Example (``engine_model`` loaded step 3 as in :func:`load_weights`)::
+    Example (``Policy``, a model that loads as SGLang's do, and ``engine_model`` as in :func:`load_weights`)::
 
-        >>> class Policy(torch.nn.Sequential):
-        ...     def load_weights(self, weights):
-        ...         for name, tensor in weights:
-        ...             self.get_parameter(name).data.copy_(tensor)
         >>> with paramstore.ParamStore(root) as trainer:
         ...     trainer.commit(3, model).result().step
         3
@@ -303,7 +300,7 @@ def _compare(model: Any, snap: Any, device: str | torch.device | None) -> dict[s
         if want.numel() and _untouched(want):
             not_loaded.append(key)
             continue
-        why = _differs(have, want)
+        why = differs(have, want)
         if why:
             mismatched[key] = why
     return {"step": snap.step, "ok": not mismatched and not not_loaded, "tensors": len(params) - len(not_loaded),
@@ -320,19 +317,6 @@ def _unset(t: torch.Tensor, device: str | torch.device | None) -> torch.Tensor:
 
 def _untouched(t: torch.Tensor) -> bool:
     return bool((t.reshape(-1).view(torch.uint8) == 0xFF).all())
-
-
-def _differs(have: torch.Tensor, want: torch.Tensor) -> str:
-    """'' when ``have`` (the engine's) is bit-identical to ``want`` (what the loader placed), else why not."""
-    if have.shape != want.shape or have.dtype != want.dtype:
-        return f"engine {tuple(have.shape)} {have.dtype}, version {tuple(want.shape)} {want.dtype}"
-    a = have.detach().to(want.device).contiguous().reshape(-1).view(torch.uint8)
-    b = want.contiguous().reshape(-1).view(torch.uint8)
-    if torch.equal(a, b):
-        return ""
-    size = have.element_size()
-    n = int((a != b).view(-1, size).any(1).sum()) if size else 0
-    return f"{n} of {have.numel()} elements differ"
 
 
 def _body(t: torch.Tensor) -> dict[str, Any]:

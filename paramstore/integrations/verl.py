@@ -145,6 +145,7 @@ from paramstore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from paramstore.integrations._compare import differs
 from paramstore.integrations._prefetch import NextVersion
 from paramstore.integrations._stores import close_stores, open_store
 from paramstore.options import StoreOptions
@@ -587,7 +588,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                 have = have.detach()
                 if index is not None:
                     have = have[index]
-                if not _bits_equal(have, snap[name]):
+                if differs(have, snap[name].to(device=have.device, dtype=have.dtype)):  # as a loader's copy_ casts
                     differ.append(name)
         return sorted(differ)
 
@@ -614,14 +615,6 @@ class _Drainable:
         """Pull the remaining items (each a collective gather on the trainer ranks) and drop them."""
         for _ in self:
             pass
-
-
-def _bits_equal(have: torch.Tensor, want: torch.Tensor) -> bool:
-    """``have`` (the engine's) holds exactly ``want`` (the version's) as a loader's ``copy_`` places it."""
-    if tuple(have.shape) != tuple(want.shape):
-        return False
-    want = want.to(device=have.device, dtype=have.dtype)
-    return torch.equal(have.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -454,10 +454,12 @@ def _verify_snapshot(model: torch.nn.Module, model_config: Any, snap: Snapshot) 
         layerwise._copy_and_restore_kernel_tensors = copy_back
         for layer, live in attrs.items():  # also after a failure midway
             vars(layer).update(live)
+    from paramstore.integrations._compare import differs  # torch: imported by vLLM's processes only
+
     mismatched: dict[str, str] = {}
     for key, want in expected.items():
         have = held.get(key)
-        why = _differs(have, want)
+        why = differs(have, want)
         if why:
             mismatched[key] = why
     not_loaded = sorted(prefix for layer, prefix in names.items() if layer not in reached and _loadable(layer))
@@ -506,22 +508,6 @@ def _loadable(layer: torch.nn.Module) -> bool:
 
     info = LAYERWISE_INFO.get(layer)
     return info is not None and bool(info.restore_metadata[0]) and not is_deferred_attention_layer(layer)
-
-
-def _differs(have: torch.Tensor | None, want: torch.Tensor) -> str:
-    """'' when bit-identical, else why not."""
-    import torch
-
-    if have is None:
-        return "absent from the engine"
-    if have.shape != want.shape or have.dtype != want.dtype:
-        return f"engine {tuple(have.shape)} {have.dtype}, version {tuple(want.shape)} {want.dtype}"
-    a, b = have.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    if torch.equal(a, b):
-        return ""
-    size = have.element_size()
-    n = int((a != b).view(-1, size).any(1).sum()) if size else 0
-    return f"{n} of {have.numel()} elements differ"
 
 
 # -- worker side: the native engine -----------------------------------------------------------
