@@ -69,13 +69,10 @@ from typing import Any, Iterator, Protocol
 
 __all__ = ["Runtime", "CudaRuntime", "AscendRuntime", "register", "unregister", "registered",
            "registrations", "runtime", "use_runtime", "bind_thread", "can_pin", "address_of",
-           "CUDA_HOST_REGISTER_PORTABLE", "CUDA_HOST_REGISTER_READ_ONLY"]
+           "CUDA_HOST_REGISTER_PORTABLE"]
 
 #: ``cudaHostRegisterPortable``: the registration counts for every CUDA context of the process.
 CUDA_HOST_REGISTER_PORTABLE = 0x01
-#: ``cudaHostRegisterReadOnly`` (CUDA 11.1+): the device only reads the memory (it may be read-only
-#: or copy-on-write to the host).
-CUDA_HOST_REGISTER_READ_ONLY = 0x08
 #: ``ACL_HOST_REG_PINNED`` (CANN ``aclrtHostRegisterV2``): register pageable memory as page-locked.
 ACL_HOST_REG_PINNED = 0x10000000
 
@@ -240,16 +237,11 @@ def bind_thread(device: Any) -> bool:
     return True
 
 
-def register(addr: int, nbytes: int, device: Any, *, read_only: bool = False) -> bool:
+def register(addr: int, nbytes: int, device: Any) -> bool:
     """Page-lock ``nbytes`` of host memory at ``addr`` for copies with ``device``; True if it is
     registered (now or already). False: not pinned (CPU, a forked child, no runtime, or refused:
     then the runtime's error is cleared and one RuntimeWarning says so); the memory is usable
     all the same, unpinned. Never raises for a runtime failure.
-
-    ``read_only``: the device only reads the memory (host to device copies), which lets it be a
-    read-only or copy-on-write mapping: registered for writing, each page of a private mapping
-    would be copied first. Only a runtime with a ``read_only_flags`` attribute can (CUDA 11.1+:
-    ``cudaHostRegisterReadOnly``); elsewhere this returns False.
 
     The caller must call :func:`unregister` before the memory is unmapped."""
     global _used
@@ -261,9 +253,9 @@ def register(addr: int, nbytes: int, device: Any, *, read_only: bool = False) ->
             return True
         _used = True
     rt = runtime(dtype)
-    if rt is None or (read_only and getattr(rt, "read_only_flags", None) is None):
+    if rt is None:
         return False
-    flags = rt.read_only_flags if read_only else getattr(rt, "flags", 0)  # type: ignore[union-attr]
+    flags = getattr(rt, "flags", 0)
     # Not under the lock: registering a GiB takes a while, and other buffers may be unregistered
     # meanwhile. One buffer is registered by one thread (the one that holds the slab).
     try:
@@ -355,7 +347,6 @@ class CudaRuntime:
     libcudart torch loaded, found with ctypes (guarded: without it errors are not cleared)."""
 
     flags = CUDA_HOST_REGISTER_PORTABLE
-    read_only_flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_READ_ONLY
 
     def __init__(self) -> None:
         import torch

@@ -31,6 +31,7 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ from .manifest import Chunk, Manifest, TensorEntry, Version
 from .objects import check_buffer
 from .reports import FetchReport, LoadResult
 from .sharded import is_dtensor, local_block
+from .staging import unmap
 from .tensors import ST_TO_TORCH
 
 from paramstore.backends.tiers.base import Tier
@@ -59,7 +61,9 @@ class _Unmapper:
     Unmapping a GiB of faulted-in pages tears down a quarter of a million page-table entries
     (~0.1 s here), which a rollout's pause need not wait for: :meth:`Snapshot.close` releases the
     lease at once and hands its references here. :func:`release_mappings` waits for them (a store's
-    ``close`` does, so memory is returned by the time it returns).
+    ``close`` does, so memory is returned by the time it returns). A mapping nothing else
+    references is dropped a few MiB at a time (:func:`paramstore.staging.unmap`), so that a
+    checkout's ``mmap`` on another thread never waits for a whole GiB's teardown.
     """
 
     def __init__(self) -> None:
@@ -79,7 +83,14 @@ class _Unmapper:
     def _run(self, q: "queue.SimpleQueue[Any]") -> None:
         while True:
             refs = q.get()
-            del refs  # the last references: the mappings go now (tensors taken from them keep theirs)
+            maps = list(refs[0].values())
+            refs[0].clear()
+            del refs  # the snapshot's tensors: those nobody else took go now
+            while maps:
+                m = maps.pop()
+                if sys.getrefcount(m) <= 2:  # this name and the call's argument: nobody maps it
+                    unmap(m)  # (a tensor taken from the snapshot keeps its mapping: left to it)
+                del m
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()

@@ -11,7 +11,6 @@ The tests marked ``gpu`` run a real CUDA device (skipped without one).
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import pickle
 import threading
@@ -459,49 +458,6 @@ def test_gpu_staging_is_ordered_after_the_callers_stream_and_before_the_optimize
             with store.checkout(step) as snap:
                 assert torch.equal(snap["w"], torch.full((n,), float(step)))
             assert torch.equal(w.detach().cpu(), torch.full((n,), float(step) - 1000.0))
-
-
-def test_a_read_only_registration_asks_the_runtime_for_read_only_flags(stub):
-    buf = mmap.mmap(-1, 1 << 16)
-    addr = pinning.address_of(buf)
-    stub.read_only_flags = pinning.CUDA_HOST_REGISTER_PORTABLE | pinning.CUDA_HOST_REGISTER_READ_ONLY
-    try:
-        assert pinning.register(addr, len(buf), "cuda:0", read_only=True)
-        assert [c[3] for c in stub.named("register")] == [0x09]
-        assert pinning.unregister(addr)
-    finally:
-        del stub.read_only_flags
-    # A runtime that cannot register read-only memory is not asked at all.
-    assert not pinning.register(addr, len(buf), "cuda:0", read_only=True)
-    assert len(stub.named("register")) == 1
-    buf.close()
-
-
-@pytest.mark.gpu
-@cuda
-def test_a_tier_that_registers_its_sources_loads_the_same_bytes_and_leaves_nothing_registered():
-    from paramstore.backends.tiers.device import DeviceTier
-
-    data = {f"{i:02x}" * 32: torch.randint(0, 255, (n,), dtype=torch.uint8)
-            for i, n in enumerate((1, 5 << 20, 64 << 20, (64 << 20) + 3))}
-    maps = {}
-    for d, t in data.items():  # sources as a checkout has them: private, copy-on-write file mappings
-        path = os.path.join("/dev/shm", f"paramstore-test-src-{os.getpid()}-{d[:8]}")
-        t.numpy().tofile(path)
-        with open(path, "rb") as f:
-            maps[d] = mmap.mmap(f.fileno(), t.numel(), flags=mmap.MAP_PRIVATE)
-        os.unlink(path)
-    for register in (False, True):
-        tier = DeviceTier("cuda:0", register_sources=register)
-        try:
-            assert tier.load(maps) == sum(t.numel() for t in data.values())
-            for d, t in data.items():
-                assert torch.equal(tier.buffer(d).cpu(), t), (register, d)
-            assert not pinning.registrations()
-        finally:
-            tier.close()
-    for m in maps.values():
-        m.close()
 
 
 @pytest.mark.gpu

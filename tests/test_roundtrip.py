@@ -22,7 +22,7 @@ from helpers import (
     random_tensor,
     tree,
 )
-from paramstore import ParamStore
+from paramstore import ParamStore, staging
 from paramstore.staging import SlabPool
 from paramstore.format import parse_header
 
@@ -239,8 +239,12 @@ def _mapped(path: str) -> int:
         return sum(line.rstrip().endswith(path) for line in f)
 
 
-def test_closing_a_snapshot_releases_its_lease_at_once_and_its_mappings_in_the_background(store_root):
+def test_closing_a_snapshot_releases_its_lease_at_once_and_its_mappings_in_the_background(store_root, monkeypatch):
+    from paramstore import snapshot as snapshot_module
     from paramstore.snapshot import release_mappings
+
+    gently = []  # mappings dropped a few MiB at a time (nothing else held them)
+    monkeypatch.setattr(snapshot_module, "unmap", lambda m: (gently.append(len(m)), staging.unmap(m)))
 
     with ParamStore(store_root, create=True) as writer:  # closed: its staging mappings are gone
         writer.commit(1, {"w": torch.ones(1 << 16), "v": torch.zeros(1 << 16)}).result()
@@ -253,6 +257,7 @@ def test_closing_a_snapshot_releases_its_lease_at_once_and_its_mappings_in_the_b
     assert store.leases() == []  # released before close returned
     assert release_mappings(timeout=30)
     assert [_mapped(f) for f in files] == before
+    assert sorted(gently) == sorted(os.path.getsize(f) for f in files)
     store.close()
 
 
@@ -266,11 +271,12 @@ def test_a_tensor_taken_keeps_its_mapping_after_the_snapshot_is_released(store_r
     (obj,) = snap.manifest.objects()
     path = os.path.realpath(store._open.root.tier.object_path(obj))
     w = snap["w"]
+    w.add_(1)  # written in this process only (the mapping is private): must not be dropped
     mapped = _mapped(path)
     snap.close()
     assert release_mappings(timeout=30)
     assert _mapped(path) == mapped  # the tensor holds the snapshot's mapping
-    assert torch.equal(w, torch.ones(1 << 16))
+    assert torch.equal(w, torch.full((1 << 16,), 2.0))
     del w
     assert _mapped(path) == mapped - 1
     store.close()

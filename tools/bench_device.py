@@ -154,8 +154,9 @@ def h2d(gib: float, rounds: int) -> dict[str, Any]:
     """Row 3: checkout(device=) vs a pinned copy_ of the same bytes; and where its time goes, on
     another version's objects: the CPU checkout alone, filling pinned memory from a fresh mapping
     (the tier's copy threads: page faults and memcpy), again on one thread (memcpy alone), an
-    unpinned ``copy_`` straight from the mapping, the tier's load alone, and the tier's load from a
-    fresh mapping with its sources registered read-only (``DeviceTier(register_sources=True)``)."""
+    unpinned ``copy_`` straight from the mapping, and the tier's load alone. (A JSON from 931b7f8 also
+    has ``tier_load_registered_s``: the load with its sources page-locked read-only instead of
+    bounced, an option that measured 19-24x slower and was removed.)"""
     from paramstore import ParamStore
     from paramstore.backends.tiers import device as tiers_device
 
@@ -164,8 +165,7 @@ def h2d(gib: float, rounds: int) -> dict[str, Any]:
     dst = {k: torch.empty_like(v, device="cuda") for k, v in cpu.items()}
     root = tempfile.mkdtemp(prefix="bench-device-", dir=SHM)
     parts: dict[str, list[float]] = {"cpu_checkout_s": [], "fill_warm_1_thread_s": [], "fill_fresh_threads_s": [],
-                                     "unpinned_copy_s": [], "tier_load_s": [],
-                                     "tier_load_registered_s": []}
+                                     "unpinned_copy_s": [], "tier_load_s": []}
 
     def timed(fn: Any) -> float:
         torch.cuda.synchronize()
@@ -216,18 +216,12 @@ def h2d(gib: float, rounds: int) -> dict[str, Any]:
                     finally:
                         tiers_device.COPY_THREADS = ones
                         tier.close()
-                with store.checkout(step) as snap:  # a fresh mapping again: the load with its sources registered
-                    direct = tiers_device.DeviceTier("cuda:0", register_sources=True)
-                    try:
-                        tr = timed(lambda: direct.load(dict(snap._maps)))
-                    finally:
-                        direct.close()
                 t = time.perf_counter()  # the CPU part alone (a mapping already made once)
                 store.checkout(step).close()
                 cpu_s = time.perf_counter() - t
                 if r:
                     for key, val in (("cpu_checkout_s", cpu_s), ("fill_warm_1_thread_s", f1), ("fill_fresh_threads_s", fn),
-                                     ("unpinned_copy_s", un), ("tier_load_s", tl), ("tier_load_registered_s", tr)):
+                                     ("unpinned_copy_s", un), ("tier_load_s", tl)):
                         parts[key].append(val)
         return {"gib": gib, "checkout_s": _median(ours), "pinned_copy_s": _median(base),
                 "ratio": _median(base) / _median(ours), "copy_threads": tiers_device.COPY_THREADS,
@@ -335,7 +329,7 @@ def markdown(res: dict[str, Any]) -> str:
                           f"{r['tier_load_s'] * 1e3:.0f} ms | | | |")
             if "tier_load_registered_s" in r:
                 md.append(f"| the tier's load from a fresh mapping, sources registered read-only (no bounce "
-                          f"copy), {r['gib']:g} GiB | {r['tier_load_registered_s'] * 1e3:.0f} ms | pinned `copy_` "
+                          f"copy; an option since removed), {r['gib']:g} GiB | {r['tier_load_registered_s'] * 1e3:.0f} ms | pinned `copy_` "
                           f"{r['pinned_copy_s'] * 1e3:.0f} ms | {r['pinned_copy_s'] / r['tier_load_registered_s']:.2f}× "
                           f"| ≥ 0.8× |")
     else:

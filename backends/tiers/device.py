@@ -41,7 +41,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import threading
@@ -50,7 +49,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from paramstore import accel, pinning
+from paramstore import accel
 from paramstore.validate import check_digest
 
 from .base import Tier, check_range
@@ -62,7 +61,6 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 #: Threads that fill a bounce buffer together (each copies one part of the bucket).
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 _MIN_PART = 4 << 20  # below this a part is not worth a thread
-_REGISTERING = threading.Lock()  # see DeviceTier.load
 
 #: The buffers a load copies from: an object's bytes in host memory.
 HostBytes = memoryview | mmap.mmap | bytes | torch.Tensor
@@ -83,16 +81,10 @@ class DeviceTier(Tier):
     ranged_reads = True
     atomic_put = True
 
-    def __init__(self, device: "str | torch.device", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 register_sources: bool = False) -> None:
+    def __init__(self, device: "str | torch.device", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.device = accel.as_device(device)
         self.url = f"device://{self.device}"
         self.bucket_bytes = int(bucket_bytes)
-        #: Page-lock each source for the load (read-only) and copy it straight to the device, with
-        #: no bounce buffer; a source that cannot be registered goes through the bounce buffers.
-        #: Off by default: written after the first H100 run showed the bounce path at 0.13x a
-        #: pinned copy, and not yet measured on a GPU (``tools/bench_device.py``'s h2d row has it).
-        self.register_sources = register_sources
         self._objects: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._bounce: list[torch.Tensor] = []  # two pinned host buffers, made on first use
@@ -185,10 +177,7 @@ class DeviceTier(Tier):
             return moved
         # One load at a time per tier: loads share the bounce buffers and the side stream. The
         # caller's current device is restored afterwards.
-        # Registering loads, one at a time in the process: two of them must not both take one
-        # source's registration for their own (the first to finish would undo it under the other).
-        with self._load_lock, (_REGISTERING if self.register_sources else contextlib.nullcontext()), \
-                accel.device_guard(self.device):
+        with self._load_lock, accel.device_guard(self.device):
             return self._load_on_device(todo)
 
     def _load_on_device(self, todo: Mapping[str, HostBytes]) -> int:
@@ -203,19 +192,9 @@ class DeviceTier(Tier):
         hosts = {d: _as_uint8(src) for d, src in todo.items()}
         dsts = {d: torch.empty(h.numel(), dtype=torch.uint8, device=self.device) for d, h in hosts.items()}
         stream.wait_stream(accel.current_stream(self.device))  # type: ignore[union-attr]
-        pinned: list[int] = []  # sources registered for this load, unregistered once its copies are done
         try:
             for d, host in hosts.items():
                 dst = dsts[d]
-                # Only a source nobody registered (its registration is this load's to undo).
-                if self.register_sources and host.numel() and pinning.registered(host.data_ptr()) is None \
-                        and pinning.register(host.data_ptr(), host.numel(), self.device, read_only=True):
-                    pinned.append(host.data_ptr())
-                    with accel.on_stream(stream):
-                        dst.copy_(host, non_blocking=True)  # a DMA straight from the page-locked source
-                    made[d] = dst
-                    moved += host.numel()
-                    continue
                 for start in range(0, host.numel(), self.bucket_bytes):
                     n = min(self.bucket_bytes, host.numel() - start)
                     if events[turn] is not None:
@@ -229,8 +208,6 @@ class DeviceTier(Tier):
                 moved += host.numel()
         finally:
             stream.synchronize()  # type: ignore[union-attr]  # no DMA may outlive the host buffers
-            for addr in pinned:
-                pinning.unregister(addr)
         for d, dst in made.items():
             self.adopt(d, dst)
         return moved
