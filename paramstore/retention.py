@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from .errors import InvalidArgumentError
 from .text import warn
+from .adapters import base_of
 from .manifest import Version
 
 __all__ = [
@@ -329,7 +330,8 @@ class Decision:
 def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], now: float, *,
            hold: Mapping[int, list[str]] | None = None) -> Decision:
     """Apply ``policy``, then always keep the latest version and every leased one; ``hold``: steps
-    kept besides (with their reasons, for those nothing else keeps: what the remote still awaits).
+    kept besides (with their reasons, for those nothing else keeps: what the remote still awaits);
+    and the base of every adapter version kept (:mod:`paramstore.adapters`).
 
     Example:
         >>> versions = [Version(step, created_at=0.0, nbytes=0, digest="", num_tensors=0) for step in (1, 2, 3, 4)]
@@ -349,6 +351,10 @@ def decide(policy: Policy, versions: Iterable[Version], leased: Iterable[int], n
     for s, why in (hold or {}).items():
         if s in present and s not in kept:
             kept[s] = list(why)
+    for v in vs:  # the base of every adapter version kept (an adapter's base is never an adapter)
+        base = base_of(v.metadata)
+        if v.step in kept and base in present:
+            kept.setdefault(base, []).append(f"base of adapter version {v.step}")
     return Decision(dict(sorted(kept.items())), [v.step for v in vs if v.step not in kept])
 
 

@@ -103,7 +103,8 @@ class ParamStore:
     def commit(self, step: int, model: "torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",
                *, tags: tuple[str, ...] | list[str] = (), metrics: Mapping[str, float] | None = None,
                metadata: Mapping[str, Any] | None = None, dtype: "torch.dtype | None" = None, group: Any = None,
-               assets: AssetsArg = None) -> CommitHandle:
+               assets: AssetsArg = None, base: "VersionSpec | Version | None" = None,
+               adapter_config: Any = None) -> CommitHandle:
         """Snapshot ``model``'s tensors as version ``step``; returns at once.
 
         The copy into shared memory runs on a background thread: ``handle.staged`` completes when
@@ -125,6 +126,12 @@ class ParamStore:
             group: the process group whose ranks commit this version together (inferred from the
                 DTensors' meshes when None).
             assets: files kept with the version: a directory or a mapping of names to bytes or paths.
+            base: makes an *adapter version* of the version ``base`` (a step, tag, ``"latest"`` or
+                :class:`Version`): ``model`` is then a PEFT model or a state dict of adapter weights
+                with ``adapter_config`` (see :mod:`paramstore.adapters`); the base is kept as long as
+                a version that names it.
+            adapter_config: the adapter's config (a mapping, a PEFT config or the path of an
+                ``adapter_config.json``) when ``model`` is a state dict.
 
         Returns:
             A :class:`CommitHandle`; ``handle.result()`` waits and returns the :class:`Version`.
@@ -146,7 +153,7 @@ class ParamStore:
         """
         self._open.check_open()
         return self._write.commit(step, model, tags=tags, metrics=metrics, metadata=metadata, dtype=dtype,
-                                  group=group, assets=assets)
+                                  group=group, assets=assets, base=base, adapter_config=adapter_config)
 
     def prepare(self, model: "torch.nn.Module | Mapping[str, torch.Tensor]", *, wait: bool = False,
                 timeout: float | None = None) -> None:

@@ -88,10 +88,13 @@ class WriteSide:
     @metrics.observed("commit")
     def commit(self, step: int, model: Any, *, tags: Iterable[str] | str, metrics: Mapping[str, float] | None,
                metadata: Mapping[str, Any] | None, dtype: "torch.dtype | None", group: Any,
-               assets: AssetsArg) -> CommitHandle:
+               assets: AssetsArg, base: Any = None, adapter_config: Any = None) -> CommitHandle:
         """:meth:`ParamStore.commit <paramstore.ParamStore.commit>`."""
         from .tensors import Taker, check_cast, collect, commit_ranks, is_stream, model_items
 
+        if base is not None or adapter_config is not None:  # an adapter version (paramstore.adapters)
+            return self._commit_adapter(step, model, base, adapter_config, tags=tags, metrics=metrics,
+                                        metadata=metadata, dtype=dtype, assets=assets)
         # First who commits together (no validation yet: a rank that fails any check below must
         # still tell the others, in the group's exchange for this step).
         stream = is_stream(model)
@@ -140,6 +143,41 @@ class WriteSide:
                     self._idle.notify_all()
         self.last_handle = handle
         handle.committed.add_done_callback(lambda f: f.exception() and self._forget_step(step, previous))
+        return handle
+
+    def _commit_adapter(self, step: int, adapter: Any, base: Any, adapter_config: Any, *,
+                        metadata: Mapping[str, Any] | None, assets: AssetsArg, **kw: Any) -> CommitHandle:
+        """An adapter version: the adapter's tensors, its ``adapter_config.json`` as an asset, and
+        its base in the metadata. The base is leased until the version is visible (or the commit
+        failed), so no prune removes it before an adapter version that names it exists."""
+        from . import adapters
+
+        if base is None:
+            raise InvalidArgumentError("adapter_config= makes an adapter version: pass base= too (the version the "
+                                       "adapter applies to)")
+        made = adapters.adapter_of(adapter, adapter_config)
+        meta = dict(metadata or {})
+        if adapters.BASE_KEY in meta:
+            raise InvalidArgumentError(f"metadata key {adapters.BASE_KEY!r} is the store's (base=)")
+        files = dict(read_assets(assets))
+        files[adapters.ADAPTER_CONFIG] = adapters.config_bytes(made.config)
+        root = self._open.attach(create=False)
+        reg = root.registry
+        base_step = base.step if isinstance(base, Version) else root.resolve(base)
+        lease = reg.acquire_lease(base_step, f"adapter commit of step {step}, pid {os.getpid()}")
+        try:
+            based = reg.get_version(base_step)
+            if isinstance(base, Version) and base.digest != based.digest:
+                raise InvalidArgumentError(f"base: version {base_step} in this store is not the Version passed")
+            if adapters.base_of(based.metadata) is not None:
+                raise InvalidArgumentError(f"base: version {base_step} is itself an adapter version; an adapter "
+                                           "applies to a full version")
+            meta[adapters.BASE_KEY] = {"step": base_step, "digest": based.digest}
+            handle = self.commit(step, made.tensors, metadata=meta, group=None, assets=files, **kw)
+        except BaseException:
+            reg.release_lease(lease.id)
+            raise
+        handle.committed.add_done_callback(lambda _f: reg.release_lease(lease.id))
         return handle
 
     def _admit(self, root: StoreRoot, step: int, group: Any) -> tuple[bool, int | None, Committer]:
