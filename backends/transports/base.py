@@ -32,19 +32,29 @@ class Transport(abc.ABC):
         """Register ``buf`` for transfers and return its address; idempotent per buffer.
 
         The transport keeps ``buf`` alive (and its mapping open) until :meth:`unregister`.
+        Raises InvalidArgumentError for an empty buffer or one overlapping another registration,
+        StoreClosedError once closed or after fork.
         """
 
     @abc.abstractmethod
     def unregister(self, addr: int) -> None:
-        """Stop serving and reading into the buffer registered at ``addr``."""
+        """Stop serving and reading into the buffer registered at ``addr`` (InvalidArgumentError
+        if none is registered there)."""
 
     @abc.abstractmethod
     def read(self, peer: str, reads: Sequence[Read], *, timeout: float | None = None) -> None:
         """Copy each ``(local_addr, remote_addr, nbytes)`` range from ``peer`` into local memory.
 
         Each local range must lie in one writable registered buffer, each remote range in one
-        buffer the peer registered. Returns when every byte has arrived. Raises TransferError;
-        after a failure the destination ranges hold garbage and must not be trusted.
+        buffer the peer registered. Returns when every byte has arrived.
+
+        Raises:
+            InvalidArgumentError: a malformed read, or a local range that is not inside one
+                writable buffer registered here (checked before any byte moves).
+            TransferError: anything about the peer: nobody at ``peer``, a remote range it has
+                not registered, the peer dead or silent past ``timeout``. The destination ranges
+                then hold garbage and must not be trusted; the transport stays usable.
+            StoreClosedError: the transport is closed, or this is a forked child of its process.
         """
 
     @abc.abstractmethod
