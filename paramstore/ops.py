@@ -29,6 +29,8 @@ from .errors import (
     TransferError,
     VersionNotFoundError,
 )
+from .adapters import base_of
+from . import derived
 from .manifest import Manifest, TensorEntry, Version
 from .objects import hash_object, piece_name, quarantine, read_manifest
 from .progress import progress
@@ -136,7 +138,9 @@ def verify(root: StoreRoot, steps: Iterable[int] | None = None, *, show_progress
     if whole:
         present = set(root.tier.list())
         report["patch_objects"] = len(patches)  # live (gc keeps them), not unreferenced
-        report["orphans"] = sorted(present - set(refs) - patches)
+        live = derived.mark(root, set(refs) | patches, dry_run=True) & present  # what recipes made: kept by gc
+        report["derived_objects"] = len(live)
+        report["orphans"] = sorted(present - set(refs) - patches - live)
         report["leftovers"] = root.tier.leftovers()
         # More objects that no version explains than objects in use: not what crashes leave (at most a
         # commit's worth), but what a lost or replaced database looks like. GC would delete them all.
@@ -252,7 +256,9 @@ def remove_version(root: StoreRoot, step: int) -> Version:
     lease on it (the message names the holders: close their snapshots or stop them first) and for
     the latest version (the registry always keeps it: commit a newer one first). Objects are not
     touched: the next GC deletes those no other version references. A remote keeps its copy
-    (``prune --tier remote`` removes remote versions). Raises VersionNotFoundError if there is none.
+    (``prune --tier remote`` removes remote versions). Refused too for the base of an adapter
+    version that is still there (:mod:`paramstore.adapters`). Raises VersionNotFoundError if there
+    is none.
     Returns the removed version's record.
 
     Example:
@@ -272,6 +278,10 @@ def remove_version(root: StoreRoot, step: int) -> Version:
         if reg.latest_step() == step:
             raise InvalidArgumentError(f"version {step} is the latest, which the store always keeps: commit a newer "
                                        f"version (the correct weights, say), then remove {step}")
+        adapters = [v.step for v in reg.versions() if base_of(v.metadata) == step]
+        if adapters:
+            raise InvalidArgumentError(f"version {step} is the base of adapter version(s) {adapters}: remove those "
+                                       f"first (an adapter needs its base)")
         if step in reg.remove_versions([step]):
             return version
         try:

@@ -163,3 +163,16 @@ def test_bad_adapter_commits_are_refused_and_leave_no_lease(store_root):
             store.commit(2, _state(0), base=1, adapter_config=CONFIG)
         assert _no_leases(store)
         assert [v.step for v in store.versions()] == [1, 2]
+
+
+def test_a_base_cannot_be_removed_while_an_adapter_version_needs_it(store_root):
+    with ParamStore(store_root, create=True) as store:
+        store.commit(1, {"q.weight": torch.ones(8, 8)}).result()
+        store.commit(2, _state(0), base=1, adapter_config=CONFIG).result()
+        store.commit(3, {"q.weight": torch.zeros(8, 8)}).result()
+        assert _no_leases(store)
+        with pytest.raises(InvalidArgumentError, match=r"base of adapter version\(s\) \[2\]"):
+            store.remove(1)
+        store.remove(2)
+        store.remove(1)
+        assert [v.step for v in store.versions()] == [3]
