@@ -233,8 +233,9 @@ def _du(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _export(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
     r = store.export(args.version, args.dir, shard_size_bytes=args.shard_size_bytes, show_progress=None,
-                     assets_from=args.assets_from, weights_only=args.weights_only)
-    return r, f"exported step {r['step']} to {r['directory']}: {', '.join(r['files'])}", 0
+                     assets_from=args.assets_from, weights_only=args.weights_only, recipe=args.recipe)
+    how = "" if args.recipe is None else f" in the form of recipe {args.recipe}"
+    return r, f"exported step {r['step']}{how} to {r['directory']}: {', '.join(r['files'])}", 0
 
 
 def _tag(store: ParamStore, args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -401,6 +402,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="also write this directory's config and tokenizer files (for versions committed without them)")
     sp.add_argument("--weights-only", action="store_true",
                     help="write the shards and index alone (no config: from_pretrained cannot load it as it is)")
+    sp.add_argument("--recipe", metavar="NAME",
+                    help="write the tensors as this recipe derives them (e.g. fp8-block128, fp8-tensor), with its "
+                         "quantization_config in config.json")
     sp = add("tag", _tag, "point a tag at a version (tag VERSION NAME) or delete one (tag --delete NAME); "
              "as git tag, an existing tag is moved only with --force")
     sp.add_argument("version", type=_version_arg, nargs="?", help="the version to tag: a step, 'latest' or a tag")

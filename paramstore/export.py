@@ -52,7 +52,7 @@ EXPORT_METADATA = {"format": "pt"}
 
 def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int = DEFAULT_EXPORT_SHARD_BYTES,
            show_progress: bool | None = None, assets_from: str | os.PathLike[str] | None = None,
-           weights_only: bool = False) -> dict[str, Any]:
+           weights_only: bool = False, recipe: Any = None) -> dict[str, Any]:
     """Write version ``step`` to ``directory`` as HF-style shards and its assets; returns what was
     written (``files``: the shards, the assets, then the index).
 
@@ -62,6 +62,10 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     model directory whose files (every file at its top except weights) are written too, over the
     version's own of the same name. ``weights_only``: write the shards and the index only (no
     assets, no check that ``from_pretrained`` could load the result).
+    ``recipe`` (a :mod:`paramstore.recipes` name or recipe): the tensors as the recipe derives them
+    (:mod:`paramstore.derived`: derived objects made now if no earlier checkout made them), and the
+    recipe's ``quantization_config`` merged into ``config.json`` (a ``quantization_config`` already
+    there is replaced); the index's metadata names the recipe (``paramstore_recipe``).
 
     Raises:
         InvalidArgumentError: ``directory`` is a file or holds anything else; a bad shard size; the
@@ -81,21 +85,33 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
                                        "export needs a new or empty directory")
     if weights_only and assets_from is not None:
         raise InvalidArgumentError("weights_only exports no assets: pass assets_from= or weights_only=True, not both")
+    if recipe is not None:
+        from .derived import resolve_recipe
+
+        recipe = resolve_recipe(recipe)
     extra = {} if assets_from is None else dir_assets(assets_from)
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
-        return _export(root, step, directory, shard_size_bytes, show_progress, extra, weights_only)
+        return _export(root, step, directory, shard_size_bytes, show_progress, extra, weights_only, recipe)
 
 
 def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool,
-            extra: dict[str, bytes], weights_only: bool) -> dict[str, Any]:
+            extra: dict[str, bytes], weights_only: bool, recipe: Any = None) -> dict[str, Any]:
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
+    if recipe is not None:
+        from .derived import derive_manifest
+
+        for m in map_objects(root, step, man.objects()).values():  # ObjectUnavailableError before deriving
+            m.close()
+        man, _ = derive_manifest(root, man, recipe)
     wanted = {c.object for e in man.tensors.values() for c in e.pieces()} if weights_only else man.objects()
     maps = map_objects(root, step, wanted)  # before anything is written
     try:
         assets = {} if weights_only else {**{n: _bytes(maps, e) for n, e in man.assets.items()}, **extra}
         if not weights_only:
             check_loadable(assets, f"the export of version {step}")
+            if recipe is not None:
+                assets["config.json"] = with_quantization_config(assets["config.json"], recipe)
         os.makedirs(directory, exist_ok=True)
     except BaseException:
         for m in maps.values():
@@ -144,7 +160,8 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     written = write_assets(directory, assets)
     index = {
         "metadata": {"total_size": sum(man.entry(n).nbytes for n in names), "paramstore_step": step,
-                     "paramstore_digest": version.digest, "paramstore_aliases": dict(sorted(man.aliases.items()))},
+                     "paramstore_digest": version.digest, "paramstore_aliases": dict(sorted(man.aliases.items())),
+                     **({} if recipe is None else {"paramstore_recipe": f"{recipe.name}@{recipe.version}"})},
         "weight_map": weight_map,
     }
     tmp = os.path.join(directory, INDEX_NAME + ".partial")
@@ -153,6 +170,21 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     os.replace(tmp, os.path.join(directory, INDEX_NAME))  # written last: the export is complete
     return {"step": step, "directory": os.path.abspath(directory), "files": [*files, *written, INDEX_NAME],
             "total_size": index["metadata"]["total_size"]}
+
+
+def with_quantization_config(config: bytes, recipe: Any) -> bytes:
+    """``config.json``'s bytes with ``recipe``'s ``quantization_config`` set (replacing one there),
+    the rest of it as it was.
+
+    Example:
+        >>> from paramstore import recipes
+        >>> out = with_quantization_config(b'{"model_type": "llama"}', recipes.get("fp8-block128"))
+        >>> json.loads(out)["quantization_config"]["weight_block_size"]
+        [128, 128]
+    """
+    data = json.loads(config)
+    data["quantization_config"] = recipe.config()
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _write_chunked(f: IO[bytes], entry: TensorEntry, maps: Mapping[str, mmap.mmap]) -> None:

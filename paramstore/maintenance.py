@@ -9,7 +9,10 @@
   reference can be swept). Mark: the objects any surviving version references. Sweep: registered
   objects nobody references (dropped from the registry first, so dedup stops pointing at them),
   object files never registered (a crashed commit's), and slabs in ``tmp/`` whose owning process
-  is dead. A swept file is unlinked: on tmpfs a reader that still maps it keeps its bytes. Except
+  is dead. The derived objects of referenced objects (what a recipe made of them:
+  :mod:`paramstore.derived`) are marked too; the records of derived objects whose source is
+  swept are deleted, so those are swept with it. A swept file is unlinked: on tmpfs a reader
+  that still maps it keeps its bytes. Except
   in a process whose slab pool recycles (``ParamStore(recycle_buffers=True)``, the trainer's own
   retention thread): an object of a pruned version that the pool still has mapped is handed back
   to it (renamed into ``tmp/`` as a slab of that process), and the pool reuses it only once no
@@ -30,7 +33,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import liveness, metrics
+from . import derived, liveness, metrics
 from .errors import InvalidArgumentError
 from .manifest import Version
 from .reports import GcReport, PruneReport
@@ -125,6 +128,7 @@ def gc(root: StoreRoot, *, dry_run: bool = False) -> GcReport:
     reg, tier = root.registry, root.tier
     with root.gc_lock(exclusive=True):
         referenced = reg.referenced_objects()
+        referenced |= derived.mark(root, referenced, dry_run=dry_run)  # what recipes made of them
         registered = reg.objects()
         unreferenced = set(registered) - referenced
         never_registered = set(tier.list()) - referenced - set(registered)

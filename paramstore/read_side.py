@@ -130,18 +130,25 @@ class ReadSide:
                 self._open.check_open()
 
     # -- prefetch ----------------------------------------------------------------------------
-    def prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None) -> Future[Version]:
+    def prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None,
+                 recipe: Any = None) -> Future[Version]:
         """:meth:`ParamStore.prefetch <paramstore.ParamStore.prefetch>`: on this side's prefetch
         thread, one version after another, in the order asked."""
         check_checkout_args(version, min_step, timeout)
+        if recipe is not None:
+            from .derived import resolve_recipe
+
+            recipe = resolve_recipe(recipe)  # an unknown name fails the call, not the future
         with self._parts_lock:
             if self._prefetcher is None:
                 self._prefetcher = _Serial("paramstore-prefetch")
-            return self._prefetcher.submit(self._prefetch, version, min_step, timeout)
+            return self._prefetcher.submit(self._prefetch, version, min_step, timeout, recipe)
 
     @metrics.observed("prefetch")
-    def _prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None) -> Version:
-        """Resolve (or wait for) the version, lease it while its objects come here, let go."""
+    def _prefetch(self, version: VersionSpec, min_step: int | None, timeout: float | None,
+                  recipe: Any = None) -> Version:
+        """Resolve (or wait for) the version, lease it while its objects come here (and, with a
+        recipe, its derived objects are made), let go."""
         if min_step is not None:
             timeout = self._open.await_root(timeout)
         root = self._open.root
@@ -153,6 +160,10 @@ class ReadSide:
             report = self.fetcher.fetch(step, manifest)
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
+            if recipe is not None:
+                from .derived import derive_manifest
+
+                derive_manifest(root, manifest, recipe)
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
@@ -160,9 +171,20 @@ class ReadSide:
     # -- checkout ----------------------------------------------------------------------------
     @metrics.observed("checkout")
     def checkout(self, version: VersionSpec, *, min_step: int | None, timeout: float | None, holder: str | None,
-                 verify: bool, device: Any, group: Any, src: int | None, bucket_bytes: int | None) -> Snapshot:
+                 verify: bool, device: Any, group: Any, src: int | None, bucket_bytes: int | None,
+                 recipe: Any = None) -> Snapshot:
         """:meth:`ParamStore.checkout <paramstore.ParamStore.checkout>`."""
         check_checkout_args(version, min_step, timeout)
+        if recipe is not None:
+            from .derived import resolve_recipe
+
+            recipe = resolve_recipe(recipe)
+            if group is not None:
+                raise InvalidArgumentError("recipe= with group= is not supported: check the version out with group= "
+                                           "(each member then holds its objects), then again with recipe= alone")
+            if device is not None and str(device) != "cpu":
+                raise InvalidArgumentError(f"recipe= with device={str(device)!r} is not supported yet: check out on "
+                                           "the CPU (device=None) with the recipe and copy the tensors to the device")
         place = self._device_placer(device)
         if group is None and (src is not None or bucket_bytes is not None):
             raise InvalidArgumentError("src= and bucket_bytes= are for a collective checkout: pass group= too")
@@ -175,6 +197,12 @@ class ReadSide:
         step, lease_id, pulled = self._lease(version, None if group is not None else min_step, timeout,
                                              holder or f"pid {os.getpid()}", given)
         snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify)
+        if recipe is not None:
+            from . import derived
+
+            snap = derived.checkout(root, snap, recipe)  # closes snap; the lease passes to the derived one
+            if verify:
+                derived.verify_or_forget(root, snap)
         if place is None:
             return snap
         try:

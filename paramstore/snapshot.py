@@ -166,6 +166,23 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self.device_source: str | None = None
         #: bytes copied to the device by this checkout (0 for objects already there, or mapped)
         self.device_bytes = 0
+        #: the recipe this snapshot is derived by (``checkout(v, recipe=...)``: see
+        #: :mod:`paramstore.derived`), or None: the version as committed
+        self.recipe: str | None = None
+        #: with a recipe, what deriving it did (:class:`paramstore.derived.DeriveReport`)
+        self.derived: Any = None
+
+    def _handover(self) -> Callable[[], None] | None:
+        """Detach what this snapshot would call on close (its lease's release) and return it: a
+        derived snapshot of the same version takes the lease over (:func:`paramstore.derived.checkout`)."""
+        if self._finalizer is None:
+            return None
+        detached = self._finalizer.detach()
+        self._finalizer = None
+        if detached is None:
+            return None
+        _, func, args, kwargs = detached
+        return lambda: func(*args, **kwargs)
 
     def _on_device(self, buffers: Mapping[str, torch.Tensor], source: str, nbytes: int) -> "Snapshot":
         """Make the tensor views views of ``buffers`` (object -> its bytes on one device) instead
@@ -441,6 +458,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         where = "" if self.device.type == "cpu" else f", device={self.device}"
+        where += "" if self.recipe is None else f", recipe={self.recipe!r}"
         return f"Snapshot(step={self.version.step}, tensors={len(self)}, digest={self.version.digest[:12]}{where})"
 
     def verify(self) -> dict[str, str]:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # torch is imported on first use: the CLI's metadata commands
 
     from .commit import CommitHandle
     from .peer import PeerServer
+    from .recipes import Recipe
     from .snapshot import Snapshot
 
 __all__ = ["ParamStore"]
@@ -221,7 +222,7 @@ class ParamStore:
     def checkout(self, version: VersionSpec = "latest", *, min_step: int | None = None,
                  timeout: float | None = None, holder: str | None = None, verify: bool = False,
                  device: "str | torch.device | None" = None, group: Any = None, src: int | None = None,
-                 bucket_bytes: int | None = None) -> Snapshot:
+                 bucket_bytes: int | None = None, recipe: "str | Recipe | None" = None) -> Snapshot:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
 
         Objects fetched from peers or the remote are re-hashed before they are placed; objects
@@ -242,6 +243,13 @@ class ParamStore:
                 version moves from member ``src`` to the others over the group, verified.
             src: with ``group``, the rank holding the version (default 0).
             bucket_bytes: with ``group``, the size of one broadcast (default 64 MiB).
+            recipe: the version in the form an engine runs (a name from
+                :func:`paramstore.recipes.names`, e.g. ``"fp8-block128"``, or a
+                :class:`~paramstore.recipes.Recipe`): each tensor the recipe converts is replaced by
+                its outputs (an FP8 weight and its scale), derived once per source object and kept
+                in the store for every later checkout (:mod:`paramstore.derived`); the others are
+                as committed. ``snap.recipe`` and ``snap.derived`` (what was derived now) tell.
+                CPU only, not with ``group``.
 
         Returns:
             A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``, ``.step``,
@@ -263,19 +271,27 @@ class ParamStore:
             >>> with store.checkout(1, verify=True) as snap:  # one hash pass over its bytes
             ...     snap.step
             1
+            >>> with store.checkout(1, recipe="fp8-block128") as snap:  # derived now, kept for the next one
+            ...     snap["0.weight"].dtype, snap["0.weight_scale_inv"].shape, snap["0.bias"].dtype
+            (torch.float8_e4m3fn, torch.Size([1, 1]), torch.float32)
+            >>> with store.checkout(1, recipe="fp8-block128") as snap:  # nothing derived again
+            ...     snap.derived.derived, snap.derived.units
+            (0, 1)
         """
         self._open.check_open()
         return self._read.checkout(version, min_step=min_step, timeout=timeout, holder=holder, verify=verify,
-                                   device=device, group=group, src=src, bucket_bytes=bucket_bytes)
+                                   device=device, group=group, src=src, bucket_bytes=bucket_bytes, recipe=recipe)
 
     def prefetch(self, version: VersionSpec = "latest", *, min_step: int | None = None,
-                 timeout: float | None = None) -> Future[Version]:
+                 timeout: float | None = None, recipe: "str | Recipe | None" = None) -> Future[Version]:
         """Bring a version's objects to this host in the background (from patches, peers or the
         remote, verified, as a checkout would), so that its :meth:`checkout` then moves no bytes
         (``snap.fetch.moved`` is False): a rollout prefetches the next version while it generates,
         and pauses only to install. The same forms as ``checkout`` (a step, ``"latest"``, a tag,
         or ``min_step=`` with ``timeout=``); prefetches run one after another, in the order asked.
         The objects stay until the version is pruned (a prefetch holds no lease once done).
+        With ``recipe`` (see :meth:`checkout`) the derived objects are made too, so that
+        ``checkout(v, recipe=...)`` derives nothing.
 
         Returns:
             A ``concurrent.futures.Future`` of the :class:`Version`, done once every object is
@@ -292,7 +308,7 @@ class ParamStore:
             False
         """
         self._open.check_open()
-        return self._read.prefetch(version, min_step, timeout)
+        return self._read.prefetch(version, min_step, timeout, recipe)
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order.
@@ -573,10 +589,13 @@ class ParamStore:
 
     def export(self, version: VersionSpec, directory: str | os.PathLike[str], *,
                shard_size_bytes: int | None = None, show_progress: bool | None = False,
-               assets_from: str | os.PathLike[str] | None = None, weights_only: bool = False) -> dict[str, Any]:
+               assets_from: str | os.PathLike[str] | None = None, weights_only: bool = False,
+               recipe: "str | Recipe | None" = None) -> dict[str, Any]:
         """Write a version as a Hugging Face model directory (shards, index, assets) that
         ``from_pretrained`` and ``vllm.LLM(model=...)`` load as it is (see
-        :func:`paramstore.export.export` for ``assets_from`` and ``weights_only``).
+        :func:`paramstore.export.export` for ``assets_from`` and ``weights_only``). With ``recipe``
+        (see :meth:`checkout`) the tensors are written in the recipe's form and its
+        ``quantization_config`` is merged into ``config.json``.
 
         Example:
             >>> out = store.export("latest", root + "/hf", weights_only=True)  # a plain module: no config
@@ -586,7 +605,8 @@ class ParamStore:
         self._open.check_open()
         return export(self._root, self._root.resolve(version), os.fspath(directory),
                       shard_size_bytes=DEFAULT_EXPORT_SHARD_BYTES if shard_size_bytes is None else shard_size_bytes,
-                      show_progress=show_progress, assets_from=assets_from, weights_only=weights_only)
+                      show_progress=show_progress, assets_from=assets_from, weights_only=weights_only,
+                      recipe=recipe)
 
     def prune(self, policy: Policy, *, dry_run: bool = False, tier: str = "local") -> PruneReport:
         """Remove the versions ``policy`` does not keep (never the latest, never a leased one);

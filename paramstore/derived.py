@@ -1,0 +1,575 @@
+"""Derived objects: a version in the form an engine runs (issue 29, item 2), made once and shared by content.
+
+``store.checkout(v, recipe="fp8-block128")``, ``store.prefetch(v, recipe=...)`` and
+``store.export(v, dir, recipe=...)`` give version ``v`` as :mod:`paramstore.recipes` derives it:
+each tensor the recipe's predicate accepts replaced by what its ``convert`` makes of it (an FP8
+weight and its scale), every other tensor as committed. The result is exactly
+``recipes.derive(recipe, dict(snapshot))`` of the version's own snapshot, names tied at commit
+included (a tied name the recipe does not convert keeps the committed bytes).
+
+**Made once, shared by content.** What a recipe makes of an object is a pure function of the
+object's digest and the recipe's name and version: the *unit* of derivation is one source object
+(every tensor its safetensors header names, under that name), and its result one *derived
+object*: an ordinary content-addressed safetensors object of the local tier (written to ``tmp/``,
+hashed, renamed into ``objects/`` by :meth:`LocalTier.put <paramstore.backends.tiers.local.LocalTier.put>`,
+as a commit places its objects). Two derivers of the same unit, in any processes, write the same
+bytes (the recipes are exact: see :mod:`paramstore.recipes`) under the same name; the rename is
+atomic, so they end with one valid object. The mapping from a unit to its result is a small JSON
+*record*, ``<root>/derived/<recipe>@<version>/<source object digest>.json``: the derived objects
+and their sizes, and for each converted tensor its byte range in the source and the entries of
+its outputs. A record is created once (a link: the first one wins, the others adopt it) and read
+by every later checkout, in any process; so a version that shares unchanged objects with an
+earlier one derives only its changed objects.
+
+A tensor that the version names otherwise than its object does (its bytes deduplicated against
+another tensor's, a chunked tensor of a sharded commit, a tied name) is a unit of its own, keyed
+by the blake3 of its name, dtype, shape and pieces (``t-<key>.json``): its derivation then reads
+the tensor as the version names it.
+
+**Lifetimes.** A derived object is referenced by no version: GC's mark phase (:func:`mark`, called
+by :func:`paramstore.maintenance.gc` under the exclusive GC lock) keeps every derived object whose
+record's source objects are still referenced, and deletes the records whose sources are not, so
+their derived objects are swept with their source. A leased version's objects are referenced, so
+a checked-out derived snapshot keeps its derived objects too. A deriver holds the GC lock shared
+from the rename of its objects until its record is written, as a commit does until it publishes.
+
+No pickle anywhere: records are JSON read through :func:`paramstore.format.loads`, every digest
+and entry checked before it names a file. A record that does not parse, or whose objects are
+missing or of another size, is derived again and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import blake3
+
+from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
+from .format import TensorSpec, layout, loads, object_digest, read_header, tensor_digest
+from .manifest import ASSET_PREFIX, Manifest, TensorEntry
+from .root import StoreRoot
+from .validate import check_digest
+
+if TYPE_CHECKING:
+    import torch
+
+    from .recipes import Recipe
+    from .snapshot import Snapshot
+
+__all__ = ["DERIVED_DIR", "RECORD_FORMAT", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
+           "records"]
+
+#: Where the records live, under the store root.
+DERIVED_DIR = "derived"
+#: The records' format (a record of another format is derived again).
+RECORD_FORMAT = 1
+_UNIT_DOMAIN = b"paramstore/derived-unit/v1\0"
+
+
+@dataclass
+class DeriveReport:
+    """What deriving one version did: ``units`` looked up, of which ``derived`` were derived now
+    (the others found made already), ``tensors`` converted now, ``objects`` and ``bytes`` written
+    now, and the seconds it took. A checkout with a recipe carries it as ``snap.derived``."""
+
+    recipe: str
+    units: int = 0
+    derived: int = 0
+    tensors: int = 0
+    objects: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Record:
+    """A unit's result: its sources, its derived objects (digest -> size), and the outputs of each
+    converted tensor, by (source byte range, or None for a tensor unit) and name."""
+
+    sources: tuple[str, ...]
+    objects: dict[str, int]
+    outputs: dict[tuple[tuple[int, int] | None, str], dict[str, TensorEntry]] = field(default_factory=dict)
+
+
+def recipe_key(recipe: "Recipe") -> str:
+    """The name of a recipe's record folder: ``<name>@<version>``.
+
+    Example:
+        >>> from paramstore import recipes
+        >>> recipe_key(recipes.get("fp8-block128"))
+        'fp8-block128@1'
+    """
+    return f"{recipe.name}@{recipe.version}"
+
+
+def resolve_recipe(recipe: "str | Recipe") -> "Recipe":
+    """The :class:`~paramstore.recipes.Recipe` ``recipe`` names (InvalidArgumentError listing the
+    known ones for an unknown name or another type)."""
+    from . import recipes
+
+    if not isinstance(recipe, (str, recipes.Recipe)):
+        raise InvalidArgumentError(f"recipe must be a recipe's name or a Recipe, not {type(recipe).__name__}; "
+                                   f"the known recipes are {', '.join(repr(n) for n in recipes.names())}")
+    return recipes.get(recipe)
+
+
+# -- records -------------------------------------------------------------------------------------
+def _folder(root: StoreRoot, recipe: "Recipe") -> str:
+    return os.path.join(root.path, DERIVED_DIR, recipe_key(recipe))
+
+
+def _unit_file(root: StoreRoot, recipe: "Recipe", unit: str) -> str:
+    return os.path.join(_folder(root, recipe), unit + ".json")
+
+
+def _encode(recipe: "Recipe", record: _Record) -> bytes:
+    tensors = [{"span": None if span is None else list(span), "name": name,
+                "outputs": {n: e.to_json() for n, e in sorted(outs.items())}}
+               for (span, name), outs in sorted(record.outputs.items(), key=lambda kv: (kv[0][0] or (-1, -1), kv[0][1]))]
+    return json.dumps({"format": RECORD_FORMAT, "recipe": recipe.name, "recipe_version": recipe.version,
+                       "sources": list(record.sources), "objects": dict(sorted(record.objects.items())),
+                       "tensors": tensors}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _decode(raw: bytes, recipe: "Recipe | None" = None) -> _Record:
+    """Parse and check a record (ValueError, CorruptObjectError or ParamStoreError when it is not one)."""
+    d = loads(raw, dict, "derived record")
+    if d.get("format") != RECORD_FORMAT or set(d) != {"format", "recipe", "recipe_version", "sources", "objects",
+                                                      "tensors"}:
+        raise ValueError("not a derived record of format 1")
+    if recipe is not None and (d["recipe"], d["recipe_version"]) != (recipe.name, recipe.version):
+        raise ValueError("a record of another recipe")
+    if not isinstance(d["sources"], list) or not isinstance(d["objects"], dict) or not isinstance(d["tensors"], list):
+        raise ValueError("malformed derived record")
+    sources = tuple(check_digest(s) for s in d["sources"])
+    objects = {}
+    for o, n in d["objects"].items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"bad object size {n!r}")
+        objects[check_digest(o)] = n
+    outputs: dict[tuple[tuple[int, int] | None, str], dict[str, TensorEntry]] = {}
+    for t in d["tensors"]:
+        if not isinstance(t, dict) or set(t) != {"span", "name", "outputs"} or not isinstance(t["name"], str) \
+                or not isinstance(t["outputs"], dict):
+            raise ValueError("malformed derived tensor")
+        span = t["span"]
+        if span is not None and (not isinstance(span, list) or len(span) != 2
+                                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+            raise ValueError(f"bad span {span!r}")
+        outs = {}
+        for name, e in t["outputs"].items():
+            entry = TensorEntry.from_json(e)
+            if entry.chunks or entry.object not in objects:
+                raise ValueError(f"output {name!r} lies in no object of the record")
+            outs[name] = entry
+        outputs[(None if span is None else (span[0], span[1]), t["name"])] = outs
+    return _Record(sources, objects, outputs)
+
+
+def _read_record(root: StoreRoot, recipe: "Recipe", unit: str) -> _Record | None:
+    """The record of ``unit`` if it is there, parses, and its objects are here at their sizes."""
+    try:
+        with open(_unit_file(root, recipe, unit), "rb") as f:
+            record = _decode(f.read(), recipe)
+    except FileNotFoundError:
+        return None
+    except (ValueError, ParamStoreError):
+        return None  # damaged: derived again, and replaced
+    for o, n in record.objects.items():
+        try:
+            if root.tier.size(o) != n:
+                return None
+        except FileNotFoundError:
+            return None
+    return record
+
+
+def _own_folder(path: str, like: str) -> None:
+    """Make ``path`` (and ``derived/``) if missing, with the mode of ``like`` (``objects/``)."""
+    if os.path.isdir(path):
+        return
+    mode = os.stat(like).st_mode & 0o7777
+    for p in (os.path.dirname(path), path):
+        try:
+            os.mkdir(p)
+        except FileExistsError:
+            continue
+        os.chmod(p, mode)
+
+
+def _write_record(root: StoreRoot, recipe: "Recipe", unit: str, record: _Record) -> _Record:
+    """Create the record of ``unit``; a valid record made meanwhile by another deriver wins (and
+    is returned), a damaged one is replaced."""
+    folder = _folder(root, recipe)
+    _own_folder(folder, root.tier.objects_dir)
+    final = _unit_file(root, recipe, unit)
+    tmp = os.path.join(folder, f".{unit}.{uuid.uuid4().hex}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_encode(recipe, record))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)  # create-only: the first record wins
+        except FileExistsError:
+            other = _read_record(root, recipe, unit)
+            if other is not None:
+                return other
+            os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return record
+
+
+def records(root: StoreRoot) -> Iterable[tuple[str, _Record | None]]:
+    """Every record under ``root``: (path, record, or None if it does not parse). No torch."""
+    base = os.path.join(root.path, DERIVED_DIR)
+    if not os.path.isdir(base):
+        return
+    for folder in sorted(os.listdir(base)):
+        path = os.path.join(base, folder)
+        if not os.path.isdir(path):
+            continue
+        for name in sorted(os.listdir(path)):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            file = os.path.join(path, name)
+            try:
+                with open(file, "rb") as f:
+                    yield file, _decode(f.read())
+            except (OSError, ValueError, ParamStoreError):
+                yield file, None
+
+
+def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set[str]:
+    """GC's mark phase for derived objects (the caller holds the GC lock exclusive): the derived
+    objects of every record whose source objects are all still ``referenced``. Unless ``dry_run``,
+    the other records (and those that do not parse) are deleted, so their objects are swept as
+    objects nobody references; leftover ``*.partial`` records of dead derivers too."""
+    live: set[str] = set()
+    for path, record in records(root):
+        if record is not None and record.sources and all(s in referenced for s in record.sources):
+            live.update(record.objects)
+        elif not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    if not dry_run:  # records being written hold the GC lock shared: a partial one now is a dead deriver's
+        base = os.path.join(root.path, DERIVED_DIR)
+        for folder in (os.listdir(base) if os.path.isdir(base) else []):
+            path = os.path.join(base, folder)
+            for name in (os.listdir(path) if os.path.isdir(path) else []):
+                if name.endswith(".partial"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(path, name))
+    return live
+
+
+# -- deriving ------------------------------------------------------------------------------------
+class _Sources:
+    """Read-only access to the source objects of one derivation: their maps and headers, once each."""
+
+    def __init__(self, root: StoreRoot) -> None:
+        self._root = root
+        self._maps: dict[str, Any] = {}
+        self._bufs: dict[str, "torch.Tensor"] = {}
+        self._headers: dict[str, tuple[int, dict[str, dict]]] = {}
+
+    def buf(self, o: str) -> "torch.Tensor":
+        import torch
+
+        if o not in self._bufs:
+            self._maps[o] = self._root.tier.map(o, private=True)  # copy-on-write: never written
+            self._bufs[o] = torch.frombuffer(self._maps[o], dtype=torch.uint8)
+        return self._bufs[o]
+
+    def header(self, o: str) -> tuple[int, dict[str, dict]]:
+        if o not in self._headers:
+            self.buf(o)
+            try:
+                with memoryview(self._maps[o]) as mv:
+                    start, entries, _ = read_header(mv)
+            except ValueError as e:
+                raise CorruptObjectError(f"object {o}: {e}; run `paramstore verify --repair`") from None
+            self._headers[o] = (start, entries)
+        return self._headers[o]
+
+    def view(self, o: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> "torch.Tensor":
+        from .tensors import ST_TO_TORCH
+
+        return self.buf(o)[offset:offset + nbytes].view(ST_TO_TORCH[dtype]).view(shape)
+
+    def tensor(self, e: TensorEntry) -> "torch.Tensor":
+        """Tensor ``e`` of the version: a view of its object, or (chunked) assembled once."""
+        import torch
+
+        from .snapshot import copy_box
+        from .tensors import ST_TO_TORCH
+
+        if not e.chunks:
+            return self.view(e.object, e.offset, e.nbytes, e.dtype, e.shape)
+        out = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
+        copy_box(e, lambda c: self.view(c.object, c.offset, c.nbytes, e.dtype, c.sizes), (0,) * len(e.shape),
+                 e.shape, out)
+        return out
+
+    def judged(self, e: TensorEntry) -> "torch.Tensor":
+        """What the recipe's predicate is given for ``e``: a view of it, or, for a chunked tensor
+        (not assembled just to be judged), an empty tensor of its dtype and shape on the meta device."""
+        import torch
+
+        from .tensors import ST_TO_TORCH
+
+        if e.chunks:
+            return torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype], device="meta")
+        return self.tensor(e)
+
+    def header_span(self, o: str, name: str) -> tuple[tuple[int, int], str, tuple[int, ...]] | None:
+        start, entries = self.header(o)
+        h = entries.get(name)
+        try:
+            b, e = h["data_offsets"]  # type: ignore[index]
+            return (start + int(b), start + int(e)), str(h["dtype"]), tuple(int(n) for n in h["shape"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None
+
+
+def _store_outputs(root: StoreRoot, produced: list[tuple[tuple[tuple[int, int] | None, str], Mapping[str, Any]]],
+                   sources: tuple[str, ...], report: DeriveReport, what: str) -> _Record:
+    """Write what the recipe produced as one derived object (the commit's format and digests:
+    :func:`paramstore.format.layout`, :func:`~paramstore.format.object_digest`), placed with the
+    tier's rename; returns the unit's record (not yet written). The caller holds the GC lock shared."""
+    import torch
+
+    from .staging import tmp_name
+    from .tensors import TORCH_TO_ST
+
+    record = _Record(sources, {})
+    if not produced:
+        return record
+    flat: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[tuple[tuple[int, int] | None, str], str]] = {}  # key in the object -> (source, name)
+    for i, (src, outs) in enumerate(produced):
+        for n, t in outs.items():
+            if not isinstance(t, torch.Tensor) or t.dtype not in TORCH_TO_ST:
+                raise InvalidArgumentError(f"recipe {report.recipe!r}: {src[1]!r} gave {n!r} as "
+                                           f"{getattr(t, 'dtype', type(t).__name__)}, which an object cannot hold")
+            key = f"{i}:{n}"  # unique in the object even if two sources give the same name
+            flat[key] = t.detach().to("cpu").contiguous()
+            where[key] = (src, n)
+    plan = layout([TensorSpec(k, TORCH_TO_ST[t.dtype], tuple(t.shape)) for k, t in flat.items()])
+    path = os.path.join(root.tier.tmp_dir, tmp_name())
+    digests: list[str] = []
+    try:
+        with open(path, "xb") as f:
+            f.write(plan.header)
+            for p in plan.placements:
+                data = flat[p.spec.name].reshape(-1).view(torch.uint8).numpy()
+                with memoryview(data) as mv:
+                    digests.append(tensor_digest(mv))
+                    f.write(mv)
+    except PermissionError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise UnsafeStoreError(f"cannot derive {what} with recipe {report.recipe!r} in {root.path}: this process "
+                               f"may not write its objects ({e.strerror}); in a group store only its owner derives: "
+                               "prefetch the version with the recipe in the trainer's process first") from None
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    obj = object_digest(plan.header, digests)
+    if root.tier.put(obj, path, move=True):
+        report.objects += 1
+        report.bytes += plan.size
+    record.objects[obj] = plan.size
+    for p, d in zip(plan.placements, digests):
+        src, n = where[p.spec.name]
+        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, d, obj, p.offset, p.nbytes)
+    return record
+
+
+def _derive_object(root: StoreRoot, recipe: "Recipe", src: _Sources, o: str, report: DeriveReport) -> _Record:
+    """Derive unit ``o``: every tensor of object ``o`` the recipe accepts, under its name there."""
+    start, entries = src.header(o)
+    produced = []
+    for name, h in entries.items():
+        if name.startswith(ASSET_PREFIX):
+            continue
+        span = src.header_span(o, name)
+        if span is None:
+            raise CorruptObjectError(f"object {o}: malformed header entry {name!r}")
+        (b, e), dtype, shape = span
+        from .tensors import ST_TO_TORCH
+
+        if dtype not in ST_TO_TORCH:
+            continue
+        t = src.view(o, b, e - b, dtype, shape)
+        if recipe.eligible(name, t):
+            produced.append((((b, e), name), recipe.convert(name, t)))
+    report.tensors += len(produced)
+    return _store_outputs(root, produced, (o,), report, f"object {o[:12]}…")
+
+
+def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, e: TensorEntry,
+                   report: DeriveReport) -> _Record:
+    """Derive the unit of one tensor as the version names it."""
+    t = src.tensor(e)
+    produced = [((None, name), recipe.convert(name, t))] if recipe.eligible(name, t) else []
+    report.tensors += len(produced)
+    return _store_outputs(root, produced, tuple(sorted({c.object for c in e.pieces()})), report, f"tensor {name!r}")
+
+
+def _tensor_unit(name: str, e: TensorEntry) -> str:
+    canon = json.dumps([name, e.dtype, list(e.shape), [list(r) for r in e.ranges()]], separators=(",", ":"))
+    return "t-" + blake3.blake3(_UNIT_DOMAIN + canon.encode()).hexdigest()
+
+
+def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Callable[[], _Record],
+          report: DeriveReport, cache: dict[str, _Record]) -> _Record:
+    """The record of ``unit``: found (this call, or by a record), else made now and recorded."""
+    if unit in cache:
+        return cache[unit]
+    report.units += 1
+    record = _read_record(root, recipe, unit)
+    if record is None:
+        with root.gc_lock():  # shared: no GC between the objects' rename and the record
+            record = _read_record(root, recipe, unit)  # made meanwhile by another deriver?
+            if record is None:
+                report.derived += 1
+                record = _write_record(root, recipe, unit, make())
+    cache[unit] = record
+    return record
+
+
+def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
+                    report: DeriveReport | None = None) -> tuple[Manifest, DeriveReport]:
+    """The manifest of a version (whose objects are all here, and leased by the caller) as
+    ``recipe`` derives it: converted tensors point into derived objects (derived now if no record
+    says where they are), every other one as committed. Returns it and what was done.
+
+    Raises:
+        InvalidArgumentError: an unknown recipe; a recipe output whose name another tensor of the
+            version has (derived already?), or that an object cannot hold.
+        InvalidTensorError: a tensor the recipe cannot convert (an infinite element, say).
+        UnsafeStoreError: derived objects are needed and this process may not write them (a member
+            of a group store).
+    """
+    recipe = resolve_recipe(recipe)
+    t0 = time.monotonic()
+    report = report if report is not None else DeriveReport(recipe.name)
+    src = _Sources(root)
+    cache: dict[str, _Record] = {}
+    tensors: dict[str, TensorEntry] = {}
+    aliases: dict[str, str] = {}
+    made_by: dict[str, str] = {}  # output name -> the input name it came from
+
+    def put(new: str, entry: TensorEntry, name: str) -> None:
+        clash = made_by.get(new)
+        if clash is None and new != name and (new in manifest.tensors or new in manifest.aliases):
+            clash = new
+        if clash is not None:
+            where = "is in the version already" if clash == new else f"{clash!r} gives too"
+            raise InvalidArgumentError(f"recipe {recipe.name!r}: {name!r} gives {new!r}, which {where}: "
+                                       "is it derived already?")
+        made_by[new] = name
+        tensors[new] = entry
+
+    def outputs(name: str, e: TensorEntry) -> dict[str, TensorEntry] | None:
+        """The outputs of tensor ``name`` (entry ``e``), or None if the recipe leaves it as it is."""
+        if not recipe.eligible(name, src.judged(e)):
+            return None
+        if not e.chunks:
+            span = src.header_span(e.object, name)
+            if span == ((e.offset, e.offset + e.nbytes), e.dtype, e.shape):  # named as in its object
+                rec = _unit(root, recipe, src, e.object, lambda: _derive_object(root, recipe, src, e.object, report),
+                            report, cache)
+                found = rec.outputs.get(((e.offset, e.offset + e.nbytes), name))
+                if found is not None:
+                    return found
+        unit = _tensor_unit(name, e)
+        rec = _unit(root, recipe, src, unit, lambda: _derive_tensor(root, recipe, src, name, e, report), report, cache)
+        return rec.outputs.get((None, name), None)
+
+    converted: set[str] = set()
+    for name, e in manifest.tensors.items():
+        outs = outputs(name, e)
+        if outs is None:
+            put(name, e, name)
+        else:
+            converted.add(name)
+            for new, entry in outs.items():
+                put(new, entry, name)
+    for alias, target in manifest.aliases.items():
+        e = manifest.tensors[target]
+        outs = outputs(alias, e)
+        if outs is None and target not in converted:
+            if alias in made_by:
+                put(alias, e, alias)  # raises: an output of another tensor took the name
+            aliases[alias] = target
+        elif outs is None:
+            put(alias, e, alias)  # tied to a converted tensor: keeps the committed bytes
+        else:
+            for new, entry in outs.items():
+                put(new, entry, alias)
+    report.seconds += time.monotonic() - t0
+    return Manifest(tensors, aliases, dict(manifest.assets)), report
+
+
+def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe") -> "Snapshot":
+    """``snap`` (a CPU checkout, holding its lease) in ``recipe``'s form: a new snapshot of the same
+    version that maps the derived objects and the committed ones it keeps, and takes over the
+    lease. ``snap`` is closed (its lease released on error)."""
+    from .snapshot import Snapshot
+
+    try:
+        recipe = resolve_recipe(recipe)
+        manifest, report = derive_manifest(root, snap.manifest, recipe)
+        sizes = dict(root.registry.object_sizes(manifest.objects()))
+        sizes.update({o: root.tier.size(o) for o in manifest.objects() if o not in sizes})
+    except BaseException:
+        snap.close()
+        raise
+    on_close = snap._handover()
+    try:
+        out = Snapshot(snap.version, manifest, root.tier, on_close=on_close, fetch=snap.fetch, sizes=sizes)
+    except BaseException:
+        snap.close()
+        if on_close is not None:
+            on_close()
+        raise
+    snap.close()
+    out.recipe, out.derived = recipe.name, report
+    return out
+
+
+def verify_or_forget(root: StoreRoot, snap: "Snapshot") -> None:
+    """``checkout(..., verify=True)`` of a derived snapshot: re-hash what it maps; a damaged derived
+    object is quarantined and the records pointing at it dropped (the next checkout derives it
+    again). Raises CorruptObjectError naming it."""
+    from .objects import quarantine
+
+    bad = snap.verify()
+    if not bad:
+        return
+    step = snap.step
+    snap.close()
+    quarantine(root, bad)
+    for path, record in records(root):
+        if record is not None and set(record.objects) & set(bad):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    first = min(bad)
+    raise CorruptObjectError(f"version {step} in recipe {snap.recipe!r}: object {first} is damaged ({bad[first]}); "
+                             "it was quarantined: check out again (a derived object is derived again; a committed "
+                             "one needs `paramstore verify --repair`)")

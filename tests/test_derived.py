@@ -1,0 +1,336 @@
+"""Derived versions (issue 29, item 2): a checkout, prefetch or export in a recipe's form, derived
+once per source object, shared by content, kept and swept with its source (paramstore.derived)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import paramstore
+from paramstore import derived, recipes
+from paramstore.errors import CorruptObjectError, InvalidArgumentError
+from paramstore.recipes import ERROR_BOUND
+from paramstore.retention import KeepLast
+
+FP8 = torch.float8_e4m3fn
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def model_state(seed: int = 0, rows: int = 300) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 200, generator=g).bfloat16(),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(rows, 200, generator=g).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(200, rows, generator=g).bfloat16(),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(200, 200, generator=g).bfloat16(),
+        "model.layers.0.self_attn.o_proj.bias": torch.randn(200, generator=g).bfloat16(),
+        "model.norm.weight": torch.full((200,), 1.0 + seed).bfloat16(),
+    }
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (FP8 has no torch.equal on CPU in every build)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+class Counting:
+    """A registered recipe that counts its conversions (by tensor name)."""
+
+    def __init__(self, name: str) -> None:
+        base = recipes.get("fp8-block128")
+        self.calls: list[str] = []
+
+        def convert(n: str, t: torch.Tensor):
+            self.calls.append(n)
+            return base.convert(n, t)
+
+        self.recipe = recipes.register(recipes.Recipe(name, 1, base.eligible, convert, base.config()),
+                                       replace=True)
+
+
+def derived_objects(root: str) -> set[str]:
+    with paramstore.ParamStore(root) as store:
+        return {o for _, r in derived.records(store._root) if r is not None for o in r.objects}
+
+
+@pytest.mark.parametrize("recipe", ["fp8-block128", "fp8-tensor"])
+def test_checkout_is_the_recipe_of_the_version(store, recipe):
+    state = model_state()
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: an alias in the manifest
+    store.commit(1, state).result()
+    with store.checkout(1) as plain:
+        expected = recipes.derive(recipe, dict(plain.items()))
+        committed = plain.manifest
+    with store.checkout(1, recipe=recipe) as snap:
+        assert snap.recipe == recipe and snap.step == 1 and snap.digest == store.get(1).digest
+        assert sorted(snap) == sorted(expected)
+        for name in expected:
+            assert same(snap[name], expected[name]), name
+        # what the recipe leaves alone is the committed bytes, mapped in place (no copy)
+        for name in ("model.norm.weight", "model.layers.0.self_attn.o_proj.bias"):
+            assert snap.manifest.entry(name) == committed.entry(name)
+        assert snap["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+        assert snap.verify() == {}
+    assert store.leases() == []
+
+
+def test_made_once_shared_by_content(store_root):
+    counting = Counting("test-count-fp8")
+    state = model_state()
+    with paramstore.ParamStore(store_root, shard_size_bytes=100_000) as store:  # one object per weight, about
+        store.commit(1, state).result()
+        n_objects = len(store.manifest(1).objects())
+        assert n_objects >= 3
+        with store.checkout(1, recipe=counting.recipe) as snap:
+            first = snap.derived
+        assert sorted(counting.calls) == sorted(n for n, t in state.items() if recipes.default_eligible(n, t))
+        assert first.derived >= 1 and first.tensors == len(counting.calls)
+        with store.checkout(1, recipe=counting.recipe) as snap:
+            assert snap.derived.derived == 0 and snap.derived.tensors == 0
+    assert len(counting.calls) == 3
+    # another store object on the same root (what another process sees): nothing derived again
+    with paramstore.ParamStore(store_root) as store:
+        with store.checkout(1, recipe=counting.recipe) as snap:
+            assert snap.derived.derived == 0
+        assert len(counting.calls) == 3
+        # the next version changes one weight: only the object holding it is derived again
+        changed = dict(state)
+        changed["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"] + 1
+        store.commit(2, changed).result()
+        with store.checkout(2, recipe=counting.recipe) as snap:
+            assert same(snap["model.layers.0.mlp.down_proj.weight"],
+                        recipes.derive("fp8-block128", changed)["model.layers.0.mlp.down_proj.weight"])
+        assert counting.calls[3:] == ["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_another_process_derives_nothing_again(store):
+    store.commit(1, model_state()).result()
+    with store.checkout(1, recipe="fp8-block128") as snap:
+        assert snap.derived.derived >= 1
+        mine = {n: snap[n].clone() for n in snap}
+    code = ("import paramstore, sys, json\n"
+            "with paramstore.ParamStore(sys.argv[1]) as s, s.checkout(1, recipe='fp8-block128') as snap:\n"
+            "    print(json.dumps(snap.derived.as_dict()))\n")
+    out = subprocess.run([sys.executable, "-c", code, store.root], capture_output=True, text=True, check=True,
+                         cwd=REPO)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["derived"] == 0 and report["units"] >= 1
+    with store.checkout(1, recipe="fp8-block128") as snap:
+        assert all(same(snap[n], mine[n]) for n in mine)
+
+
+def test_concurrent_derivers_end_with_one_result(store_root):
+    with paramstore.ParamStore(store_root) as store:
+        store.commit(1, model_state(rows=1000)).result()
+    code = ("import paramstore, sys, hashlib\n"
+            "with paramstore.ParamStore(sys.argv[1]) as s, s.checkout(1, recipe='fp8-block128') as snap:\n"
+            "    h = hashlib.sha256()\n"
+            "    for n in sorted(snap): h.update(n.encode()); h.update(snap[n].contiguous().view(-1).view(__import__('torch').uint8).numpy().tobytes())\n"
+            "    print(h.hexdigest(), snap.verify() == {})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, store_root], stdout=subprocess.PIPE, text=True, cwd=REPO)
+             for _ in range(3)]
+    results = []
+    errors: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            with paramstore.ParamStore(store_root) as s, s.checkout(1, recipe="fp8-block128") as snap:
+                results.append(snap.verify() == {})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=in_thread) for _ in range(2)]
+    for t in threads:
+        t.start()
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    for t in threads:
+        t.join()
+    assert not errors and results == [True, True]
+    assert all(p.returncode == 0 for p in procs)
+    assert len({o[0] for o in outs}) == 1 and all(o[1] == "True" for o in outs)
+    with paramstore.ParamStore(store_root) as store:
+        recs = [r for _, r in derived.records(store._root)]
+        assert len(recs) == 1 and recs[0] is not None and len(recs[0].objects) == 1
+        leftovers = [f for f in os.listdir(os.path.join(store_root, "derived", "fp8-block128@1")) if f.endswith(".partial")]
+        assert leftovers == []
+        # every derived object made is the recorded one (the losers' copies were dropped by the rename)
+        present = set(store._root.tier.list()) - store.manifest(1).objects()
+        assert present == set(recs[0].objects)
+
+
+def test_same_bytes_whatever_the_thread_count(shm_dir):
+    state = {"model.layers.0.mlp.up_proj.weight": torch.randn(1100, 2100, generator=torch.Generator().manual_seed(3)).bfloat16(),
+             "model.layers.0.mlp.down_proj.weight": torch.randn(700, 300, generator=torch.Generator().manual_seed(4))}
+    threads = torch.get_num_threads()
+    digests = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            with paramstore.ParamStore(os.path.join(shm_dir, f"t{n}")) as store:
+                store.commit(1, state).result()
+                with store.checkout(1, recipe="fp8-block128") as snap:
+                    assert snap.derived.derived >= 1
+                digests.append(derived_objects(store.root))
+    finally:
+        torch.set_num_threads(threads)
+    assert digests[0] and digests[0] == digests[1]
+
+
+def test_gc_keeps_derived_objects_of_kept_and_leased_versions(store):
+    a, b = model_state(0), model_state(1)
+    store.commit(1, a).result()
+    snap = store.checkout(1, recipe="fp8-block128")  # leased
+    made = derived_objects(store.root)
+    assert made and made <= set(store._root.tier.list())
+    store.commit(2, b).result()  # shares nothing with step 1
+    with store.checkout(2, recipe="fp8-block128"):
+        pass
+    assert store.prune(KeepLast(1)).removed == []  # step 1 is leased
+    assert not set(store.gc().objects) & made
+    assert made <= set(store._root.tier.list())
+    assert same(snap["model.layers.0.mlp.up_proj.weight"],
+                recipes.derive("fp8-block128", a)["model.layers.0.mlp.up_proj.weight"])
+    snap.close()
+    assert store.prune(KeepLast(1)).removed == [1]
+    assert store.gc(dry_run=True).objects and made <= set(store._root.tier.list())  # a dry run deletes nothing
+    swept = set(store.gc().objects)
+    assert made <= swept and not made & set(store._root.tier.list())
+    kept = derived_objects(store.root)  # step 2's are kept, with their record
+    assert kept and kept <= set(store._root.tier.list())
+    with store.checkout(2, recipe="fp8-block128") as snap:
+        assert snap.derived.derived == 0
+    report = store.verify()
+    assert report["orphans"] == [] and report["derived_objects"] == len(kept) and report["ok"]
+
+
+def test_derived_object_lives_as_long_as_its_source(store):
+    """Step 2 keeps the object of step 1 it did not change: its derived object outlives step 1."""
+    a = model_state(0)
+    store.commit(1, {"model.layers.0.mlp.up_proj.weight": a["model.layers.0.mlp.up_proj.weight"]}).result()
+    b = {"model.layers.0.mlp.up_proj.weight": a["model.layers.0.mlp.up_proj.weight"],
+         "model.layers.0.mlp.down_proj.weight": a["model.layers.0.mlp.down_proj.weight"]}
+    store.commit(2, b).result()
+    with store.checkout(1, recipe="fp8-block128"):
+        pass
+    shared = derived_objects(store.root)
+    assert store.prune(KeepLast(1)).removed == [1]
+    assert not set(store.gc().objects) & shared
+    with store.checkout(2, recipe="fp8-block128") as snap:
+        assert snap.derived.tensors == 1  # only the new weight: the unchanged one was derived with step 1
+        assert set(snap.manifest.objects()) >= shared
+
+
+def test_prefetch_with_recipe_derives_ahead(store):
+    store.commit(1, model_state()).result()
+    assert store.prefetch(1, recipe="fp8-block128").result(timeout=60).step == 1
+    with store.checkout(1, recipe="fp8-block128") as snap:
+        assert snap.derived.derived == 0 and snap.derived.units >= 1
+    with pytest.raises(InvalidArgumentError, match="unknown recipe 'int3'.*'fp8-block128'"):
+        store.prefetch(1, recipe="int3")
+
+
+def test_bad_input_is_refused_clearly(store):
+    store.commit(1, model_state()).result()
+    with pytest.raises(InvalidArgumentError, match="unknown recipe 'fp4'.*known recipes are.*'fp8-block128'.*'fp8-tensor'"):
+        store.checkout(1, recipe="fp4")
+    with pytest.raises(InvalidArgumentError, match="recipe must be a recipe's name or a Recipe"):
+        store.checkout(1, recipe=3)
+    with pytest.raises(InvalidArgumentError, match="device='cuda:0' is not supported"):
+        store.checkout(1, recipe="fp8-block128", device="cuda:0")
+    with pytest.raises(InvalidArgumentError, match="unknown recipe"):
+        store.export(1, os.path.join(store.root, "..", "x"), recipe="nope", weights_only=True)
+    clash = recipes.register(recipes.Recipe("test-clash", 1, lambda n, t: n.endswith("up_proj.weight"),
+                                            lambda n, t: {n: t, "model.norm.weight": t}), replace=True)
+    with pytest.raises(InvalidArgumentError, match="is in the version already"):
+        store.checkout(1, recipe=clash)
+    assert store.leases() == []
+
+
+def test_damaged_derived_object_is_caught_and_derived_again(store):
+    store.commit(1, model_state()).result()
+    with store.checkout(1, recipe="fp8-block128"):
+        pass
+    (obj,) = derived_objects(store.root)
+    path = store._root.tier.object_path(obj)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(CorruptObjectError, match="recipe 'fp8-block128'.*quarantined"):
+        store.checkout(1, recipe="fp8-block128", verify=True)
+    assert store.leases() == []
+    with store.checkout(1, recipe="fp8-block128", verify=True) as snap:
+        assert snap.derived.derived == 1 and snap.verify() == {}
+
+
+def test_damaged_record_is_derived_again(store):
+    store.commit(1, model_state()).result()
+    with store.checkout(1, recipe="fp8-block128"):
+        pass
+    folder = os.path.join(store.root, "derived", "fp8-block128@1")
+    (name,) = os.listdir(folder)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(b'{"format": 1, "tensors": [')
+    with store.checkout(1, recipe="fp8-block128") as snap:
+        assert snap.derived.derived == 1
+        assert snap["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+
+
+def test_export_with_recipe_loads_and_dequantizes_within_the_bound(store, tmp_path):
+    state = model_state()
+    config = {"model_type": "llama", "hidden_size": 200}
+    store.commit(1, state, assets={"config.json": json.dumps(config).encode()}).result()
+    out = store.export(1, tmp_path / "fp8", recipe="fp8-block128", shard_size_bytes=100_000)
+    written = {}
+    for f in out["files"]:
+        if f.endswith(".safetensors"):
+            written.update(load_file(str(tmp_path / "fp8" / f)))
+    expected = recipes.derive("fp8-block128", state)
+    assert sorted(written) == sorted(expected)
+    for name, t in expected.items():
+        assert same(written[name], t), name
+    rel, absolute, slack = ERROR_BOUND
+    for name, w in state.items():
+        if not recipes.default_eligible(name, w):
+            continue
+        scale = written[recipes.scale_name(name, "weight_scale_inv")]
+        back = recipes.dequantize_block(written[name], scale).double()
+        full = scale.double().repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+        bound = torch.maximum(rel * w.double().abs(), absolute * full) * (1 + slack)
+        assert bool(((back - w.double()).abs() <= bound).all()), name
+    saved = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert saved["model_type"] == "llama" and saved["hidden_size"] == 200
+    assert saved["quantization_config"] == recipes.get("fp8-block128").config()
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["paramstore_recipe"] == "fp8-block128@1"
+    assert set(index["weight_map"]) == set(expected)
+
+
+def test_cli_export_with_recipe(store, tmp_path):
+    store.commit(1, model_state(), assets={"config.json": b'{"model_type": "llama"}'}).result()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    run = subprocess.run([sys.executable, "-m", "paramstore", "--root", store.root, "export", "1",
+                          str(tmp_path / "out"), "--recipe", "fp8-tensor"], capture_output=True, text=True, env=env,
+                         cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "in the form of recipe fp8-tensor" in run.stdout
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    tensors = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+    assert tensors["model.layers.0.mlp.up_proj.weight_scale"].shape == ()
+    bad = subprocess.run([sys.executable, "-m", "paramstore", "--root", store.root, "export", "1",
+                          str(tmp_path / "bad"), "--recipe", "int4"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert bad.returncode != 0 and "unknown recipe 'int4'" in bad.stderr and "'fp8-block128'" in bad.stderr
