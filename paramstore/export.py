@@ -33,6 +33,7 @@ import mmap
 import os
 from typing import IO, Any, Iterable, Mapping
 
+from .adapters import ADAPTER_CONFIG, base_of, write_peft
 from .assets import check_loadable, dir_assets, write_assets
 from .errors import InvalidArgumentError, ObjectUnavailableError
 from .format import TensorSpec, layout
@@ -66,6 +67,8 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     (:mod:`paramstore.derived`: derived objects made now if no earlier checkout made them), and the
     recipe's ``quantization_config`` merged into ``config.json`` (a ``quantization_config`` already
     there is replaced); the index's metadata names the recipe (``paramstore_recipe``).
+    An *adapter version* (:mod:`paramstore.adapters`) is written as the directory PEFT loads
+    (``adapter_config.json``, ``adapter_model.safetensors``), with none of those options.
 
     Raises:
         InvalidArgumentError: ``directory`` is a file or holds anything else; a bad shard size; the
@@ -91,7 +94,38 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
         recipe = resolve_recipe(recipe)
     extra = {} if assets_from is None else dir_assets(assets_from)
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
+        if base_of(root.registry.get_version(step).metadata) is not None:
+            if recipe is not None or weights_only or assets_from is not None:
+                raise InvalidArgumentError(f"version {step} is an adapter version, exported as a PEFT adapter "
+                                           "directory: recipe, weights_only and assets_from do not apply")
+            return _export_adapter(root, step, directory)
         return _export(root, step, directory, shard_size_bytes, show_progress, extra, weights_only, recipe)
+
+
+def _export_adapter(root: StoreRoot, step: int, directory: str) -> dict[str, Any]:
+    """An adapter version as the directory PEFT writes and loads (:func:`paramstore.adapters.write_peft`)."""
+    import torch
+
+    from .tensors import ST_TO_TORCH
+
+    man = root.registry.get_manifest(step)
+    maps = map_objects(root, step, man.objects())
+    try:
+        config = _bytes(maps, man.assets[ADAPTER_CONFIG])
+        tensors = {}
+        for name in sorted(man.tensors):
+            e = man.entry(name)
+            data = bytearray(_bytes(maps, e))  # a copy: the adapter is small
+            tensors[name] = torch.frombuffer(data, dtype=ST_TO_TORCH[e.dtype]).reshape(e.shape) if data else \
+                torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
+        for alias, target in man.aliases.items():
+            tensors[alias] = tensors[target]
+    finally:
+        for m in maps.values():
+            m.close()
+    files = write_peft(directory, tensors, config)
+    return {"step": step, "directory": os.path.abspath(directory), "files": files,
+            "total_size": sum(man.entry(n).nbytes for n in man.tensors)}
 
 
 def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, show_progress: bool,

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from .adapters import base_of
 from .errors import CorruptObjectError, InvalidArgumentError, InvalidTensorError, LoadError, StoreClosedError
 from .liveness import libc
 from .manifest import Chunk, Manifest, TensorEntry, Version
@@ -220,6 +221,22 @@ class Snapshot(Mapping[str, torch.Tensor]):
             (True, 64)
         """
         return self.version.digest
+
+    @property
+    def base_step(self) -> int | None:
+        """For an adapter version (:mod:`paramstore.adapters`), the step of the version it applies
+        to, kept as long as the adapter version is (check it out for the base weights); else None.
+
+        Example:
+            >>> config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["0"]}
+            >>> lora = {"base_model.model.0.lora_A.weight": torch.ones(2, 4),
+            ...         "base_model.model.0.lora_B.weight": torch.zeros(8, 2)}
+            >>> _ = store.commit(2, lora, base=1, adapter_config=config).result()
+            >>> with store.checkout(2) as adapter, store.checkout(adapter.base_step) as base:
+            ...     sorted(adapter)[0], base.step
+            ('base_model.model.0.lora_A.weight', 1)
+        """
+        return base_of(self.version.metadata)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._bufs is None:

@@ -176,3 +176,23 @@ def test_a_base_cannot_be_removed_while_an_adapter_version_needs_it(store_root):
         store.remove(2)
         store.remove(1)
         assert [v.step for v in store.versions()] == [3]
+
+
+def test_an_adapter_version_exports_as_a_directory_peft_loads(store_root, tmp_path):
+    model = _peft_model(seed=3)
+    with ParamStore(store_root, create=True) as store:
+        store.commit(1, Tiny()).result()
+        store.commit(2, model, base=1).result()
+        out = store.export(2, str(tmp_path / "export"))
+        assert sorted(out["files"]) == sorted(os.listdir(tmp_path / "export")) == [adapters.ADAPTER_CONFIG,
+                                                                                   adapters.ADAPTER_WEIGHTS]
+        with pytest.raises(InvalidArgumentError, match="adapter version"):
+            store.export(2, str(tmp_path / "other"), recipe="fp8-block128")
+    torch.manual_seed(3)  # the base weights _peft_model(seed=3) started from
+    loaded = peft.PeftModel.from_pretrained(Tiny(), str(tmp_path / "export"))
+    want = peft.utils.get_peft_model_state_dict(model)
+    got = peft.utils.get_peft_model_state_dict(loaded)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), model(x))
