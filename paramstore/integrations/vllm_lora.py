@@ -121,6 +121,9 @@ class LoRAVersions:
     """The adapter versions of a store registered in one ``vllm.LLM`` (``enable_lora=True``): the
     newest ``eta + 1``. See the module docstring.
 
+    Thread-safe: updates run one at a time, and :meth:`request`, :meth:`info` and
+    :meth:`registered` answer while an update waits for its version (``min_step``).
+
     Args:
         llm: the engine, started with ``enable_lora=True`` and a ``max_lora_rank`` of at least
             the adapters' ``r``.
@@ -174,7 +177,8 @@ class LoRAVersions:
             self.workdir, self._owns_workdir = os.fspath(workdir), not os.path.exists(workdir)
             os.makedirs(self.workdir, exist_ok=True)
         self._held: dict[int, AdapterInfo] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _held and _closed
+        self._updating = threading.Lock()
         self._closed = False
         self.last: AdapterInfo | None = None
         """The adapter version of the last :meth:`update`."""
@@ -231,49 +235,56 @@ class LoRAVersions:
         """
         from vllm.lora.request import LoRARequest
 
-        with self._lock:
-            if self._closed:
-                raise InvalidArgumentError("this LoRAVersions is closed")
+        with self._updating:  # one update at a time; request() and info() are not held up meanwhile
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgumentError("this LoRAVersions is closed")
+                held = dict(self._held)  # only updates (serialized here) and close() change it
             t0 = time.perf_counter()
             snap = self.store.checkout(version, min_step=min_step, timeout=timeout,
                                        holder=f"vLLM LoRA, pid {os.getpid()}")
             with snap:
                 t1 = time.perf_counter()
                 step = snap.step
-                if step in self._held:
-                    return self._held[step].request
+                if step in held:
+                    return held[step].request
                 base_step, base_digest, config = self._check(snap)
-                keep = sorted([*self._held, step])[-(self.eta + 1):]
+                keep = sorted([*held, step])[-(self.eta + 1):]
                 if step not in keep:
                     raise InvalidArgumentError(f"step {step} is older than the {self.eta + 1} newest adapter "
-                                               f"versions registered {sorted(self._held)}: not registered")
+                                               f"versions registered {sorted(held)}: not registered")
                 digests = {n: e.digest for n, e in snap.manifest.tensors.items()}
                 sizes = {n: e.nbytes for n, e in snap.manifest.tensors.items()}
-                newest = self._held[max(self._held)] if self._held else None
+                newest = held[max(held)] if held else None
                 changed = sum(n for k, n in sizes.items() if newest is None or newest.digests.get(k) != digests[k])
                 path = self._write(step, snap, config)
                 fetch = snap.fetch
             t2 = time.perf_counter()
-            for old in sorted(set(self._held) - set(keep)):  # room first: the engine's cache is eta + 1
-                self._evict(old)
-            with _IDS_LOCK:
-                lora_id = next(_IDS)
-            request = LoRARequest(lora_name=f"{self.name}-{step}", lora_int_id=lora_id, lora_path=path)
-            try:
-                if not self.llm.llm_engine.add_lora(request):
-                    raise RuntimeError(f"vLLM did not register the adapter of step {step} ({path})")
-            except BaseException:
-                shutil.rmtree(path, ignore_errors=True)
-                raise
-            t3 = time.perf_counter()
-            info = AdapterInfo(step=step, request=request, path=path, base_step=base_step, base_digest=base_digest,
-                               adapter_bytes=sum(sizes.values()), bytes_moved=int(fetch.bytes), moved=bool(fetch.moved),
-                               changed_bytes=changed, checkout_s=t1 - t0, write_s=t2 - t1, register_s=t3 - t2,
-                               digests=digests)
-            self._held[step] = self.last = info
+            with self._lock:
+                if self._closed:  # closed while this update checked out and wrote
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise InvalidArgumentError("this LoRAVersions was closed during the update")
+                for old in sorted(set(self._held) - set(keep)):  # room first: the engine's cache is eta + 1
+                    self._evict(old)
+                with _IDS_LOCK:
+                    lora_id = next(_IDS)
+                request = LoRARequest(lora_name=f"{self.name}-{step}", lora_int_id=lora_id, lora_path=path)
+                try:
+                    if not self.llm.llm_engine.add_lora(request):
+                        raise RuntimeError(f"vLLM did not register the adapter of step {step} ({path})")
+                except BaseException:
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise
+                t3 = time.perf_counter()
+                info = AdapterInfo(step=step, request=request, path=path, base_step=base_step,
+                                   base_digest=base_digest, adapter_bytes=sum(sizes.values()),
+                                   bytes_moved=int(fetch.bytes), moved=bool(fetch.moved), changed_bytes=changed,
+                                   checkout_s=t1 - t0, write_s=t2 - t1, register_s=t3 - t2, digests=digests)
+                self._held[step] = self.last = info
+                registered = sorted(self._held)
             logger.info("paramstore: LoRA step %d (base %d) registered as %r: %d bytes moved, %d of %d bytes "
                         "changed; registered %s", step, base_step, request.lora_name, info.bytes_moved, changed,
-                        info.adapter_bytes, sorted(self._held))
+                        info.adapter_bytes, registered)
             return request
 
     def _check(self, snap: Snapshot) -> tuple[int, str | None, bytes]:

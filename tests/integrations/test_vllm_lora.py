@@ -82,7 +82,8 @@ def base_model():
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3 if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape, generator=g))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(noise * 0.3 if p.dim() > 1 else 1 + 0.1 * noise)
     return model
 
 
@@ -233,6 +234,32 @@ def test_an_engine_whose_base_is_unknown_records_the_adapters_base(llm, store, p
         assert loras.engine_base is None
         loras.update(step)
         assert loras.info(step).base_step == BASE
+
+
+def test_an_update_waits_for_the_trainers_next_adapter_without_holding_up_requests(llm, store, peft_model):
+    import threading
+    import time
+
+    step = next_step(store)
+    commit_adapter(store, peft_model, step, seed=400)
+    with LoRAVersions(llm, store, eta=1, base=BASE) as loras:
+        first = loras.update(step)
+        timer = threading.Timer(1.5, commit_adapter, (store, peft_model, step + 1, 401))
+        timer.start()
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(loras.update(min_step=step + 1, timeout=60)))
+        t0 = time.monotonic()
+        waiter.start()
+        time.sleep(0.2)
+        assert loras.request(step) == first and loras.registered() == [step]  # answered while it waits
+        assert time.monotonic() - t0 < 1.0
+        waiter.join(120)
+        timer.join()
+        assert done and done[0] == loras.request(step + 1) and loras.registered() == [step, step + 1]
+        with pytest.raises(Exception, match=str(step + 100)):  # nothing comes: the wait ends, nothing changes
+            loras.update(min_step=step + 100, timeout=0.5)
+        assert loras.registered() == [step, step + 1]
+    assert store.leases() == []
 
 
 # -- two hosts: an update moves the adapter's changed bytes only ---------------------------------
