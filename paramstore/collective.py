@@ -48,10 +48,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import blake3
 
 from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
-from .format import loads, object_digest, tensor_spans
+from .format import ObjectHasher, loads
 from .liveness import libc
 from .manifest import Manifest, Version, check_manifest
 from .objects import check_buffer, check_held, index_entries, read_manifest
@@ -550,42 +549,24 @@ class _InOrder:
     def __init__(self, digest: str, buf: Any, size: int, spans: Mapping[tuple[int, int], str]) -> None:
         self.base = memoryview(buf)
         self.digest, self.mv, self.size, self.want = digest, self.base[:size], size, dict(spans)
-        self.start = -1
-        self.tensors: list[tuple[int, int]] = []
-        self.hashers: list[Any] = []
-        self.pos: list[int] = []
-        self.error = ""
+        # pieces (format.ObjectHasher) hashed side by side, a thread per core, as buckets land
+        self.hasher = ObjectHasher(self.mv, parallel=True)
         self.reached = 0
 
     def upto(self, end: int) -> None:
         """Bytes ``[0, end)`` are final."""
+        end = min(end, self.size)
+        if end > self.reached:
+            self.hasher.arrived(self.reached, end)
         self.reached = max(self.reached, end)
-        if self.error:
-            return
-        if self.start < 0:
-            if end < 8 or end < 8 + int.from_bytes(self.mv[:8], "little"):
-                return  # the header is not all here yet
-            try:
-                self.start, self.tensors = tensor_spans(self.mv, self.size)
-            except ValueError as e:
-                self.error = f"malformed ({e})"
-                return
-            self.hashers = [blake3.blake3(max_threads=blake3.blake3.AUTO) for _ in self.tensors]
-            self.pos = [b for b, _ in self.tensors]
-        for i, (_, e) in enumerate(self.tensors):
-            reach = min(e, end)
-            if reach > self.pos[i]:
-                self.hashers[i].update(self.mv[self.pos[i]:reach])
-                self.pos[i] = reach
 
     def result(self) -> str | None:
         """None if every byte arrived and matches; else why not."""
-        if self.error:
-            return self.error
-        if self.start < 0 or self.reached < self.size:
-            return "not every byte was received"
-        got = {span: h.hexdigest() for span, h in zip(self.tensors, self.hashers)}
-        digest = object_digest(self.mv[: self.start], [got[span] for span in self.tensors])
+        try:
+            got = self.hasher.tensor_digests()
+        except ValueError as e:
+            return str(e) if str(e).startswith("malformed") else "not every byte was received"
+        digest = self.hasher.digest()
         if digest != self.digest:
             return f"bytes hash to {digest}"
         bad = [f"{b}..{e}" for (b, e), d in sorted(self.want.items()) if got.get((b, e)) != d]

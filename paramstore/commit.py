@@ -6,9 +6,11 @@
    ``copy_`` every tensor into its place. This is the only copy of the bytes. After it the trainer
    may change its parameters; a tensor changed in place before its copy was done (torch's in-place
    version counter moved since ``commit()``) fails the commit with TornCommitError (:class:`_Watch`).
-2. **Hash** (publisher thread, fanning whole tensors out to one hash thread per core). blake3 of
-   each tensor's bytes in the slab: one read pass. With :data:`OVERLAP_HASH_MIN_CPUS` cores or
-   more, each shard's tensors are handed to hash threads as soon as the shard is copied.
+2. **Hash** (publisher thread, fanning tensors and the pieces of large tensors out to one hash
+   thread per core: :mod:`paramstore.format`). blake3 of each piece's bytes in the slab: one read
+   pass, no byte hashed twice, each piece on one thread (a 1 GiB tensor is 128 independent pieces,
+   so no blake3 thread pool is needed). With :data:`OVERLAP_HASH_MIN_CPUS` cores or more, each
+   shard's tensors and pieces are handed to hash threads as soon as the shard is copied.
 3. **Deduplicate.** Tensors whose digest the store already holds (in an earlier version, or
    earlier in this commit) are not stored again: a shard with no new tensor goes back to the pool;
    a shard with some is compacted in place (``memmove`` of its new tensors, the header rewritten)
@@ -44,7 +46,10 @@ from .errors import (
     CommitGroupError, CorruptObjectError, InvalidArgumentError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError,
     WaitTimeoutError,
 )
-from .format import ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, plan_shards, tensor_digest
+from .format import (
+    ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, piece_digest, pieces, pieces_root,
+    plan_shards,
+)
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
 from .sharded import CommitGroup, check_part, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
@@ -179,7 +184,8 @@ class _Job:
     created_at: float = 0.0
     ready_events: dict = field(default_factory=dict)  # device -> event recorded on the caller's stream at commit()
     device: Any = None  # an accelerator this commit copies from (a streaming commit: once one arrives)
-    early: dict = field(default_factory=dict)  # (shard, placement) -> Future of the digest, hashed while staging
+    early: dict = field(default_factory=dict)  # (shard, placement) -> _Hashed, hashed while staging
+    piece_digests: dict = field(default_factory=dict)  # tensor digest -> its piece digests (tensors over a piece)
     group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
     error: BaseException | None = None  # a group job's staging error: it still takes part in the group
     staged: bool = False  # staged on the caller's thread already (a streaming commit)
@@ -217,7 +223,7 @@ class Committer:
         # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
         self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
-        self._hash_threads = os.cpu_count() or 2
+        self._hash_threads = _cores()
         self._early = (ThreadPoolExecutor(max(1, self._hash_threads // 2), thread_name_prefix="paramstore-hash-early")
                        if self._hash_threads >= OVERLAP_HASH_MIN_CPUS else None)
         self._hashers = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="paramstore-hash")
@@ -455,16 +461,18 @@ class Committer:
         return self._reclaim_space is not None and self._reclaim_space(RECLAIM_TIMEOUT_S)
 
     def _hash_early(self, job: _Job, i: int, plan: ShardPlan, slab: Slab) -> None:
-        # Shard i is copied: its tensors go to the hash threads now (whole tensors; the small ones
-        # of the shard together).
+        # Shard i is copied: its tensors go to the hash threads now (each piece of a large tensor
+        # on its own; the small tensors of the shard together).
         small = [j for j, p in enumerate(plan.placements) if p.nbytes < _INLINE_HASH_BYTES]
         for j, p in enumerate(plan.placements):
             if p.nbytes >= _INLINE_HASH_BYTES:
-                job.early[(i, j)] = self._early.submit(_hash_range, slab, p, parallel=False)
+                job.early[(i, j)] = _Hashed(p.nbytes, [self._early.submit(_hash_bytes, slab, p.offset + b, e - b)
+                                                       for b, e in pieces(p.nbytes)])
         if small:
-            batch = self._early.submit(lambda: [_hash_range(slab, plan.placements[j], parallel=False) for j in small])
+            batch = self._early.submit(lambda: [_hash_bytes(slab, plan.placements[j].offset, plan.placements[j].nbytes)
+                                                for j in small])
             for k, j in enumerate(small):
-                job.early[(i, j)] = _Item(batch, k)
+                job.early[(i, j)] = _Hashed(plan.placements[j].nbytes, [_Item(batch, k)])
 
     # -- 2-4. hash, deduplicate, publish -----------------------------------------------------
     def _publish(self, job: _Job) -> None:
@@ -646,28 +654,43 @@ class Committer:
         )
 
     def _hash_all(self, job: _Job) -> list[list[str]]:
-        """Every tensor's digest, per shard: large tensors in parallel on the hash threads.
+        """Every tensor's digest, per shard (and ``job.piece_digests`` of the tensors larger than a
+        piece): pieces of large tensors and tensors of 1 MiB or more in parallel on the hash threads.
 
-        Largest first, one thread each (blake3 releases the GIL); a tensor larger than a thread's
-        share of the commit is itself hashed on several threads. Tensors under 1 MiB are hashed
-        right here, meanwhile: handing them to a thread would cost more than hashing them.
-        Tensors whose hashing started during staging (``job.early``) are only waited for.
+        Largest first, one thread each (blake3 releases the GIL); a tensor larger than a piece is
+        hashed piece by piece, each piece a unit of work of its own, so all the hash threads share
+        even one large tensor and no byte is hashed twice. Tensors under 1 MiB are hashed right
+        here, meanwhile: handing them to a thread would cost more than hashing them. Tensors whose
+        hashing started during staging (``job.early``) are only waited for.
         """
         if job.early:
-            return [[job.early[(i, j)].result() for j in range(len(plan.placements))]
+            return [[self._digest_of(job, job.early[(i, j)].result()) for j in range(len(plan.placements))]
                     for i, plan in enumerate(job.plans)]
-        work = [(i, j, slab, p) for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
-                for j, p in enumerate(plan.placements)]
-        work.sort(key=lambda w: -w[3].nbytes)
-        share = sum(w[3].nbytes for w in work) / self._hash_threads
-        large = [w for w in work if w[3].nbytes >= _INLINE_HASH_BYTES]
+        work = [(i, j, k, slab, p.offset + b, e - b)
+                for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
+                for j, p in enumerate(plan.placements)
+                for k, (b, e) in enumerate(pieces(p.nbytes))]
+        work.sort(key=lambda w: -w[5])
+        large = [w for w in work if w[5] >= _INLINE_HASH_BYTES]
         small = work[len(large):]
-        hashed = self._hashers.map(lambda w: _hash_range(w[2], w[3], parallel=w[3].nbytes > share), large)
-        small_digests = [_hash_range(w[2], w[3], parallel=False) for w in small]
-        digests: list[list[str]] = [[""] * len(plan.placements) for plan in job.plans]
-        for (i, j, _, _), d in zip(large + small, [*hashed, *small_digests]):
-            digests[i][j] = d
-        return digests
+        hashed = self._hashers.map(lambda w: _hash_bytes(w[3], w[4], w[5]), large)
+        small_digests = [_hash_bytes(w[3], w[4], w[5]) for w in small]
+        got: list[list[list[str]]] = [[[""] * len(pieces(p.nbytes)) for p in plan.placements] for plan in job.plans]
+        for (i, j, k, *_), d in zip(large + small, [*hashed, *small_digests]):
+            got[i][j][k] = d
+        return [[self._digest_of(job, (p.nbytes, ds)) for p, ds in zip(plan.placements, got[i])]
+                for i, plan in enumerate(job.plans)]
+
+    @staticmethod
+    def _digest_of(job: _Job, hashed: tuple[int, list[str]]) -> str:
+        """A tensor's digest from its length and piece digests (recorded in ``job.piece_digests``
+        when there are several)."""
+        nbytes, ds = hashed
+        if len(ds) == 1:
+            return ds[0]
+        digest = pieces_root(ds, nbytes)
+        job.piece_digests[digest] = tuple(ds)
+        return digest
 
     def _store(self, job: _Job, digests: list[list[str]]
                ) -> tuple[dict[str, TensorEntry], dict[str, ObjectInfo], dict[str, TensorLocation], dict[str, int]]:
@@ -699,7 +722,7 @@ class Committer:
                 if d in kept_here:
                     repeats.append((p, d))
                 elif loc is not None and loc.offset % ITEMSIZE[p.spec.dtype] == 0:
-                    entries[p.spec.name] = _entry(p, d, loc)
+                    entries[p.spec.name] = _entry(p, d, loc, job.piece_digests.get(d, ()))
                 else:
                     keep.append((p, d))
                     kept_here.add(d)
@@ -724,7 +747,7 @@ class Committer:
                 located[d] = TensorLocation(obj, off, p.nbytes)
             # Within a shard, larger item sizes come first, so a repeat is always aligned.
             for p, d in keep + repeats:
-                entries[p.spec.name] = _entry(p, d, located[d])
+                entries[p.spec.name] = _entry(p, d, located[d], job.piece_digests.get(d, ()))
 
         # Index what this commit stored (also bytes known only at an offset misaligned for their dtype).
         new_tensors = {e.digest: TensorLocation(e.object, e.offset, e.nbytes) for e in entries.values()
@@ -766,6 +789,16 @@ class _Item:
         return self.future.result()[self.k]
 
 
+class _Hashed:
+    """A tensor being hashed during staging: its length and a future per piece."""
+
+    def __init__(self, nbytes: int, parts: list[Any]) -> None:
+        self.nbytes, self.parts = nbytes, parts
+
+    def result(self) -> tuple[int, list[str]]:
+        return self.nbytes, [f.result() for f in self.parts]
+
+
 def _fail(handle: CommitHandle, e: BaseException) -> None:
     if not handle.staged.done():
         handle.staged.set_exception(e)
@@ -774,8 +807,8 @@ def _fail(handle: CommitHandle, e: BaseException) -> None:
         handle.persisted.set_exception(e)
 
 
-def _entry(p: Placement, digest: str, loc: TensorLocation) -> TensorEntry:
-    return TensorEntry(p.spec.dtype, p.spec.shape, digest, loc.object, loc.offset, p.nbytes)
+def _entry(p: Placement, digest: str, loc: TensorLocation, piece_digests: tuple[str, ...]) -> TensorEntry:
+    return TensorEntry(p.spec.dtype, p.spec.shape, digest, loc.object, loc.offset, p.nbytes, (), piece_digests)
 
 
 def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Callable[[int], Slab],
@@ -937,9 +970,18 @@ def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, Any]:
     return events
 
 
-def _hash_range(slab: Slab, p: Placement, *, parallel: bool) -> str:
+def _cores() -> int:
+    """The cores this process may run on (``taskset`` and cgroup CPU sets count; at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 2
+
+
+def _hash_bytes(slab: Slab, offset: int, nbytes: int) -> str:
+    """blake3 of ``nbytes`` bytes of ``slab`` at ``offset`` (a piece, or a tensor of one piece), on this thread."""
     with memoryview(slab.map) as mv:
-        return tensor_digest(mv[p.offset : p.offset + p.nbytes], parallel=parallel)
+        return piece_digest(mv[offset : offset + nbytes])
 
 
 def _compact(slab: Slab, plan: ShardPlan, keep: list[Placement]) -> tuple[bytes, list[int]]:

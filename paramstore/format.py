@@ -11,20 +11,35 @@ contiguous, as safetensors requires.
 
 Digests (blake3, hex):
 
-* tensor digest = ``blake3(tensor bytes)``: dtype and shape are not part of it, so equal bytes
-  are stored once whatever they are viewed as;
+* tensor digest: for a tensor of at most :data:`PIECE_SIZE` bytes, ``blake3(tensor bytes)``; for
+  a larger one, the root over its *pieces* (consecutive :data:`PIECE_SIZE`-byte ranges, the last
+  one shorter): ``blake3(PIECES_DOMAIN || u64le(length) || piece_digest_1 || ... || piece_digest_k)``
+  with ``piece_digest_i = blake3(bytes[(i-1)*P : i*P])`` (raw 32-byte digests). Dtype and shape are
+  not part of it, so equal bytes are stored once whatever they are viewed as. Each piece can be
+  hashed on its own thread, and verified alone (against the piece digests a manifest lists: see
+  :mod:`paramstore.manifest`) as soon as its bytes are there;
 * object digest = ``blake3(OBJECT_DOMAIN || header bytes || tensor digest_1 || ... || digest_n)``
   with the tensor digests in file order. Because the tensors tile the data section exactly, this
   is a digest of every byte of the file computed as a two-level tree: commit hashes each byte
   once (per tensor) and gets the object name for the price of hashing a few kilobytes.
+
+Which rule an object's tensor digests follow is in its own header, so every check of an object's
+bytes (``verify``, scrub, pulls, peers, patches) needs nothing but the bytes: an object holding a
+tensor larger than :data:`PIECE_SIZE` says ``{"paramstore_pieces": "<P>"}`` in its
+``__metadata__`` (covered by the object digest like every header byte). An object without it was
+written before pieces existed (format v1: every tensor ``blake3(bytes)``, however large) or holds
+only tensors of one piece, for which both rules agree; an object naming another piece size was
+written by a newer paramstore and is refused (:func:`piece_size_of`).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -47,6 +62,14 @@ __all__ = [
     "tensor_digest",
     "object_digest",
     "OBJECT_SUFFIX",
+    "PIECE_SIZE",
+    "PIECES_KEY",
+    "pieces",
+    "piece_digest",
+    "pieces_root",
+    "tensor_pieces",
+    "bad_pieces",
+    "piece_size_of",
 ]
 
 #: Bytes per element of every safetensors dtype paramstore stores.
@@ -63,6 +86,15 @@ DATA_ALIGN = 64
 OBJECT_SUFFIX = ".safetensors"
 OBJECT_DOMAIN = b"paramstore/object/v1\0"
 _HASH_THREADS_MIN_BYTES = 1 << 22  # below this, blake3's thread pool costs more than it saves
+#: Bytes per piece (see the module docstring). 8 MiB: large enough that a piece digest costs 32
+#: bytes of manifest per 8 MiB of weights (4 KiB per GiB) and a thread hashes a piece in ~4-8 ms,
+#: far above the cost of handing it to a thread; small enough that a 1 GiB tensor makes 128
+#: pieces to spread over the hash threads, and that a receiver checks what arrived within
+#: milliseconds of its last byte (a piece is 0.7 ms at 100 Gbit/s, 67 ms at 1 Gbit/s).
+PIECE_SIZE = 8 << 20
+PIECES_DOMAIN = b"paramstore/pieces/v1\0"
+#: The ``__metadata__`` key of an object header naming the piece size of its tensor digests.
+PIECES_KEY = "paramstore_pieces"
 
 
 @dataclass(frozen=True)
@@ -115,9 +147,13 @@ def build_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = 
 
     Returns the header bytes (length prefix included, padded so data starts at ``DATA_ALIGN``)
     and each tensor's absolute offset in the file. ``metadata`` (string to string) becomes the
-    header's ``__metadata__`` (the store's objects have none; exports say ``{"format": "pt"}``).
+    header's ``__metadata__`` (the store's objects have none; exports say ``{"format": "pt"}``),
+    with :data:`PIECES_KEY` added when a tensor is larger than :data:`PIECE_SIZE`.
     """
-    entries: dict[str, dict] = {"__metadata__": dict(metadata)} if metadata else {}
+    meta = dict(metadata or {})
+    if any(s.nbytes > PIECE_SIZE for s in specs):  # its tensor digests are over pieces: say so
+        meta[PIECES_KEY] = str(PIECE_SIZE)
+    entries: dict[str, dict] = {"__metadata__": meta} if meta else {}
     begin = 0
     rel = []
     for s in specs:
@@ -219,15 +255,124 @@ def loads(data: str | bytes, kind: type, what: str = "JSON") -> Any:
     return value
 
 
-def tensor_digest(data: bytes | memoryview, *, parallel: bool | None = None) -> str:
-    """blake3 of a tensor's bytes, hex.
+def pieces(nbytes: int, piece_size: int = PIECE_SIZE) -> list[tuple[int, int]]:
+    """The pieces of a tensor of ``nbytes`` bytes: ``[(begin, end), ...]`` relative to its start.
+    One piece for a tensor of at most ``piece_size`` bytes (or ``piece_size`` 0: the whole-tensor
+    rule of objects written before pieces), an empty one included.
+
+    Example:
+        >>> pieces(10, 4), pieces(4, 4), pieces(0, 4), pieces(10, 0)
+        ([(0, 4), (4, 8), (8, 10)], [(0, 4)], [(0, 0)], [(0, 10)])
+    """
+    if not piece_size or nbytes <= piece_size:
+        return [(0, nbytes)]
+    return [(b, min(b + piece_size, nbytes)) for b in range(0, nbytes, piece_size)]
+
+
+def piece_digest(data: bytes | memoryview) -> str:
+    """The digest of one piece's bytes (blake3, hex, on the calling thread): what a receiver
+    compares with the piece digest a manifest lists (or, for a tensor of one piece, its digest)."""
+    return blake3.blake3(data, max_threads=1).hexdigest()
+
+
+def pieces_root(piece_digests: Sequence[str], nbytes: int) -> str:
+    """The digest of a tensor of ``nbytes`` bytes (more than :data:`PIECE_SIZE`) from its piece
+    digests (hex, in order)."""
+    h = blake3.blake3(PIECES_DOMAIN)
+    h.update(struct.pack("<Q", nbytes))
+    h.update(b"".join(bytes.fromhex(d) for d in piece_digests))
+    return h.hexdigest()
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads to hash pieces side by side on (one per core this process may run on), made once."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            try:
+                n = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):  # pragma: no cover - not Linux
+                n = os.cpu_count() or 1
+            _pool = ThreadPoolExecutor(max(1, n), thread_name_prefix="paramstore-pieces")
+        return _pool
+
+
+def _map(fn: Any, items: Sequence[Any], parallel: bool) -> list[Any]:
+    if parallel and len(items) > 1:
+        return list(_hash_pool().map(fn, items))
+    return [fn(x) for x in items]
+
+
+def tensor_pieces(data: bytes | memoryview, *, piece_size: int = PIECE_SIZE,
+                  parallel: bool | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(tensor digest, piece digests)`` of a tensor's bytes; no piece digests (``()``) for a
+    tensor of one piece, whose piece digest is its digest. ``piece_size`` 0: the whole-tensor rule
+    of objects written before pieces (format v1). ``parallel``: pieces side by side on a thread
+    per core (default: for inputs of 4 MiB and more; a v1 tensor on blake3's own threads)."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    n = mv.nbytes
+    if parallel is None:
+        parallel = n >= _HASH_THREADS_MIN_BYTES
+    if not piece_size or n <= piece_size:
+        auto = parallel and n >= _HASH_THREADS_MIN_BYTES
+        return blake3.blake3(mv, max_threads=blake3.blake3.AUTO if auto else 1).hexdigest(), ()
+    flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    digests = tuple(_map(lambda r: piece_digest(flat[r[0] : r[1]]), pieces(n, piece_size), parallel))
+    return pieces_root(digests, n), digests
+
+
+def tensor_digest(data: bytes | memoryview, *, parallel: bool | None = None, piece_size: int = PIECE_SIZE) -> str:
+    """The digest of a tensor's bytes (see the module docstring): ``blake3(bytes)`` up to
+    ``piece_size`` bytes, the root over its pieces above. ``piece_size`` 0: ``blake3(bytes)``
+    whatever the size (objects written before pieces).
 
     ``parallel``: hash on several threads (default: for inputs of 4 MiB and more). The commit path
-    passes False for tensors it already hashes side by side on its own threads.
+    hashes pieces on its own threads and passes False.
     """
-    if parallel is None:
-        parallel = len(data) >= _HASH_THREADS_MIN_BYTES
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO if parallel else 1).hexdigest()
+    return tensor_pieces(data, piece_size=piece_size, parallel=parallel)[0]
+
+
+def bad_pieces(data: bytes | memoryview, piece_digests: Sequence[str], digest: str = "") -> list[int]:
+    """The indexes of the pieces of a tensor's bytes ``data`` that do not hash to the digests a
+    manifest lists for it (``piece_digests``; for a tensor of one piece, ``()`` and its
+    ``digest``). A length that does not make that many pieces: every index.
+
+    Example:
+        >>> good = bytes(PIECE_SIZE + 5)
+        >>> _, ds = tensor_pieces(good)
+        >>> bad_pieces(good[:-1] + b"x", ds)
+        [1]
+    """
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    want = list(piece_digests) if piece_digests else [digest]
+    ranges = pieces(mv.nbytes)
+    if len(ranges) != len(want):
+        return list(range(max(len(want), len(ranges))))
+    flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return [i for i, (b, e) in enumerate(ranges) if piece_digest(flat[b:e]) != want[i]]
+
+
+def piece_size_of(meta: dict[str, Any]) -> int:
+    """The piece size an object's header (its ``__metadata__``) says its tensor digests use: 0 (no
+    :data:`PIECES_KEY`: whole tensors, format v1) or :data:`PIECE_SIZE`. ValueError for another
+    value: an object written by a newer paramstore (upgrade it) or a damaged header.
+
+    Example:
+        >>> piece_size_of({}), piece_size_of({PIECES_KEY: str(PIECE_SIZE)}) == PIECE_SIZE
+        (0, True)
+    """
+    value = meta.get(PIECES_KEY)
+    if value is None:
+        return 0
+    if value != str(PIECE_SIZE):
+        raise ValueError(f"object header says its tensor digests use pieces of {str(value)[:40]!r} bytes; this "
+                         f"paramstore knows pieces of {PIECE_SIZE} bytes only: written by a newer paramstore "
+                         "(upgrade paramstore) or damaged")
+    return PIECE_SIZE
 
 
 def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> str:
@@ -240,15 +385,18 @@ def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> 
 
 
 def rehash(buf: memoryview) -> tuple[str, dict[tuple[int, int], str]]:
-    """Recompute an object's digest from all of its bytes (what ``verify`` and a pull check).
+    """Recompute an object's digest from all of its bytes (what ``verify`` and a pull check), with
+    the rule its header names (:func:`piece_size_of`: pieces, or whole tensors for objects written
+    before pieces); pieces of large tensors are hashed side by side, a thread per core.
 
     Returns the object digest and each tensor's digest keyed by its absolute ``(begin, end)``
     (an empty tensor starts where the next one does). Raises
     ``ValueError`` if ``buf`` is not a well-formed paramstore object (a malformed header, or
     tensors that do not tile the data section exactly).
     """
-    start, spans = tensor_spans(buf)
-    digests = {(b, e): tensor_digest(buf[b:e]) for b, e in spans}
+    start, spans, meta = _spans(buf)
+    piece_size = piece_size_of(meta)
+    digests = {(b, e): tensor_digest(buf[b:e], piece_size=piece_size) for b, e in spans}
     return object_digest(buf[:start], [digests[s] for s in spans]), digests
 
 
@@ -258,8 +406,14 @@ def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tu
     Reads only the header from ``buf``; ``size`` is the object's size (default ``len(buf)``).
     Raises ``ValueError`` unless the tensors tile the data section exactly.
     """
+    start, spans, _ = _spans(buf, size)
+    return start, spans
+
+
+def _spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
+    """:func:`tensor_spans`, and the header's ``__metadata__``."""
     size = len(buf) if size is None else size
-    start, entries = parse_header(buf)
+    start, entries, meta = read_header(buf)
     try:
         spans = sorted((start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
                        for e in entries.values())
@@ -274,26 +428,46 @@ def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tu
         raise ValueError(f"truncated: its tensors end at byte {pos}, the file at byte {size}")
     if pos != size:
         raise ValueError(f"{size - pos} bytes past the last tensor")
-    return start, spans
+    return start, spans, meta
+
+
+class _Unit:
+    """One piece of an object as :class:`ObjectHasher` hashes it: absolute ``[begin, end)``, hashed
+    up to ``pos``, and whether a thread is hashing it now."""
+
+    __slots__ = ("begin", "end", "pos", "hasher", "busy")
+
+    def __init__(self, begin: int, end: int, threads: int) -> None:
+        self.begin, self.end, self.pos, self.busy = begin, end, begin, False
+        self.hasher = blake3.blake3(max_threads=threads)
 
 
 class ObjectHasher:
     """An object's digest, computed while its bytes arrive in any order; each byte hashed once.
 
     The receiver calls :meth:`arrived` for each range of ``buf`` that holds its final bytes. Each
-    tensor is hashed from its start as far as the bytes are there, so when bytes come roughly in
-    order, hashing overlaps the transfer and little is left when the last byte lands. Thread-safe;
-    the hashing runs in the thread calling :meth:`arrived` (blake3 releases the GIL).
+    piece (:func:`pieces`: a tensor of one piece, or a piece of a larger one, with the rule the
+    object's header names) is hashed from its start as far as the bytes are there, so when bytes
+    come roughly in order, hashing overlaps the transfer and little is left when the last byte
+    lands; pieces are independent, so threads calling :meth:`arrived` at once hash different pieces
+    side by side. Once a piece is all there its digest is known (:meth:`piece_digest`,
+    :meth:`check_piece`): it can be checked alone, before the rest of the object arrives.
+
+    ``parallel``: the pieces one call makes ready are hashed side by side on a thread per core
+    (what a receiver of large buckets wants); otherwise on the calling thread. Thread-safe
+    (blake3 releases the GIL).
     """
 
-    def __init__(self, buf: memoryview) -> None:
+    def __init__(self, buf: memoryview, *, parallel: bool = False) -> None:
         self._buf = buf
+        self._parallel = parallel
         self._have: list[list[int]] = []  # merged [begin, end) ranges that arrived, sorted
         self._lock = threading.Lock()
         self._start = -1  # data start, once the header arrived
         self._spans: list[tuple[int, int]] = []
-        self._pos: list[int] = []  # per tensor: hashed up to here
-        self._hashers: list[blake3.blake3] = []
+        self._units: list[_Unit] = []  # every piece, in file order
+        self._first: list[int] = []  # per tensor: the index of its first unit (and a last entry: len(units))
+        self._piece_size = 0
         self._error = ""
 
     def arrived(self, begin: int, end: int) -> None:
@@ -302,22 +476,75 @@ class ObjectHasher:
             self._add(begin, end)
             if self._start < 0 and not self._error:
                 self._parse()
-            for i, (_, e) in enumerate(self._spans):
-                pos = self._pos[i]
-                reach = min(e, self._reach(pos))
-                if reach > pos:
-                    self._hashers[i].update(self._buf[pos:reach])
-                    self._pos[i] = reach
+            work = self._claim()
+        while work:
+            try:
+                _map(lambda w: w[0].hasher.update(self._buf[w[1] : w[2]]), work, self._parallel)
+            finally:
+                with self._lock:
+                    for u, _, reach in work:
+                        u.pos, u.busy = reach, False
+                    work = self._claim()  # what arrived for these pieces meanwhile (others skipped them)
+
+    def _claim(self) -> list[tuple[_Unit, int, int]]:
+        work = []
+        for u in self._units:
+            if u.busy or u.pos >= u.end:
+                continue
+            reach = min(u.end, self._reach(u.pos))
+            if reach > u.pos:
+                u.busy = True
+                work.append((u, u.pos, reach))
+        return work
 
     def digest(self) -> str:
         """The object digest; ``ValueError`` if the bytes are not a well-formed object or some
         have not arrived."""
         with self._lock:
-            if self._error:
-                raise ValueError(self._error)
-            if self._start < 0 or any(p < e for p, (_, e) in zip(self._pos, self._spans)):
-                raise ValueError("not every byte has arrived")
-            return object_digest(self._buf[: self._start], [h.hexdigest() for h in self._hashers])
+            return object_digest(self._buf[: self._start], [d for _, d in self._tensor_digests()])
+
+    def tensor_digests(self) -> dict[tuple[int, int], str]:
+        """Each tensor's digest by its absolute ``(begin, end)``, in file order (as :func:`rehash`
+        gives them); ``ValueError`` as :meth:`digest`."""
+        with self._lock:
+            return dict(self._tensor_digests())
+
+    def _tensor_digests(self) -> list[tuple[tuple[int, int], str]]:
+        if self._error:
+            raise ValueError(self._error)
+        if self._start < 0 or any(u.pos < u.end or u.busy for u in self._units):
+            raise ValueError("not every byte has arrived")
+        out = []
+        for t, (b, e) in enumerate(self._spans):
+            units = self._units[self._first[t] : self._first[t + 1]]
+            ds = [u.hasher.hexdigest() for u in units]
+            out.append(((b, e), ds[0] if len(ds) == 1 else pieces_root(ds, e - b)))
+        return out
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """Every piece of the object as absolute ``(begin, end)``, in file order; empty until the
+        header has arrived (or if it is malformed)."""
+        with self._lock:
+            return [(u.begin, u.end) for u in self._units]
+
+    def piece_digest(self, begin: int) -> str | None:
+        """The digest of the piece starting at byte ``begin`` once all of its bytes arrived and were
+        hashed; None before (or if no piece starts there)."""
+        with self._lock:
+            i = bisect.bisect_left(self._units, begin, key=lambda u: u.begin)
+            # (empty tensors make empty pieces starting where the next one does: the non-empty one)
+            while i < len(self._units) and self._units[i].begin == begin and self._units[i].end == begin \
+                    and i + 1 < len(self._units) and self._units[i + 1].begin == begin:
+                i += 1
+            if i == len(self._units) or self._units[i].begin != begin:
+                return None
+            u = self._units[i]
+            return u.hasher.hexdigest() if u.pos >= u.end and not u.busy else None
+
+    def check_piece(self, begin: int, expected: str) -> bool:
+        """Whether the piece starting at ``begin`` is all here and hashes to ``expected`` (the piece
+        digest a manifest lists; for a tensor of one piece, its tensor digest)."""
+        return self.piece_digest(begin) == expected
 
     def _add(self, begin: int, end: int) -> None:
         have = self._have
@@ -342,9 +569,17 @@ class ObjectHasher:
         if self._reach(0) < min(8 + n, len(self._buf)):
             return
         try:
-            self._start, self._spans = tensor_spans(self._buf)
+            start, self._spans, meta = _spans(self._buf)
+            self._piece_size = piece_size_of(meta)
         except ValueError as e:
             self._error = f"malformed ({e})"
             return
-        self._pos = [b for b, _ in self._spans]
-        self._hashers = [blake3.blake3(max_threads=1) for _ in self._spans]
+        for b, e in self._spans:
+            self._first.append(len(self._units))
+            # a tensor hashed whole though large (an object written before pieces): blake3's own
+            # threads when this hasher is to hash side by side
+            threads = blake3.blake3.AUTO if self._parallel and e - b > PIECE_SIZE else 1
+            self._units += [_Unit(b + pb, b + pe, threads) for pb, pe in pieces(e - b, self._piece_size)]
+        self._first.append(len(self._units))
+        self._start = start
+

@@ -18,6 +18,16 @@ between hosts, pushed, pulled, verified and kept from GC exactly like tensors; o
 version's tensors (a snapshot's keys, ``load_into``, ``diff`` of tensors) leave them out. A
 manifest with assets is written in format 3.
 
+A tensor (or chunk, or asset) larger than :data:`~paramstore.format.PIECE_SIZE` has a digest over
+its *pieces* (:mod:`paramstore.format`), and its entry lists the piece digests
+(``"piece_digests"``: hex, in order; 64 bytes of JSON per 8 MiB), so a receiver can check each
+piece alone as it arrives. The entry's digest must be the root over them (checked on parse), so
+the version digest, which covers the digests, covers the piece digests too. A manifest with piece
+digests is written in format 4; one without (every tensor of one piece, or written before pieces
+existed, when a tensor's digest was ``blake3`` of all its bytes however large) in the lowest of 1-3
+that holds it, as before. Older readers refuse format 4, naming it; this one refuses formats it
+does not know, saying to upgrade.
+
 A *version* is the small record listed by ``ls``: step, creation time, tags, metrics, metadata,
 logical size, tensor count and the version digest. The version digest covers names, dtypes, shapes,
 tensor digests and aliases, not where the bytes happen to be stored, so the same weights committed
@@ -37,7 +47,7 @@ from typing import Any, Callable, Mapping
 import blake3
 
 from .errors import CorruptObjectError, ParamStoreError
-from .format import ITEMSIZE, loads
+from .format import ITEMSIZE, PIECE_SIZE, loads, pieces, pieces_root
 from .validate import check_asset_name, check_digest, check_name
 
 
@@ -45,9 +55,10 @@ __all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "AS
            "check_tiling"]
 
 #: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
-#: tensors chunked) or 3 (with assets). A manifest is written in the lowest format that can hold it.
-MANIFEST_FORMAT = 3
-_FORMATS = (1, 2, 3)
+#: tensors chunked), 3 (with assets) or 4 (with piece digests: tensors larger than a piece, whose
+#: digests are over pieces). A manifest is written in the lowest format that can hold it.
+MANIFEST_FORMAT = 4
+_FORMATS = (1, 2, 3, 4)
 #: An asset's name where assets and tensors share one namespace (staging, the names inside objects,
 #: a sharded commit's exchange): a tensor name has no NUL, so none can collide with it.
 ASSET_PREFIX = "\0asset\0"
@@ -62,8 +73,10 @@ class Chunk:
 
     ``offsets`` and ``sizes`` place the block in the whole tensor (one int per dimension), as
     ``torch.distributed.checkpoint`` describes a shard; its bytes are a dense C-order tensor of shape
-    ``sizes`` at ``[offset, offset + nbytes)`` of ``object``, with blake3 digest ``digest``. A tensor
-    stored whole is one chunk at offsets 0 (see :meth:`TensorEntry.pieces`).
+    ``sizes`` at ``[offset, offset + nbytes)`` of ``object``, with tensor digest ``digest``
+    (:func:`paramstore.format.tensor_digest`) and, when larger than a piece, the digests of its
+    pieces (``piece_digests``, in order: see :meth:`hash_pieces`). A tensor stored whole is one
+    chunk at offsets 0 (see :meth:`TensorEntry.pieces`).
     """
 
     offsets: tuple[int, ...]
@@ -72,20 +85,31 @@ class Chunk:
     object: str
     offset: int
     nbytes: int
+    piece_digests: tuple[str, ...] = ()
+
+    def hash_pieces(self) -> list[tuple[int, int, str]]:
+        """``(begin, end, digest)`` of each piece of these bytes in the object (absolute offsets):
+        what a receiver checks a piece against (:meth:`paramstore.format.ObjectHasher.check_piece`).
+        One piece with the tensor digest for bytes of at most one piece, and for bytes recorded
+        without piece digests (a manifest written before pieces: the digest is of all the bytes)."""
+        if not self.piece_digests:
+            return [(self.offset, self.offset + self.nbytes, self.digest)]
+        return [(self.offset + b, self.offset + e, d) for (b, e), d in zip(pieces(self.nbytes), self.piece_digests)]
 
     def to_json(self) -> dict[str, Any]:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes), "digest": self.digest,
-                "object": self.object, "offset": self.offset, "nbytes": self.nbytes}
+                "object": self.object, "offset": self.offset, "nbytes": self.nbytes} | _pieces_json(self.piece_digests)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Chunk":
-        _expect_keys("chunk", d, _CHUNK_KEYS)
+        _expect_keys("chunk", d, _CHUNK_KEYS | ({"piece_digests"} & set(d) if isinstance(d, dict) else set()))
         offsets, sizes = d["offsets"], d["sizes"]
         for what, v in (("offsets", offsets), ("sizes", sizes)):
             if not isinstance(v, list) or not all(_count(n) for n in v):
                 raise CorruptObjectError(f"chunk has bad {what} {v!r}: expected a list of ints >= 0")
         _check_location("chunk", d)
-        return cls(tuple(offsets), tuple(sizes), d["digest"], d["object"], d["offset"], d["nbytes"])
+        return cls(tuple(offsets), tuple(sizes), d["digest"], d["object"], d["offset"], d["nbytes"],
+                   _parse_pieces("chunk", d))
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,7 @@ class TensorEntry:
     offset: int
     nbytes: int
     chunks: tuple[Chunk, ...] = ()
+    piece_digests: tuple[str, ...] = ()  # of a tensor stored whole, larger than a piece (see Chunk)
 
     @classmethod
     def chunked(cls, dtype: str, shape: tuple[int, ...], chunks: list[Chunk]) -> "TensorEntry":
@@ -114,7 +139,7 @@ class TensorEntry:
         ordered = tuple(sorted(chunks, key=lambda c: c.offsets))
         if len(ordered) == 1 and ordered[0].offsets == (0,) * len(shape) and ordered[0].sizes == tuple(shape):
             c = ordered[0]
-            return cls(dtype, tuple(shape), c.digest, c.object, c.offset, c.nbytes)
+            return cls(dtype, tuple(shape), c.digest, c.object, c.offset, c.nbytes, (), c.piece_digests)
         canon = json.dumps([[list(c.offsets), list(c.sizes), c.digest] for c in ordered], separators=(",", ":"))
         digest = blake3.blake3(_CHUNKED_DOMAIN + canon.encode()).hexdigest()
         return cls(dtype, tuple(shape), digest, "", 0, sum(c.nbytes for c in ordered), ordered)
@@ -123,7 +148,8 @@ class TensorEntry:
         """Where the bytes lie: the chunks, or one chunk for a tensor stored whole."""
         if self.chunks:
             return self.chunks
-        return (Chunk((0,) * len(self.shape), self.shape, self.digest, self.object, self.offset, self.nbytes),)
+        return (Chunk((0,) * len(self.shape), self.shape, self.digest, self.object, self.offset, self.nbytes,
+                      self.piece_digests),)
 
     def ranges(self) -> tuple[tuple[str, int, int, str], ...]:
         """``(object, offset, nbytes, digest)`` of each piece (see :meth:`pieces`), without making a
@@ -142,7 +168,7 @@ class TensorEntry:
             "object": self.object,
             "offset": self.offset,
             "nbytes": self.nbytes,
-        }
+        } | _pieces_json(self.piece_digests)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TensorEntry":
@@ -152,7 +178,8 @@ class TensorEntry:
         object: :func:`check_manifest`.) A chunked entry's chunks must tile its shape."""
         chunked = isinstance(d, dict) and "chunks" in d
         _expect_keys("tensor entry", d, {"dtype", "shape", "chunks"} if chunked
-                     else {"dtype", "shape", "digest", "object", "offset", "nbytes"})
+                     else {"dtype", "shape", "digest", "object", "offset", "nbytes"}
+                     | ({"piece_digests"} & set(d) if isinstance(d, dict) else set()))
         dtype, shape = d["dtype"], d["shape"]
         if not isinstance(dtype, str) or not dtype:
             raise CorruptObjectError(f"tensor entry has a bad dtype {dtype!r}")
@@ -165,7 +192,8 @@ class TensorEntry:
             check_tiling(tuple(shape), chunks)
             return cls.chunked(dtype, tuple(shape), chunks)
         _check_location("tensor entry", d)
-        return cls(dtype, tuple(shape), d["digest"], d["object"], d["offset"], d["nbytes"])
+        return cls(dtype, tuple(shape), d["digest"], d["object"], d["offset"], d["nbytes"], (),
+                   _parse_pieces("tensor entry", d))
 
 
 @dataclass(frozen=True)
@@ -219,6 +247,23 @@ class Manifest:
 
         return self.memo("spans", make)
 
+    def piece_spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
+        """Per object, the digest of each piece it holds (:meth:`Chunk.hash_pieces`), by byte range
+        ``(begin, end)``: what a receiver checks each piece against as it arrives. Computed once."""
+        def make() -> dict[str, dict[tuple[int, int], str]]:
+            out: dict[str, dict[tuple[int, int], str]] = {}
+            for _, e in self.stored():
+                for c in e.pieces():
+                    out.setdefault(c.object, {}).update(((b, end), d) for b, end, d in c.hash_pieces())
+            return out
+
+        return self.memo("piece_spans", make)
+
+    @property
+    def pieced(self) -> bool:
+        """Whether some entry lists piece digests (a tensor larger than a piece: format 4)."""
+        return any(c.piece_digests for _, e in self.stored() for c in e.chunks or (e,))
+
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per manifest (a manifest never changes): for what readers
         derive from it at every checkout (its objects, the snapshot's byte ranges)."""
@@ -245,7 +290,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": 3 if self.assets else 2 if self.chunked else 1,
+            "format": 4 if self.pieced else 3 if self.assets else 2 if self.chunked else 1,
             "tensors": {n: e.to_json() for n, e in sorted(self.tensors.items())},
             "aliases": dict(sorted(self.aliases.items())),
         } | ({"assets": {n: e.to_json() for n, e in sorted(self.assets.items())}} if self.assets else {})
@@ -275,7 +320,8 @@ class Manifest:
                 f"manifest format {d['format']} is not supported by this paramstore "
                 f"(reads {', '.join(map(str, _FORMATS))}); upgrade paramstore"
             )
-        _expect_keys("manifest", d, {"format", "tensors", "aliases"} | ({"assets"} if d["format"] >= 3 else set()))
+        _expect_keys("manifest", d, {"format", "tensors", "aliases"}
+                     | ({"assets"} if d["format"] == 3 or (d["format"] >= 4 and "assets" in d) else set()))
         if not isinstance(d["tensors"], dict) or not isinstance(d["aliases"], dict):
             raise CorruptObjectError("manifest: 'tensors' and 'aliases' must be JSON objects")
         tensors = {}
@@ -303,8 +349,20 @@ class Manifest:
         manifest = cls(tensors, dict(d["aliases"]), assets)
         if manifest.chunked and d["format"] < 2:
             raise CorruptObjectError("manifest of format 1 holds chunked tensors (format 2)")
-        if d["format"] >= 3 and not assets:
+        if d["format"] == 3 and not assets:
             raise CorruptObjectError("manifest of format 3 holds no assets")
+        # Format 4: every entry larger than a piece lists its piece digests (its digest is over
+        # them); before, none does (its digest is blake3 of all its bytes).
+        for name, e in manifest.stored():
+            for c in e.chunks or (e,):
+                if d["format"] >= 4 and c.nbytes > PIECE_SIZE and not c.piece_digests:
+                    raise CorruptObjectError(f"manifest of format 4: {name!r} of {c.nbytes} bytes lists no piece "
+                                             "digests")
+                if d["format"] < 4 and c.piece_digests:
+                    raise CorruptObjectError(f"manifest of format {d['format']} lists piece digests for {name!r} "
+                                             "(format 4)")
+        if d["format"] >= 4 and not manifest.pieced:
+            raise CorruptObjectError("manifest of format 4 lists no piece digests")
         return manifest
 
 
@@ -470,6 +528,30 @@ def _check_location(what: str, d: Mapping[str, Any]) -> None:
         raise CorruptObjectError(f"{what}: {e}") from None
     if not _count(d["offset"]) or not _count(d["nbytes"]):
         raise CorruptObjectError(f"{what} has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
+
+
+def _pieces_json(piece_digests: tuple[str, ...]) -> dict[str, Any]:
+    return {"piece_digests": list(piece_digests)} if piece_digests else {}
+
+
+def _parse_pieces(what: str, d: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``piece_digests`` of an entry or chunk (absent: ``()``): 64-hex digests, as many as its
+    length makes pieces (more than one), whose root is its digest. Raises CorruptObjectError."""
+    if "piece_digests" not in d:
+        return ()
+    ds = d["piece_digests"]
+    n = -(-d["nbytes"] // PIECE_SIZE) if d["nbytes"] > PIECE_SIZE else 1
+    if not isinstance(ds, list) or len(ds) != n or n < 2:
+        raise CorruptObjectError(f"{what} of {d['nbytes']} bytes has {len(ds) if isinstance(ds, list) else '?'} piece "
+                                 f"digests; expected {n} (none for bytes of one piece)")
+    try:
+        for x in ds:
+            check_digest(x)
+    except ParamStoreError as e:
+        raise CorruptObjectError(f"{what}: bad piece digest: {e}") from None
+    if pieces_root(ds, d["nbytes"]) != d["digest"]:
+        raise CorruptObjectError(f"{what}: its piece digests do not hash to its digest {d['digest'][:16]}…")
+    return tuple(ds)
 
 
 def _count(n: Any) -> bool:

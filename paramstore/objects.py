@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 from paramstore.backends.registries.base import ObjectInfo, TensorLocation
 
 from .errors import CorruptObjectError, CorruptStoreError, ParamStoreError
-from .format import rehash, tensor_digest
+from .format import PIECE_SIZE, bad_pieces, pieces, rehash, tensor_digest
 from .manifest import Chunk, Manifest, TensorEntry, Version
 from .root import StoreRoot
 
@@ -202,10 +202,18 @@ def check_entries(buf: memoryview, entries: list[tuple[str, Chunk]],
         if got is None:
             if end > len(buf):
                 raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
-            got = tensor_digest(buf[begin:end])
+            # with the digest rule of the manifest that lists it: pieces when it lists piece digests,
+            # else blake3 of all its bytes (a manifest written before pieces, or bytes of one piece)
+            got = tensor_digest(buf[begin:end], piece_size=PIECE_SIZE if c.piece_digests else 0)
         if got != c.digest:
+            where_bad = ""
+            if c.piece_digests and end <= len(buf):
+                bad = bad_pieces(buf[begin:end], c.piece_digests)
+                ranges = pieces(c.nbytes)
+                where_bad = f" (piece{'s' if len(bad) > 1 else ''} " + ", ".join(
+                    f"{i} at [{begin + ranges[i][0]}, {begin + ranges[i][1]})" for i in bad[:5]) + ")"
             raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "
-                                     f"{got[:16]}…, its manifest says {c.digest[:16]}…: a tampered manifest")
+                                     f"{got[:16]}…, its manifest says {c.digest[:16]}…{where_bad}: a tampered manifest")
 
 
 def index_entries(manifest: Manifest, sizes: Mapping[str, int]) -> tuple[dict[str, ObjectInfo], dict[str, TensorLocation]]:

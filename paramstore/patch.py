@@ -18,7 +18,9 @@ byte-shuffled zigzag differences.
 
 A patch is a safetensors file (no pickle anywhere): one ``U8`` tensor ``"data"`` holding the frame,
 and ``__metadata__`` saying what it patches (the format, the dtype, the tensor's byte length, how
-many elements changed, the gap width, and the base and target tensor digests). :func:`apply_patch`
+many elements changed, the gap width, the base and target tensor digests, and ``piece_size``: the
+piece size those digests use, :mod:`paramstore.format`; absent in patches made before pieces, whose
+digests are blake3 of all the bytes). :func:`apply_patch`
 rebuilds the target into a new buffer and checks its blake3 digest against the target's: a wrong
 patch (or a wrong base) is an error, never wrong weights.
 
@@ -47,7 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .errors import CorruptObjectError, InvalidArgumentError
-from .format import ITEMSIZE, TensorSpec, build_header, read_header, tensor_digest
+from .format import ITEMSIZE, PIECE_SIZE, TensorSpec, build_header, read_header, tensor_digest
 
 __all__ = ["make_patch", "apply_patch", "patch_info", "encode", "decode_into", "Encoded", "PATCH_FORMAT",
            "DEFAULT_MAX_RATIO"]
@@ -172,17 +174,21 @@ def decode_into(out: Any, base: Any, frame: Any, dtype: str, changed: int, gap_w
 
 
 def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT_MAX_RATIO,
-               base_digest: str | None = None, target_digest: str | None = None) -> bytes | None:
+               base_digest: str | None = None, target_digest: str | None = None,
+               piece_size: int = PIECE_SIZE) -> bytes | None:
     """A patch turning ``base`` into ``target`` (bytes-like, the same length, elements of
     safetensors dtype ``dtype``), or None when it would be larger than ``max_ratio`` times the
     tensor (then move the tensor whole; an empty tensor never gets one).
 
     ``base_digest``, ``target_digest``: the tensors' digests when known (a manifest's), which
-    saves hashing them here.
+    saves hashing them here. ``piece_size``: the rule they follow (:func:`paramstore.format.tensor_digest`;
+    0 for digests of a manifest written before pieces).
 
     Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a whole
     number of elements.
     """
+    if piece_size not in (0, PIECE_SIZE):
+        raise InvalidArgumentError(f"piece_size must be 0 or {PIECE_SIZE}, got {piece_size!r}")
     a, b = _elements(base, dtype), _elements(target, dtype)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
@@ -191,7 +197,10 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
     if enc is None:
         return None
     meta = {"paramstore_patch": PATCH_FORMAT, "dtype": dtype, "nbytes": str(b.nbytes), "changed": str(enc.changed),
-            "gap_width": str(enc.gap_width), "base": base_digest or _digest(a), "target": target_digest or _digest(b)}
+            "gap_width": str(enc.gap_width), "base": base_digest or _digest(a, piece_size),
+            "target": target_digest or _digest(b, piece_size)}
+    if piece_size and b.nbytes > piece_size:  # (for one piece both rules agree: said only when it matters)
+        meta["piece_size"] = str(piece_size)
     header, _ = build_header([TensorSpec("data", "U8", (len(enc.frame),))], meta)
     patch = header + enc.frame
     return patch if len(patch) <= budget else None
@@ -214,7 +223,7 @@ def apply_patch(base: Any, patch: bytes, *, base_digest: str | None = None) -> b
         raise CorruptObjectError(f"patch is for a tensor of {nbytes} bytes, the base has {a.nbytes}")
     out = bytearray(a.nbytes)
     decode_into(out, a, frame, dtype, count, width)
-    digest = tensor_digest(memoryview(out))
+    digest = tensor_digest(memoryview(out), piece_size=int(meta.get("piece_size", "0")))
     if digest != meta["target"]:
         raise CorruptObjectError(f"patched tensor hashes to {digest[:16]}…, the patch's target is "
                                  f"{meta['target'][:16]}…: a damaged patch or the wrong base")
@@ -367,9 +376,9 @@ def _elements(buf: Any, dtype: str, *, writable: bool = False) -> np.ndarray:
     return np.frombuffer(mv, dtype=_BITS[ITEMSIZE[dtype]])
 
 
-def _digest(a: np.ndarray) -> str:
+def _digest(a: np.ndarray, piece_size: int) -> str:
     """The tensor digest of an array's bytes."""
-    return tensor_digest(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return tensor_digest(memoryview(np.ascontiguousarray(a)).cast("B"), piece_size=piece_size)
 
 
 def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
@@ -387,6 +396,9 @@ def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
                 raise ValueError(f"no {key!r}")
         if meta["gap_width"] not in ("4", "8") or not meta["nbytes"].isdigit() or not meta["changed"].isdigit():
             raise ValueError("bad sizes")
+        if meta.get("piece_size", "0") not in ("0", str(PIECE_SIZE)):
+            raise ValueError(f"its digests use pieces of {str(meta['piece_size'])[:40]!r} bytes, which this "
+                             "paramstore does not know (made by a newer paramstore: upgrade paramstore)")
     except (struct.error, ValueError, KeyError, TypeError) as e:
         raise CorruptObjectError(f"malformed patch: {e}") from None
     return meta, mv[start:]

@@ -326,8 +326,10 @@ def _read_marker(path: str, marker: str) -> dict[str, Any]:
         raise CorruptStoreError(f"{marker} is damaged ({e}); the store's metadata cannot be trusted: "
                                 f"{restore_advice(path)}") from e
     if not isinstance(info, dict) or info.get("format") != STORE_FORMAT:
-        raise NotAStoreError(f"{path} holds a store of format {info.get('format') if isinstance(info, dict) else '?'}; "
-                             f"this paramstore reads format {STORE_FORMAT}")
+        fmt = info.get('format') if isinstance(info, dict) else '?'
+        newer = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > STORE_FORMAT
+        raise NotAStoreError(f"{path} holds a store of format {fmt}; this paramstore reads format {STORE_FORMAT}"
+                             + ("; it was written by a newer paramstore: upgrade paramstore" if newer else ""))
     if not isinstance(info.get("store_id"), str):
         raise CorruptStoreError(f"{marker} has no store_id: the store's identity cannot be checked")
     return info

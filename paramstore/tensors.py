@@ -65,7 +65,8 @@ class Collected:
             name, offsets = self.blocks.get(spec.name, (spec.name, (0,) * len(spec.shape)))
             blocks.setdefault(name, []).append({"offsets": list(offsets), "sizes": list(spec.shape),
                                                 "digest": e.digest, "object": e.object, "offset": e.offset,
-                                                "nbytes": e.nbytes})
+                                                "nbytes": e.nbytes}
+                                               | ({"piece_digests": list(e.piece_digests)} if e.piece_digests else {}))
         return {"names": {n: [d, list(s)] for n, (d, s) in self.names.items()}, "blocks": blocks}
 
 

@@ -389,3 +389,207 @@ def test_itemsize_table_matches_torch():
     for dtype in ALL_DTYPES:
         assert ITEMSIZE[TORCH_TO_ST[dtype]] == torch.empty((), dtype=dtype).element_size()
         assert ST_TO_TORCH[TORCH_TO_ST[dtype]] == dtype
+
+
+# -- pieces (format 4): large tensors hashed and verified piece by piece --------------------------
+PIECES_DOMAIN = b"paramstore/pieces/v1\x00"
+
+
+def reference_tensor_digest(data: bytes, p: int) -> str:
+    """The tensor digest computed here directly with blake3: whole up to ``p`` bytes, else the root
+    over ``p``-byte pieces."""
+    if len(data) <= p:
+        return blake3.blake3(data).hexdigest()
+    parts = b"".join(blake3.blake3(data[i : i + p]).digest() for i in range(0, len(data), p))
+    return blake3.blake3(PIECES_DOMAIN + struct.pack("<Q", len(data)) + parts).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def big_bytes():
+    from paramstore.format import PIECE_SIZE
+
+    return random.Random(7).randbytes(3 * PIECE_SIZE + 5)
+
+
+@pytest.mark.parametrize("n", ["0", "1", "P-1", "P", "P+1", "2P", "3P", "3P+5"])
+def test_tensor_digest_over_pieces_at_the_boundaries(n, big_bytes):
+    from paramstore.format import PIECE_SIZE, bad_pieces, pieces, tensor_pieces
+
+    assert 4 << 20 <= PIECE_SIZE <= 16 << 20
+    size = eval(n.replace("P", "*PIECE_SIZE").lstrip("*"), {"PIECE_SIZE": PIECE_SIZE}) if "P" in n else int(n)
+    data = big_bytes[:size]
+    want = reference_tensor_digest(data, PIECE_SIZE)
+    assert tensor_digest(data) == want
+    assert tensor_digest(data, parallel=False) == want
+    assert tensor_digest(memoryview(data)) == want
+    digest, ds = tensor_pieces(data)
+    k = max(1, -(-size // PIECE_SIZE))
+    assert digest == want and len(pieces(size)) == k and len(ds) == (k if k > 1 else 0)
+    assert [bytes.fromhex(d) for d in ds] == [blake3.blake3(data[b:e]).digest() for b, e in pieces(size)] * (k > 1)
+    assert bad_pieces(data, ds, digest) == []
+    # the old rule (objects written before pieces) is blake3 of all the bytes
+    assert tensor_digest(data, piece_size=0) == blake3.blake3(data).hexdigest()
+    # in an object: rehash and ObjectHasher (bytes arriving in any order) agree with the reference
+    plan = layout([TensorSpec("x", "U8", (size,))])
+    obj = plan.header + data
+    meta = json.loads(plan.header[8:])["__metadata__"] if size > PIECE_SIZE else {}
+    assert meta == ({"paramstore_pieces": str(PIECE_SIZE)} if size > PIECE_SIZE else {})
+    want_obj = blake3.blake3(OBJECT_DOMAIN + plan.header + bytes.fromhex(want)).hexdigest()
+    assert rehash(memoryview(obj))[0] == want_obj
+    h = ObjectHasher(memoryview(obj))
+    cuts = sorted({0, len(obj), *random.Random(size).sample(range(len(obj) + 1), 6)})
+    ranges = list(zip(cuts, cuts[1:]))
+    random.Random(1).shuffle(ranges)
+    for b, e in ranges:
+        h.arrived(b, e)
+    assert h.digest() == want_obj
+    assert h.tensor_digests() == {(len(plan.header), len(obj)): want}
+    expected = ds or (want,)
+    got_pieces = h.pieces()
+    assert [(b - len(plan.header), e - len(plan.header)) for b, e in got_pieces] == pieces(size)
+    assert all(h.check_piece(b, d) for (b, _), d in zip(got_pieces, expected))
+
+
+def test_a_corrupted_piece_is_detected_and_located(big_bytes):
+    from paramstore.format import PIECE_SIZE, bad_pieces, pieces, tensor_pieces
+
+    data = big_bytes[: 3 * PIECE_SIZE + 5]
+    digest, ds = tensor_pieces(data)
+    for at in (0, PIECE_SIZE - 1, PIECE_SIZE, 2 * PIECE_SIZE + 17, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x40
+        assert tensor_digest(bytes(bad)) != digest
+        assert bad_pieces(bytes(bad), ds) == [at // PIECE_SIZE]
+        plan = layout([TensorSpec("x", "U8", (len(data),))])
+        h = ObjectHasher(memoryview(plan.header + bytes(bad)), parallel=True)
+        h.arrived(0, len(plan.header) + PIECE_SIZE + 3)  # part of the object: the first piece can be checked
+        first = h.pieces()[0][0]
+        assert h.check_piece(first, ds[0]) == (at >= PIECE_SIZE)
+        assert h.piece_digest(h.pieces()[1][0]) is None  # not all there yet
+        h.arrived(0, len(plan.header) + len(data))
+        wrong = [i for i, (b, _) in enumerate(h.pieces()) if not h.check_piece(b, ds[i])]
+        assert wrong == [at // PIECE_SIZE]
+    assert len(pieces(len(data))) == 4
+
+
+def test_a_committed_large_tensor_is_recorded_with_its_piece_digests(store):
+    from paramstore.format import PIECE_SIZE, pieces
+
+    w = torch.arange(PIECE_SIZE // 4 * 2 + 3, dtype=torch.float32)  # 3 pieces
+    v = store.commit(1, {"w": w, "b": torch.ones(3)}).result()
+    man = store._root.registry.get_manifest(1)
+    assert man.to_json()["format"] == 4
+    e = man.tensors["w"]
+    data = w.numpy().tobytes()
+    assert e.digest == reference_tensor_digest(data, PIECE_SIZE)
+    assert [bytes.fromhex(d) for d in e.piece_digests] == [blake3.blake3(data[b:x]).digest() for b, x in pieces(len(data))]
+    assert man.tensors["b"].piece_digests == ()
+    assert Manifest.parse(json.dumps(man.to_json())) == man
+    (obj,) = store._root.registry.objects()
+    got, start, entries = read_object(store._root.tier.object_path(obj))
+    spans = sorted(tuple(x["data_offsets"]) for x in entries.values())
+    want = blake3.blake3(OBJECT_DOMAIN + got[:start])
+    for b, x in spans:
+        want.update(bytes.fromhex(reference_tensor_digest(got[start + b : start + x], PIECE_SIZE)))
+    assert obj == want.hexdigest()
+    assert [(b, x, d) for b, x, d in e.pieces()[0].hash_pieces()] == [
+        (e.offset + b, e.offset + x, d) for (b, x), d in zip(pieces(len(data)), e.piece_digests)]
+    assert store.verify()["ok"]
+    with store.checkout(1, verify=True) as snap:
+        assert torch.equal(snap["w"], w)
+    assert v.digest == man.digest()
+
+
+def test_manifest_piece_digests_are_checked_on_parse(store):
+    from paramstore.errors import CorruptObjectError
+    from paramstore.format import PIECE_SIZE
+
+    store.commit(1, {"w": torch.zeros(PIECE_SIZE // 4 + 1)}).result()
+    good = store._root.registry.get_manifest(1).to_json()
+    for damage in ("flip", "drop", "missing", "old format"):
+        d = json.loads(json.dumps(good))
+        e = d["tensors"]["w"]
+        if damage == "flip":
+            e["piece_digests"][1] = "0" * 64
+        elif damage == "drop":
+            e["piece_digests"].pop()
+        elif damage == "missing":
+            del e["piece_digests"]
+        else:
+            d["format"] = 1
+        with pytest.raises(CorruptObjectError):
+            Manifest.from_json(d)
+
+
+def test_a_too_new_format_is_refused_saying_to_upgrade():
+    from paramstore.format import PIECE_SIZE, PIECES_KEY
+
+    with pytest.raises(ParamStoreError, match="upgrade paramstore"):
+        Manifest.from_json({"format": 5, "tensors": {}, "aliases": {}})
+    # an object whose header names a piece size this paramstore does not know
+    header, _ = build_header([TensorSpec("x", "U8", (4,))], {PIECES_KEY: str(2 * PIECE_SIZE)})
+    obj = memoryview(header + b"abcd")
+    with pytest.raises(ValueError, match="upgrade paramstore"):
+        rehash(obj)
+    h = ObjectHasher(obj)
+    h.arrived(0, len(obj))
+    with pytest.raises(ValueError, match="upgrade paramstore"):
+        h.digest()
+
+
+def test_a_store_of_a_newer_format_is_refused_saying_to_upgrade(store_root):
+    ParamStore(store_root, create=True).close()
+    from paramstore.root import MARKER
+
+    marker = os.path.join(store_root, MARKER)
+    with open(marker) as f:
+        info = json.load(f)
+    info["format"] = 99
+    with open(marker, "w") as f:
+        json.dump(info, f)
+    with pytest.raises(ParamStoreError, match="upgrade paramstore"):
+        ParamStore(store_root)
+
+
+def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, monkeypatch):
+    """An old-format store (format v1: a large tensor's digest is blake3 of all its bytes, objects
+    without the pieces marker, manifests of format 1) written by forcing the old rule: it still
+    reads, verifies (every path recomputing digests uses the old rule for its objects), and a new
+    commit of the same weights next to it uses pieces."""
+    import paramstore.commit as commit_mod
+    import paramstore.format as fmt
+    from paramstore.objects import check_buffer
+
+    P = fmt.PIECE_SIZE
+    w = torch.randn(P // 4 + 100)  # two pieces' worth
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "PIECE_SIZE", 1 << 62)  # no marker in headers
+        m.setattr(commit_mod, "pieces", lambda n, piece_size=0: [(0, n)])  # whole tensors
+        s = ParamStore(store_root, create=True)
+        s.commit(1, {"w": w, "b": torch.ones(4)}).result()
+        s.close()
+    s = ParamStore(store_root)
+    try:
+        old = s.manifest(1)
+        assert old.to_json()["format"] == 1 and old.tensors["w"].piece_digests == ()
+        assert old.tensors["w"].digest == blake3.blake3(w.numpy().tobytes()).hexdigest()
+        (obj,) = s._root.registry.objects()
+        data, start, entries = read_object(s._root.tier.object_path(obj))
+        assert b"paramstore_pieces" not in data[:start]
+        assert obj == independent_object_digest(data, start, entries)  # whole-tensor blake3 in the object digest
+        assert rehash(memoryview(data))[0] == obj
+        assert check_buffer(obj, memoryview(data), old.spans()[obj]) is None
+        h = ObjectHasher(memoryview(data), parallel=True)
+        h.arrived(0, len(data))
+        assert h.digest() == obj
+        assert s.verify()["ok"]
+        with s.checkout(1, verify=True) as snap:
+            assert torch.equal(snap["w"], w)
+        s.commit(2, {"w": w, "b": torch.ones(4)}).result()  # the same weights, new format
+        new = s.manifest(2)
+        assert new.to_json()["format"] == 4 and len(new.tensors["w"].piece_digests) == 2
+        assert new.tensors["w"].object != old.tensors["w"].object
+        assert new.tensors["b"].object == old.tensors["b"].object  # one piece: the same digest, deduplicated
+        assert s.verify()["ok"]
+    finally:
+        s.close()
