@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     from .peer import PeerServer
     from .remote import Remote
+    from .lazy import LazyReads
     from .snapshot import Snapshot
     from .staging import SlabPool
 
@@ -123,6 +124,15 @@ class Fetcher:
             message += "".join(f" ({e})" for e in errors)
             raise ObjectUnavailableError(message) from (errors[0] if errors else None)
         return report
+
+    def lazy(self, step: int, manifest: Manifest, report: FetchReport) -> "LazyReads":
+        """What a lazy checkout of leased version ``step`` reads the pieces of the objects this host
+        lacks with (:mod:`paramstore.lazy`): from the peers that hold them, then the remote; nothing is
+        fetched now. ``report`` (the snapshot's) gets what those reads move."""
+        from .lazy import LazyReads
+
+        return LazyReads(self._root, step, manifest, report, transport=self._transport, server=self._server,
+                         remote=self._remote)
 
     def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                       excluded: set[str]) -> None:
@@ -197,8 +207,11 @@ def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: boo
 
 
 def map_version(root: StoreRoot, fetcher: Fetcher, step: int, lease_id: str, *, given: FetchReport | None = None,
-                pulled: TransferReport | None = None, verify: bool = False) -> "Snapshot":
+                pulled: TransferReport | None = None, verify: bool = False, lazy: bool = False) -> "Snapshot":
     """Obtain the bytes of leased version ``step`` and map it; the lease is released if anything fails.
+
+    ``lazy``: obtain nothing now; objects this host lacks are mapped sparse and read piece by piece
+    as the snapshot's reads touch them (:mod:`paramstore.lazy`).
 
     ``given``: the report of a collective checkout that already placed the objects (nothing is
     fetched); ``pulled``: a pull from the remote that placed some (merged into the report).
@@ -212,10 +225,16 @@ def map_version(root: StoreRoot, fetcher: Fetcher, step: int, lease_id: str, *, 
     try:
         record = reg.get_version(step)
         manifest = read_manifest(root, step, version=record)
-        report = given if given is not None else fetcher.fetch(step, manifest)
+        reads = None
+        if lazy:
+            objects = manifest.objects()
+            report = FetchReport(step, local=sum(root.tier.exists(o) for o in objects), lazy=True)
+            reads = fetcher.lazy(step, manifest, report)
+        else:
+            report = given if given is not None else fetcher.fetch(step, manifest)
         report.absorb(pulled)  # what a pull of this version placed already
         snap = Snapshot(record, manifest, root.tier, on_close=release, fetch=report,
-                        sizes=reg.object_sizes(manifest.objects()))
+                        sizes=reg.object_sizes(manifest.objects()), lazy=reads)
         if verify:
             _verify_or_quarantine(root, snap)
         return snap

@@ -172,9 +172,10 @@ class ReadSide:
     @metrics.observed("checkout")
     def checkout(self, version: VersionSpec, *, min_step: int | None, timeout: float | None, holder: str | None,
                  verify: bool, device: Any, group: Any, src: int | None, bucket_bytes: int | None,
-                 recipe: Any = None) -> Snapshot:
+                 recipe: Any = None, fetch: str = "eager") -> Snapshot:
         """:meth:`ParamStore.checkout <paramstore.ParamStore.checkout>`."""
         check_checkout_args(version, min_step, timeout)
+        lazy = _check_fetch(fetch, verify=verify, device=device, group=group, recipe=recipe)
         if recipe is not None:
             from .derived import resolve_recipe
 
@@ -196,7 +197,7 @@ class ReadSide:
         given = collective() if collective is not None else None
         step, lease_id, pulled = self._lease(version, None if group is not None else min_step, timeout,
                                              holder or f"pid {os.getpid()}", given)
-        snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify)
+        snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify, lazy=lazy)
         if recipe is not None:
             from . import derived
 
@@ -332,6 +333,24 @@ class ReadSide:
         from .snapshot import release_mappings  # loads torch: `paramstore` alone (the CLI) must not
 
         release_mappings(timeout=60)
+
+
+def _check_fetch(fetch: Any, *, verify: bool, device: Any, group: Any, recipe: Any) -> bool:
+    """Whether ``fetch`` asks for a lazy checkout; InvalidArgumentError for another value than
+    ``"eager"`` or ``"lazy"``, and for ``"lazy"`` with what it does not support (yet)."""
+    if fetch not in ("eager", "lazy"):
+        raise InvalidArgumentError(f"fetch must be 'eager' or 'lazy', got {fetch!r}")
+    if fetch == "eager":
+        return False
+    refused = [what for what, given in (
+        ("verify=True (a lazy read verifies each piece as it arrives; snap.verify() re-hashes what arrived)", verify),
+        (f"device={str(device)!r} (lazy checkouts are CPU only: copy what you read to the device)",
+         device is not None and str(device) != "cpu"),
+        ("group= (a collective checkout moves the whole version)", group is not None),
+        ("recipe= (deriving reads whole source objects)", recipe is not None)) if given]
+    if refused:
+        raise InvalidArgumentError("fetch='lazy' is not supported with " + "; nor with ".join(refused))
+    return True
 
 
 class _Serial:

@@ -43,6 +43,9 @@ class FetchReport:
             object, which then moved whole; ``"size"``: objects whose size in the registry the
             header their holder serves contradicts, which were then not read from peers).
         seconds: time spent obtaining bytes.
+        lazy: whether the checkout was lazy (``checkout(v, fetch="lazy")``: objects this host lacked
+            were not fetched at checkout; reads fetch the pieces they touch, see :mod:`paramstore.lazy`).
+        lazy_bytes: bytes moved by those reads so far (also counted per source in ``bytes_from``).
 
     Example:
         >>> with store.checkout("latest") as snap:
@@ -51,7 +54,8 @@ class FetchReport:
         (1, 1, False, 0)
         >>> report.as_dict()
         {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'from_patches': 0, 'patch_bytes': 0,
-         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ...}
+         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ..., 'lazy': False,
+         'lazy_bytes': 0}
     """
 
     step: int
@@ -64,6 +68,8 @@ class FetchReport:
     bytes_from: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    lazy: bool = False
+    lazy_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -78,7 +84,7 @@ class FetchReport:
     @property
     def moved(self) -> bool:
         """Whether any byte had to move."""
-        return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group)
+        return bool(self.from_peers or self.from_remote or self.from_patches or self.from_group or self.lazy_bytes)
 
     def absorb(self, pulled: "TransferReport | None") -> None:
         """Count what a pull from the remote placed before this fetch as part of it (those
@@ -97,7 +103,8 @@ class FetchReport:
         return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
                 "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),
                 "patch_bytes": self.patch_bytes, "from_group": len(self.from_group), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
-                "rejected": dict(self.rejected), "seconds": self.seconds}
+                "rejected": dict(self.rejected), "seconds": self.seconds, "lazy": self.lazy,
+                "lazy_bytes": self.lazy_bytes}
 
 
 @dataclass(frozen=True)

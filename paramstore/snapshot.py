@@ -41,6 +41,7 @@ import torch
 from .adapters import base_of
 from .errors import CorruptObjectError, InvalidArgumentError, InvalidTensorError, LoadError, StoreClosedError
 from .liveness import libc
+from .lazy import LazyReads
 from .manifest import Chunk, Manifest, TensorEntry, Version
 from .objects import check_buffer
 from .reports import FetchReport, LoadResult
@@ -130,6 +131,10 @@ class Snapshot(Mapping[str, torch.Tensor]):
     ``sizes`` (object -> bytes, the registry's records): each object's file must have that size
     when it is mapped; objects left out are checked against the manifest's byte ranges only.
 
+    ``lazy`` (a lazy checkout, ``checkout(v, fetch="lazy")``: see :mod:`paramstore.lazy`): the
+    objects this host lacks are mapped as sparse files of their own, and each read first makes
+    the pieces it touches present, verified (:attr:`lazy` is then True).
+
     Example:
         >>> with store.checkout("latest") as snap:
         ...     print(snap)
@@ -140,7 +145,7 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
     def __init__(self, version: Version, manifest: Manifest, tier: Tier,
                  on_close: Callable[[], None] | None = None, *, fetch: "FetchReport | None" = None,
-                 sizes: Mapping[str, int] | None = None) -> None:
+                 sizes: Mapping[str, int] | None = None, lazy: LazyReads | None = None) -> None:
         self.version = version
         self.manifest = manifest
         self.fetch = fetch
@@ -150,11 +155,15 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self._host: dict[str, torch.Tensor] = {}
         self._bufs: dict[str, torch.Tensor] | None = None
         self._views: dict[str, torch.Tensor] = {}
+        self._lazy = lazy
         #: where the tensors live: the CPU (views of shared memory), or the device of a device checkout
         self.device = torch.device("cpu")
         try:
             for o, extent in sorted(manifest.memo("extents", lambda: _extents(manifest)).items()):
-                self._maps[o] = _map_checked(tier, o, version.step, extent, (sizes or {}).get(o))
+                if lazy is not None and not tier.exists(o):  # read piece by piece, as reads need them
+                    self._maps[o] = lazy.map(o, extent[1], (sizes or {}).get(o))
+                else:
+                    self._maps[o] = _map_checked(tier, o, version.step, extent, (sizes or {}).get(o))
         except BaseException:
             self.close()  # releases the lease too
             raise
@@ -196,6 +205,12 @@ class Snapshot(Mapping[str, torch.Tensor]):
         self.device = devices.pop() if devices else self.device
         self.device_source, self.device_bytes = source, nbytes
         return self
+
+    @property
+    def lazy(self) -> bool:
+        """Whether this is a lazy checkout (``checkout(v, fetch="lazy")``): reads move the pieces they
+        touch (see :mod:`paramstore.lazy`)."""
+        return self._lazy is not None
 
     @property
     def step(self) -> int:
@@ -248,7 +263,10 @@ class Snapshot(Mapping[str, torch.Tensor]):
             if e.chunks:  # no single view: assemble the whole tensor, once
                 view = self.read(target, (0,) * len(e.shape), e.shape)
             else:
-                view = self._piece(e, e.pieces()[0])
+                c = e.pieces()[0]
+                if self._lazy is not None:  # every piece of it here, verified, before the view
+                    self._lazy.ensure(c.object, [(c.offset, c.offset + c.nbytes)], target)
+                view = self._piece(e, c)
             self._views[target] = view
         return view
 
@@ -295,7 +313,19 @@ class Snapshot(Mapping[str, torch.Tensor]):
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != n:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise InvalidArgumentError(f"read({name!r}): out is {got}, the box is of shape {n}")
-        copy_box(e, lambda c: self._piece(e, c), lo, n, out)
+        lazy = self._lazy
+        if lazy is None:
+            copy_box(e, lambda c: self._piece(e, c), lo, n, out)
+            return out
+        target = self.manifest.aliases.get(name, name)
+
+        def piece(c: Chunk) -> torch.Tensor:  # the pieces of c the box touches, here and verified first
+            start = [max(a, b) - b for a, b in zip(lo, c.offsets)]
+            stop = [min(a + s, b + t) - b for a, s, b, t in zip(lo, n, c.offsets, c.sizes)]
+            lazy.ensure_box(target, e.dtype, c, start, stop)
+            return self._piece(e, c)
+
+        copy_box(e, piece, lo, n, out)
         return out
 
     @property
@@ -311,6 +341,9 @@ class Snapshot(Mapping[str, torch.Tensor]):
         """
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
+        if self._lazy is not None:
+            for n, e in self.manifest.assets.items():
+                self._lazy.ensure(e.object, [(e.offset, e.offset + e.nbytes)], f"asset {n}")
         return {n: bytes(self._maps[e.object][e.offset : e.offset + e.nbytes]) for n, e in self.manifest.assets.items()}
 
     def _entry(self, name: str) -> TensorEntry:
@@ -354,7 +387,10 @@ class Snapshot(Mapping[str, torch.Tensor]):
         """
         if self._bufs is None:
             raise StoreClosedError(f"snapshot of step {self.version.step} is closed")
-        for buf in list(self._host.values()):
+        lazy = self._lazy
+        for o, buf in list(self._host.items()):
+            if lazy is not None and lazy.lacks(o):
+                continue  # (a lazy object's holes: faulting them would fill the snapshot's own file with zeros)
             libc().madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), MADV_POPULATE_READ)
 
     def load_into(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
@@ -457,6 +493,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
             paramstore.errors.StoreClosedError: snapshot of step 1 is closed
         """
         refs = (self._maps, self._host, self._bufs, self._views)
+        if self._lazy is not None:
+            self._lazy.close()
         self._bufs = None
         self._views = {}
         self._host = {}
@@ -483,7 +521,8 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
         One blake3 pass over the version's objects (both levels of each object digest, and each
         tensor digest against the manifest), reading the very pages the tensor views use. Empty
-        when every object is intact. ``store.checkout(v, verify=True)`` calls it and raises.
+        when every object is intact. For an object a lazy snapshot reads piece by piece, the
+        pieces that arrived are re-hashed against their digests. ``store.checkout(v, verify=True)`` calls it and raises.
 
         Example:
             >>> with store.checkout("latest") as snap:
@@ -495,6 +534,11 @@ class Snapshot(Mapping[str, torch.Tensor]):
         spans = self.manifest.spans()
         bad: dict[str, str] = {}
         for o, m in self._maps.items():
+            if self._lazy is not None and self._lazy.lacks(o):  # only the pieces that arrived
+                why = self._lazy.verify(o)
+                if why is not None:
+                    bad[o] = why
+                continue
             with memoryview(m) as mv:
                 why = check_buffer(o, mv, spans.get(o, {}))
             if why is not None:

@@ -222,7 +222,8 @@ class ParamStore:
     def checkout(self, version: VersionSpec = "latest", *, min_step: int | None = None,
                  timeout: float | None = None, holder: str | None = None, verify: bool = False,
                  device: "str | torch.device | None" = None, group: Any = None, src: int | None = None,
-                 bucket_bytes: int | None = None, recipe: "str | Recipe | None" = None) -> Snapshot:
+                 bucket_bytes: int | None = None, recipe: "str | Recipe | None" = None,
+                 fetch: str = "eager") -> Snapshot:
         """Map a version's tensors zero-copy and hold a lease on it until the snapshot is closed.
 
         Objects fetched from peers or the remote are re-hashed before they are placed; objects
@@ -250,6 +251,17 @@ class ParamStore:
                 in the store for every later checkout (:mod:`paramstore.derived`); the others are
                 as committed. ``snap.recipe`` and ``snap.derived`` (what was derived now) tell.
                 CPU only, not with ``group``.
+            fetch: ``"eager"`` (the default): every object this host lacks is fetched (peers, then
+                the remote; verified) before this returns. ``"lazy"``: nothing is fetched; the
+                version is leased and this returns at once, and each read (``snap.read(name,
+                offsets, sizes)``, ``snap[name]``, ``snap.load_into(module)``, ``snap.assets``)
+                first moves the pieces it touches (8 MiB pieces of a large tensor, a small tensor
+                whole) from a peer that holds the object, else the remote, each verified against
+                the manifest before any byte is handed out, and kept for later reads of the
+                snapshot. A rank reading a quarter of a tensor moves about a quarter of it.
+                ``snap.fetch.lazy_bytes`` and ``bytes_from`` say what moved; a peer that serves a
+                bad piece is named in ``snap.fetch.rejected`` and not asked again. CPU only; not
+                with ``verify``, ``group`` or ``recipe``. See :mod:`paramstore.lazy`.
 
         Returns:
             A :class:`Snapshot`: a read-only ``Mapping[str, Tensor]`` with ``.version``, ``.step``,
@@ -259,6 +271,8 @@ class ParamStore:
             VersionNotFoundError / TagNotFoundError: no such version or tag.
             WaitTimeoutError: no version with step ≥ ``min_step`` within ``timeout``.
             CorruptObjectError: an object is truncated, malformed or (``verify``) damaged.
+            ObjectUnavailableError: an object no peer nor the remote delivers (with ``fetch="lazy"``,
+                raised by the read that needs it, naming the tensor).
             DeviceError: ``device`` is not available. BroadcastError: (``group``) it failed somewhere.
 
         Example:
@@ -271,6 +285,9 @@ class ParamStore:
             >>> with store.checkout(1, verify=True) as snap:  # one hash pass over its bytes
             ...     snap.step
             1
+            >>> with store.checkout(1, fetch="lazy") as snap:  # reads move what they touch (here: all local)
+            ...     snap.lazy, snap.read("0.weight", (2, 0), (3, 4)).shape, snap.fetch.lazy_bytes
+            (True, torch.Size([3, 4]), 0)
             >>> with store.checkout(1, recipe="fp8-block128") as snap:  # derived now, kept for the next one
             ...     snap["0.weight"].dtype, snap["0.weight_scale_inv"].shape, snap["0.bias"].dtype
             (torch.float8_e4m3fn, torch.Size([1, 1]), torch.float32)
@@ -280,7 +297,8 @@ class ParamStore:
         """
         self._open.check_open()
         return self._read.checkout(version, min_step=min_step, timeout=timeout, holder=holder, verify=verify,
-                                   device=device, group=group, src=src, bucket_bytes=bucket_bytes, recipe=recipe)
+                                   device=device, group=group, src=src, bucket_bytes=bucket_bytes, recipe=recipe,
+                                   fetch=fetch)
 
     def prefetch(self, version: VersionSpec = "latest", *, min_step: int | None = None,
                  timeout: float | None = None, recipe: "str | Recipe | None" = None) -> Future[Version]:
