@@ -6,11 +6,15 @@
    ``copy_`` every tensor into its place. This is the only copy of the bytes. After it the trainer
    may change its parameters; a tensor changed in place before its copy was done (torch's in-place
    version counter moved since ``commit()``) fails the commit with TornCommitError (:class:`_Watch`).
-2. **Hash** (publisher thread, fanning tensors and the pieces of large tensors out to one hash
-   thread per core: :mod:`paramstore.format`). blake3 of each piece's bytes in the slab: one read
-   pass, no byte hashed twice, each piece on one thread (a 1 GiB tensor is 128 independent pieces,
-   so no blake3 thread pool is needed). With :data:`OVERLAP_HASH_MIN_CPUS` cores or more, each
-   shard's tensors and pieces are handed to hash threads as soon as the shard is copied.
+2. **Hash** (hash threads, one per core: :class:`_HashQueue`). blake3 of each piece's bytes in
+   the slab (:mod:`paramstore.format`): one read pass, no byte hashed twice, each piece on one
+   thread (a 1 GiB tensor is 128 independent pieces, so no blake3 thread pool is needed). CPU
+   tensors are hashed as they are staged: the stager hands each piece (and each batch of small
+   tensors) to the hash threads as soon as it is copied; while a copy runs only
+   :func:`_staging_hashers` of them hash (the stager holds a core), all of them after. The
+   publisher then only waits for the last pieces and computes the tensor digests (roots over
+   pieces). Device copies are still in flight when their loop ends: those tensors are hashed by the
+   publisher, after staging.
 3. **Deduplicate.** Tensors whose digest the store already holds (in an earlier version, or
    earlier in this commit) are not stored again: a shard with no new tensor goes back to the pool;
    a shard with some is compacted in place (``memmove`` of its new tensors, the header rewritten)
@@ -26,6 +30,7 @@ no version names), which ``paramstore verify`` reports and GC reclaims.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -34,7 +39,7 @@ import warnings
 import threading
 import time
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
@@ -62,12 +67,13 @@ from paramstore.backends.tiers.local import LocalTier
 __all__ = ["CommitHandle", "Committer"]
 
 _INLINE_HASH_BYTES = 1 << 20
-#: Hash each shard as soon as it is copied, while the next one is copied (CPU sources only), on
-#: half the cores, rather than after the whole commit is staged: commit -> visible then costs about
-#: the copy plus the last shard's hash. Hashing takes cores from the copy, so only with at least
-#: this many cores: on 2 cores it made commit -> staged 1.9x a bare copy (from 1.0x) for visible
-#: 2.7x (from 2.9x): blake3 of 1 GiB took 189 ms on both cores there (bench_core's floor row),
-#: about twice the bare copy.
+#: Hosts with fewer cores than this copy CPU tensors into staging on the stager thread alone
+#: (``memmove``, not torch's intra-op threads) and hash on all the other cores meanwhile; hosts
+#: with at least this many keep torch's parallel copy and hash on half the cores while it runs.
+#: Measured on 2 cores (1 GiB, bf16): the copy is memory-bound (one thread 56-59 ms, torch's two
+#: 55 ms), blake3 is ~150 ms per GiB per thread; torch's two copy threads next to a hash thread made
+#: commit -> staged ~108 ms (its threads wait for each other at every tensor), one copy thread next
+#: to one hash thread ~65 ms, for commit -> visible ~120 ms against ~150 ms hashing after the copy.
 OVERLAP_HASH_MIN_CPUS = 4
 #: Commits' worth of slabs the pool keeps prepared: commits in quick succession each find one
 #: faulted while the next is being prepared (or recycled).
@@ -185,6 +191,7 @@ class _Job:
     ready_events: dict = field(default_factory=dict)  # device -> event recorded on the caller's stream at commit()
     device: Any = None  # an accelerator this commit copies from (a streaming commit: once one arrives)
     early: dict = field(default_factory=dict)  # (shard, placement) -> _Hashed, hashed while staging
+    units: list = field(default_factory=list)  # the _Units handed to the hash threads while staging
     piece_digests: dict = field(default_factory=dict)  # tensor digest -> its piece digests (tensors over a piece)
     group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
     error: BaseException | None = None  # a group job's staging error: it still takes part in the group
@@ -224,9 +231,9 @@ class Committer:
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
         self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._hash_threads = _cores()
-        self._early = (ThreadPoolExecutor(max(1, self._hash_threads // 2), thread_name_prefix="paramstore-hash-early")
-                       if self._hash_threads >= OVERLAP_HASH_MIN_CPUS else None)
-        self._hashers = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="paramstore-hash")
+        # One hash thread per core; while the stager copies, only _staging_hashers() of them run.
+        self._hashers = _HashQueue(self._hash_threads, _staging_hashers(self._hash_threads))
+        self._serial_copy = self._hash_threads < OVERLAP_HASH_MIN_CPUS
         self._stager = threading.Thread(target=self._run, args=(self._stage_q, self._stage), name="paramstore-stager", daemon=True)
         self._publisher = threading.Thread(target=self._run, args=(self._publish_q, self._publish), name="paramstore-publisher", daemon=True)
         self._stager.start()
@@ -302,9 +309,7 @@ class Committer:
         self._stager.join()
         self._publish_q.put(None)
         self._publisher.join()
-        self._hashers.shutdown()
-        if self._early is not None:
-            self._early.shutdown()
+        self._hashers.close()
 
     @staticmethod
     def _run(q: "queue.Queue[_Job | None]", work: Callable[[_Job], None]) -> None:
@@ -322,9 +327,14 @@ class Committer:
                     # Before this thread's first device call (a slab's registration, a stream):
                     # otherwise it would create a context on device 0, on every rank.
                     accel.set_device(job.device)
-                # Device copies are still in flight when a shard's loop ends: those are hashed later.
-                early = self._hash_early if self._early is not None and not job.ready_events else None
-                _copy_into_slabs(job, sources, lambda size: self._take(job, size), on_shard=early)
+                # Device copies are still in flight when a tensor's copy is queued: those are
+                # hashed by the publisher. Without a spare core, nothing is hashed while copying.
+                early = None
+                if not job.ready_events and self._hashers.while_staging:
+                    early = _EarlyHash(job, self._hashers)
+                with self._hashers.staging():
+                    _copy_into_slabs(job, sources, lambda size: self._take(job, size), early=early,
+                                     serial=self._serial_copy)
                 job.collected = job.collected.without_sources()  # drop refs
                 job.handle.staged.set_result(None)
             except BaseException as e:  # noqa: BLE001 - delivered to the caller through the futures
@@ -337,10 +347,11 @@ class Committer:
     def _staging_failed(self, job: _Job, e: BaseException) -> None:
         """Drop what ``job`` staged and fail its futures; a group job still goes on to the
         publisher (with ``job.error``) so that the other ranks learn of it."""
-        futures.wait({getattr(f, "future", f) for f in job.early.values()})  # no hash thread may still read a slab
+        # No hash thread may still read a slab: pieces not started are dropped, the others waited for.
+        futures.wait([u.future for u in self._hashers.cancel(job.units)])
         for slab in job.slabs:
             slab.discard()
-        job.slabs, job.plans, job.early = [], [], {}
+        job.slabs, job.plans, job.early, job.units = [], [], {}, []
         job.collected = job.collected.without_sources()
         if job.group is None:
             _fail(job.handle, e)
@@ -459,20 +470,6 @@ class Committer:
             futures.wait([previous.committed])
         self._pool.shed([p.size for p in job.plans[len(job.slabs):]])
         return self._reclaim_space is not None and self._reclaim_space(RECLAIM_TIMEOUT_S)
-
-    def _hash_early(self, job: _Job, i: int, plan: ShardPlan, slab: Slab) -> None:
-        # Shard i is copied: its tensors go to the hash threads now (each piece of a large tensor
-        # on its own; the small tensors of the shard together).
-        small = [j for j, p in enumerate(plan.placements) if p.nbytes < _INLINE_HASH_BYTES]
-        for j, p in enumerate(plan.placements):
-            if p.nbytes >= _INLINE_HASH_BYTES:
-                job.early[(i, j)] = _Hashed(p.nbytes, [self._early.submit(_hash_bytes, slab, p.offset + b, e - b)
-                                                       for b, e in pieces(p.nbytes)])
-        if small:
-            batch = self._early.submit(lambda: [_hash_bytes(slab, plan.placements[j].offset, plan.placements[j].nbytes)
-                                                for j in small])
-            for k, j in enumerate(small):
-                job.early[(i, j)] = _Hashed(plan.placements[j].nbytes, [_Item(batch, k)])
 
     # -- 2-4. hash, deduplicate, publish -----------------------------------------------------
     def _publish(self, job: _Job) -> None:
@@ -660,8 +657,8 @@ class Committer:
         Largest first, one thread each (blake3 releases the GIL); a tensor larger than a piece is
         hashed piece by piece, each piece a unit of work of its own, so all the hash threads share
         even one large tensor and no byte is hashed twice. Tensors under 1 MiB are hashed right
-        here, meanwhile: handing them to a thread would cost more than hashing them. Tensors whose
-        hashing started during staging (``job.early``) are only waited for.
+        here, meanwhile: handing them to a thread would cost more than hashing them. Tensors handed
+        to the hash threads as they were staged (``job.early``) are only waited for.
         """
         if job.early:
             return [[self._digest_of(job, job.early[(i, j)].result()) for j in range(len(plan.placements))]
@@ -673,8 +670,14 @@ class Committer:
         work.sort(key=lambda w: -w[5])
         large = [w for w in work if w[5] >= _INLINE_HASH_BYTES]
         small = work[len(large):]
-        hashed = self._hashers.map(lambda w: _hash_bytes(w[3], w[4], w[5]), large)
-        small_digests = [_hash_bytes(w[3], w[4], w[5]) for w in small]
+        units = [_Unit(w[3], [(w[4], w[5])]) for w in large]
+        self._hashers.put(units)
+        try:
+            small_digests = [_hash_bytes(w[3], w[4], w[5]) for w in small]
+        except BaseException:  # no hash thread may still read a slab once this returns
+            futures.wait([u.future for u in self._hashers.cancel(units)])
+            raise
+        hashed = [u.future.result()[0] for u in units]
         got: list[list[list[str]]] = [[[""] * len(pieces(p.nbytes)) for p in plan.placements] for plan in job.plans]
         for (i, j, k, *_), d in zip(large + small, [*hashed, *small_digests]):
             got[i][j][k] = d
@@ -789,6 +792,144 @@ class _Item:
         return self.future.result()[self.k]
 
 
+class _Unit:
+    """Bytes of a slab to hash on one thread: a piece (or a tensor of one piece), or a batch of
+    small tensors (``spans``: ``(offset, nbytes)`` each). ``future`` gets their digests."""
+
+    __slots__ = ("slab", "spans", "future", "state")
+
+    def __init__(self, slab: Slab, spans: list[tuple[int, int]]) -> None:
+        self.slab, self.spans = slab, spans
+        self.future: Future[list[str]] = Future()
+        self.state = 0  # 0 queued, 1 taken by a hash thread, 2 cancelled (changed under the queue's lock)
+
+    def run(self) -> None:
+        try:
+            self.future.set_result([_hash_bytes(self.slab, o, n) for o, n in self.spans])
+        except BaseException as e:  # noqa: BLE001 - delivered to whoever waits for the digests
+            self.future.set_exception(e)
+
+
+class _HashQueue:
+    """``threads`` hash threads taking :class:`_Unit` s in order; while a commit is being copied
+    (:meth:`staging`) at most ``while_staging`` of them hash at once (the stager holds a core),
+    then all of them. ``while_staging`` 0 (one core): nothing is hashed while a copy runs.
+
+    ``started_while_staging`` counts the units a thread took while a copy ran (for tests)."""
+
+    def __init__(self, threads: int, while_staging: int) -> None:
+        self.threads, self.while_staging = threads, while_staging
+        self.started_while_staging = 0
+        self._cv = threading.Condition()
+        self._todo: collections.deque[_Unit] = collections.deque()
+        self._active = 0
+        self._staging = 0
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, name=f"paramstore-hash-{k}", daemon=True)
+                         for k in range(threads)]
+        for w in self._workers:
+            w.start()
+
+    def put(self, units: list[_Unit]) -> None:
+        with self._cv:
+            self._todo.extend(units)
+            self._cv.notify(len(units))
+
+    @contextlib.contextmanager
+    def staging(self) -> Any:
+        """While this is entered, hash on ``while_staging`` threads only."""
+        with self._cv:
+            self._staging += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._staging -= 1
+                self._cv.notify_all()
+
+    def cancel(self, units: list[_Unit]) -> list[_Unit]:
+        """Drop the units of ``units`` no thread has taken; returns those taken (wait for their futures)."""
+        taken = []
+        with self._cv:
+            for u in units:
+                if u.state == 0:
+                    u.state = 2
+                    u.future.cancel()
+                elif u.state == 1:
+                    taken.append(u)
+        return taken
+
+    def close(self) -> None:
+        """Hash what is queued, then stop the threads."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for w in self._workers:
+            w.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    while self._todo and self._todo[0].state == 2:
+                        self._todo.popleft()
+                    limit = self.while_staging if self._staging else self.threads
+                    if self._todo and self._active < limit:
+                        break
+                    if self._closed and not self._todo:
+                        return
+                    self._cv.wait()
+                unit = self._todo.popleft()
+                unit.state = 1
+                self._active += 1
+                if self._staging:
+                    self.started_while_staging += 1
+            try:
+                unit.run()
+            finally:
+                with self._cv:
+                    self._active -= 1
+                    self._cv.notify()
+
+
+class _EarlyHash:
+    """Hands each tensor of ``job`` to the hash threads as soon as its copy is done: each piece of
+    a tensor of 1 MiB or more on its own, smaller tensors in batches of about 1 MiB (within a
+    shard). Fills ``job.early`` and ``job.units``."""
+
+    def __init__(self, job: _Job, hashers: _HashQueue) -> None:
+        self._job, self._hashers = job, hashers
+        self._batch: list[tuple[int, int, Placement]] = []
+        self._batch_bytes = 0
+        self._slab: Slab | None = None
+
+    def copied(self, i: int, j: int, p: Placement, slab: Slab) -> None:
+        if p.nbytes >= _INLINE_HASH_BYTES:
+            units = [_Unit(slab, [(p.offset + b, e - b)]) for b, e in pieces(p.nbytes)]
+            self._job.early[(i, j)] = _Hashed(p.nbytes, [_Item(u.future, 0) for u in units])
+            self._give(units)
+            return
+        self._slab = slab
+        self._batch.append((i, j, p))
+        self._batch_bytes += p.nbytes
+        if self._batch_bytes >= _INLINE_HASH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the batch of small tensors on (at the end of each shard, and when it reaches 1 MiB)."""
+        if not self._batch:
+            return
+        unit = _Unit(self._slab, [(p.offset, p.nbytes) for _, _, p in self._batch])  # type: ignore[arg-type]
+        for k, (i, j, p) in enumerate(self._batch):
+            self._job.early[(i, j)] = _Hashed(p.nbytes, [_Item(unit.future, k)])
+        self._batch, self._batch_bytes = [], 0
+        self._give([unit])
+
+    def _give(self, units: list[_Unit]) -> None:
+        self._job.units += units
+        self._hashers.put(units)
+
+
 class _Hashed:
     """A tensor being hashed during staging: its length and a future per piece."""
 
@@ -812,30 +953,33 @@ def _entry(p: Placement, digest: str, loc: TensorLocation, piece_digests: tuple[
 
 
 def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Callable[[int], Slab],
-                     on_shard: Callable[[_Job, int, ShardPlan, Slab], None] | None = None) -> None:
-    """Take a slab per shard (``take(size)``), write its header and copy every tensor into place;
-    then ``on_shard(job, i, plan, slab)`` for each shard as soon as its copies are done.
+                     early: _EarlyHash | None = None, serial: bool = False) -> None:
+    """Take a slab per shard (``take(size)``), write its header and copy every tensor into place,
+    handing each to ``early`` (the hash threads) as soon as its copy is done (CPU sources only).
+    ``serial``: copy CPU tensors on this thread alone (see :class:`_Copier`).
 
     Device tensors are copied on one side stream per device (``non_blocking=True`` into a pinned
     slab), ordered after the work the caller had queued when it called ``commit``
     (``job.ready_events``), and all streams are synchronized before returning, also on error (the
     slabs must not be unmapped under a running DMA). Not exercised on a GPU yet.
     """
-    copier = _Copier(job.ready_events)
+    copier = _Copier(job.ready_events, serial=serial)
     watch = job.watch
     try:
         for i, plan in enumerate(job.plans):
             slab = take(plan.size)
             job.slabs.append(slab)
             slab.map[: len(plan.header)] = plan.header
-            for p in plan.placements:
+            for j, p in enumerate(plan.placements):
                 if p.nbytes:
                     src = sources[p.spec.name]
                     copier.copy(_slab_view(slab, p), src, pinned=slab.pinned)
                     if watch is not None:
                         watch.copied(p.spec.name, src)
-            if on_shard is not None:
-                on_shard(job, i, plan, slab)
+                if early is not None:
+                    early.copied(i, j, p, slab)
+            if early is not None:
+                early.flush()
         job.handle._queued.set_result(copier.done_events())  # fence() may now order the caller's streams
     finally:
         copier.synchronize()
@@ -926,9 +1070,14 @@ class _Copier:
     (CUDA returns once they are there; an NPU backend may not), so the copy is blocking there;
     it still runs on the side stream, so it stays ordered after ``ready``. Every stream is
     synchronized before ``staged`` completes either way.
+
+    ``serial``: a contiguous CPU tensor is copied with one ``memmove`` on this thread (the GIL
+    released), not on torch's intra-op threads, which would contend with the hash threads for
+    the cores (see :data:`OVERLAP_HASH_MIN_CPUS`).
     """
 
-    def __init__(self, ready: Mapping[torch.device, Any]) -> None:
+    def __init__(self, ready: Mapping[torch.device, Any], *, serial: bool = False) -> None:
+        self._serial = serial
         self._streams: dict[torch.device, Any] = {}
         for dev, event in ready.items():
             self._stream(dev).wait_event(event)
@@ -940,7 +1089,12 @@ class _Copier:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, follow: bool = False, pinned: bool = False) -> None:
         if not accel.is_accelerator(src.device):
-            dst.copy_(src)
+            if (self._serial and src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
+                    and dst.is_contiguous() and not src.is_conj() and not src.is_neg()
+                    and src.nbytes == dst.nbytes and src.layout == torch.strided):
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
+            else:
+                dst.copy_(src)
             return
         stream = self._stream(src.device)
         if follow:
@@ -976,6 +1130,13 @@ def _cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return os.cpu_count() or 2
+
+
+def _staging_hashers(cores: int) -> int:
+    """Hash threads that run while a commit is copied: every core but the stager's on hosts with
+    fewer than :data:`OVERLAP_HASH_MIN_CPUS` cores (none on one core: nothing to overlap), half
+    of them on larger hosts (where torch's copy runs on several threads)."""
+    return cores - 1 if cores < OVERLAP_HASH_MIN_CPUS else cores // 2
 
 
 def _hash_bytes(slab: Slab, offset: int, nbytes: int) -> str:

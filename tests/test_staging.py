@@ -378,10 +378,12 @@ def test_mappings_of_objects_deleted_by_another_gc_are_released(store_root):
         assert_checkout_equal(store, 4, model(4))
 
 
-def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch):
-    monkeypatch.setattr(commit_mod, "OVERLAP_HASH_MIN_CPUS", 1)
+@pytest.mark.parametrize("cores", [1, 2, 4])
+def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch, cores):
+    monkeypatch.setattr(commit_mod, "_cores", lambda: cores)
     with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
-        assert store._write._get_committer()._early is not None
+        hashers = store._write._get_committer()._hashers
+        assert (hashers.threads, hashers.while_staging) == (cores, {1: 0, 2: 1, 4: 2}[cores])
         prev = None
         for step in range(1, 7):
             m = model(step)
@@ -393,3 +395,66 @@ def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch):
             prev = m
             settle(store)
         assert store.verify()["ok"]
+
+
+def _overlap_commit(store_root: str, monkeypatch: pytest.MonkeyPatch, cores: int, torn: bool = False):
+    """A store and a model whose first tensor is three pieces (17 MiB); the copy of its last tensor
+    waits (up to 60 s) until a hash thread has taken a unit, if one may run while staging.
+    Returns the store, the model, the committer's hash queue and {"overlapped": whether one had}."""
+    monkeypatch.setattr(commit_mod, "_cores", lambda: cores)
+    m = {"first": random_tensor(torch.float32, ((17 << 20) // 4,), 1)}  # 3 pieces of 8 MiB
+    m.update({f"w{i}": random_tensor(torch.float32, (4096,), 10 + i) for i in range(8)})
+    m["last"] = random_tensor(torch.float32, (1 << 18,), 2)
+    seen: dict[str, bool] = {}
+    real = commit_mod._Copier.copy
+
+    def copy(self, dst, src, **kw):
+        if src.data_ptr() == m["last"].data_ptr() and "overlapped" not in seen:  # the first commit only
+            deadline = time.monotonic() + 60
+            while hashers.started_while_staging == 0 and hashers.while_staging and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen["overlapped"] = hashers.started_while_staging > 0
+            if torn:
+                m["first"].add_(1.0)  # no effect on the torn check: "first" is copied already
+                src.add_(1.0)  # changed before its copy: the commit must fail
+        return real(self, dst, src, **kw)
+
+    monkeypatch.setattr(commit_mod._Copier, "copy", copy)
+    store = ParamStore(store_root, create=True)
+    hashers = store._write._get_committer()._hashers
+    return store, m, hashers, seen
+
+
+def test_pieces_are_hashed_while_the_commit_is_still_copying(store_root, monkeypatch):
+    """With a spare core, a piece is hashed as soon as its tensor is copied, before staging ends
+    (the copy of the last tensor waits for it: no timing involved); the version is exact."""
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=2)
+    with store:
+        h = store.commit(1, m)
+        assert h.result(timeout=60).step == 1
+        assert seen["overlapped"] and hashers.started_while_staging >= 1
+        assert_checkout_equal(store, 1, m)
+        assert store.verify()["ok"]
+
+
+def test_one_core_hashes_nothing_while_copying(store_root, monkeypatch):
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=1)
+    with store:
+        assert store.commit(1, m).result(timeout=60).step == 1
+        assert seen["overlapped"] is False and hashers.started_while_staging == 0
+        assert_checkout_equal(store, 1, m)
+
+
+def test_a_torn_commit_hashed_while_copying_fails_and_stores_nothing(store_root, monkeypatch):
+    from paramstore.errors import TornCommitError
+
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=2, torn=True)
+    with store:
+        h = store.commit(1, m)
+        with pytest.raises(TornCommitError, match="'last'"):
+            h.result(timeout=60)
+        assert seen["overlapped"]
+        assert store.versions() == []
+        m["last"].sub_(1.0)
+        assert store.commit(1, m).result(timeout=60).step == 1
+        assert_checkout_equal(store, 1, m)
