@@ -148,7 +148,8 @@ class Fetcher:
         extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
         try:
             peer_fetch(self._root, self._transport(), reg.object_sizes(missing), pool=self._pool, report=report,
-                       server=self._server(), extents=extents, excluded=excluded)
+                       server=self._server(), extents=extents, excluded=excluded, spans=spans,
+                       pieces=manifest.piece_spans())
         except TransferError as e:  # e.g. no transfer engine on this host: the remote may still serve it
             error = TransferError(f"the peer fetch failed: {e}")
             error.__cause__ = e

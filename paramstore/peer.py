@@ -32,14 +32,14 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Mapping
 
 import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
-from .format import ObjectHasher, rehash, tensor_spans
+from .format import PIECE_SIZE, ObjectHasher, object_digest, piece_digest, rehash, tensor_spans
 from .reports import FetchReport
 from .root import StoreRoot
 from .staging import SlabPool
@@ -146,7 +146,9 @@ class PeerServer:
 
 def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, pool: SlabPool,
           report: FetchReport, server: PeerServer | None = None, concurrency: int | None = None,
-          extents: Mapping[str, int] | None = None, excluded: set[str] | None = None) -> None:
+          extents: Mapping[str, int] | None = None, excluded: set[str] | None = None,
+          spans: Mapping[str, Mapping[tuple[int, int], str]] | None = None,
+          pieces: Mapping[str, Mapping[tuple[int, int], str]] | None = None) -> None:
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
     The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
@@ -162,6 +164,12 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     ids of peers not to ask (caught serving bad bytes earlier in the same checkout); a peer caught
     now is added, so neither the other objects of this fetch nor the caller's later sources for
     the same version ask it again.
+
+    ``spans`` and ``pieces`` (a version's :meth:`~paramstore.manifest.Manifest.spans` and
+    :meth:`~paramstore.manifest.Manifest.piece_spans`): an object whose tensors they cover, end to
+    end, is *relayed* (:class:`_Relay`: blocks verified one by one against them, read from the
+    nearest fetcher ahead in a chain, and served on once verified); any other (patch objects, an
+    object the version references only part of) is fetched as a whole (:class:`_Fetch`).
     """
     concurrency = FETCH_CONCURRENCY if concurrency is None else concurrency
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
@@ -171,6 +179,13 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-fetch") as readers, \
             ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
         def one(digest: str) -> None:
+            plan = _Relay.plan(digest, objects[digest], spans, pieces)
+            if plan is not None:
+                relay = _Relay(root, transport, pool, digest, objects[digest], server, report, lock, excluded, *plan)
+                if relay.run():
+                    with lock:
+                        report.from_peers.append(digest)
+                return
             job = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers, excluded)
             ok = (extents is not None and extents.get(digest) == objects[digest] or job.sized()) and job.run()
             if ok:
@@ -510,6 +525,329 @@ class _Fetch:
 
 #: Slices a round reads at most when no other host is fetching the object (64 MiB).
 BURST_SLICES = 16
+
+
+#: Bytes of one relay block at most: a piece (the unit a receiver verifies alone), or small tensors
+#: grouped (the header is the first unit of the first block).
+BLOCK_BYTES = PIECE_SIZE
+#: Blocks of one object read at once (each its own transport read, verified as soon as it lands).
+RELAY_INFLIGHT = 4
+#: Missing blocks looked up per registry round.
+RELAY_WINDOW = 16
+#: Seconds a relaying host waits on an upstream that makes no progress (and still answers) before
+#: passing over it for this object; one that does not answer is passed over at once.
+STALL_S = 2.0
+#: Seconds a fetcher that finished keeps its fetch key and verified blocks announced (its slab is
+#: then the object itself): a host that joins late, or whose upstream just finished, chains from it.
+LINGER_S = 10.0
+#: Peer ids seen fetching (rollout hosts, not the origin): preferred to other holders of a whole
+#: object, so the origin serves each block about once even after the chain is gone.
+_RELAYERS: dict[str, None] = {}
+_TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
+
+
+class _Relay:
+    """One object, relayed: read block by block from the nearest fetcher ahead, each block verified
+    before it is announced, so others read it from here while the rest still arrives.
+
+    The object is cut into *blocks* (:meth:`plan`): the header, then the pieces the manifest lists
+    (8 MiB ranges of large tensors, small tensors whole), grouped up to :data:`BLOCK_BYTES`. A
+    block is checked alone as it lands: each piece against the manifest's piece digest, the header
+    against the object's name (``object_digest(header, tensor digests the manifest lists)``, which
+    also proves the layout). Once every block verified, the object did: no byte is hashed twice,
+    and a block that fails names exactly the peer that served it.
+
+    *Plan: a chain in order of arrival.* Each fetcher announces the object's fetch key with its
+    join time (µs) as the "address"; fetchers in ``(join time, peer id)`` order form a chain. A
+    fetcher reads each block from the nearest fetcher ahead of it that announced it (a block is
+    announced only once verified, under :func:`_block_key` at its address in the fetcher's slab);
+    when that one lacks the next blocks it waits for it (the chain's discipline: every host sends
+    each block about once, the first fetcher alone reads the origin) unless it stops answering
+    (passed over at once) or makes no progress for :data:`STALL_S`. With no fetcher ahead, it reads
+    from a holder of the whole object, preferring hosts seen fetching (:data:`_RELAYERS`) to the
+    others (the origin). A finished fetcher keeps its announcements for :data:`LINGER_S`, so late
+    joiners and the tail of the chain read from it, not from the origin.
+    """
+
+    @staticmethod
+    def plan(digest: str, size: int, spans: Mapping[str, Mapping[tuple[int, int], str]] | None,
+             pieces: Mapping[str, Mapping[tuple[int, int], str]] | None
+             ) -> tuple[int, list[tuple[int, int, list[tuple[int, int, str | None]]]], Mapping[tuple[int, int], str]] | None:
+        """``(data start, blocks, tensor spans)`` if the manifest's tensors of ``digest`` tile the
+        object's data up to ``size`` (every byte but the header has a piece digest), else None.
+        A block: ``(begin, end, units)``, a unit ``(begin, end, piece digest)`` (None: the header)."""
+        sp = spans.get(digest) if spans is not None else None
+        pc = pieces.get(digest) if pieces is not None else None
+        if not sp or not pc:
+            return None
+        start = min(b for b, _ in sp)
+        units: list[tuple[int, int, str | None]] = [(0, start, None)]
+        pos = start
+        for b, e in sorted(sp):
+            if b != pos:
+                return None
+            pos = e
+        if start < 8 or pos != size:
+            return None
+        pos = start
+        for (b, e), d in sorted(pc.items()):
+            if e == b:
+                continue
+            if b != pos:
+                return None
+            units.append((b, e, d))
+            pos = e
+        if pos != size:
+            return None
+        blocks: list[tuple[int, int, list[tuple[int, int, str | None]]]] = []
+        for u in units:
+            if blocks and blocks[-1][1] - blocks[-1][0] + u[1] - u[0] <= BLOCK_BYTES:
+                blocks[-1] = (blocks[-1][0], u[1], blocks[-1][2] + [u])
+            else:
+                blocks.append((u[0], u[1], [u]))
+        return start, blocks, sp
+
+    def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
+                 server: PeerServer | None, report: FetchReport, lock: threading.Lock, excluded: set[str],
+                 start: int, blocks: list[tuple[int, int, list[tuple[int, int, str | None]]]],
+                 spans: Mapping[tuple[int, int], str]) -> None:
+        self.root, self.transport, self.pool, self.digest, self.size = root, transport, pool, digest, size
+        self.server, self.report, self.lock, self.excluded = server, report, lock, excluded
+        self.start, self.blocks, self.spans = start, blocks, spans
+        self.me = server.peer.id if server is not None else None
+        self.keys = [_block_key(digest, i) for i in range(len(blocks))]
+        self.fetch_key = _block_key(digest, -1)
+        # a host that does not serve relays nothing: it goes last (reads from the chain's tail)
+        self.stamp = time.time_ns() // 1000 if server is not None else (1 << 64) - 1
+        self.cond = threading.Condition()
+        self.done: set[int] = set()  # blocks verified (and announced)
+        self.busy: set[int] = set()  # blocks being read or verified
+        self.bad: set[str] = set()  # peers that failed to serve or stalled: not asked again for this object
+        self.culprits: set[str] = set()  # peers blamed for this object
+        self.probe_at: dict[str, int] = {}  # peer id -> an address of a block it served us (to probe it)
+        self.waiting: tuple[str, float] | None = None  # (upstream waited on, since)
+        self.block_s = 0.05  # seconds one block takes to arrive (running estimate)
+        self.announced: list[str] = []
+        self.tainted = False  # a read timed out: a late write may still land; nothing here is trusted
+
+    def run(self) -> bool:
+        slab = self.pool.take(self.size)
+        try:
+            self.addr = self.transport.register(slab.map)
+        except BaseException:
+            slab.close()
+            raise
+        self.buf = memoryview(slab.map)
+        placed = False
+        try:
+            with ThreadPoolExecutor(RELAY_INFLIGHT, thread_name_prefix="paramstore-relay") as readers:
+                placed = self._relay(readers)
+            placed = placed and not self.tainted and len(self.done) == len(self.blocks)
+        finally:
+            self.buf.release()
+            if placed:
+                self.root.tier.put(self.digest, slab.path, move=True)  # the mapping stays: same pages
+                if self.server is not None:
+                    self.server.serve([self.digest])
+                self._linger(slab.close)
+            else:
+                if self.announced:
+                    with contextlib.suppress(ParamStoreError, OSError):
+                        self.root.registry.withdraw_objects(self.me, self.announced)  # type: ignore[arg-type]
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slab.path)
+                _retire(self.transport, self.addr, slab.close)
+        return placed
+
+    def _linger(self, close: Callable[[], None]) -> None:
+        """Keep this fetch's announcements for :data:`LINGER_S`, then withdraw them and retire the slab."""
+        registry, me, keys, transport, addr = self.root.registry, self.me, list(self.announced), self.transport, self.addr
+
+        def withdraw() -> None:
+            if keys:
+                with contextlib.suppress(ParamStoreError, OSError, RuntimeError):
+                    registry.withdraw_objects(me, keys)  # type: ignore[arg-type]
+            _retire(transport, addr, close)
+
+        _retirements.add(time.monotonic() + (LINGER_S if keys else 0.0), withdraw)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _relay(self, readers: ThreadPoolExecutor) -> bool:
+        if self.me is not None:
+            self._announce({self.fetch_key: self.stamp})
+        futures: set[Future[None]] = set()
+        burst = 1
+        n = len(self.blocks)
+        while True:
+            with self.cond:
+                if self.tainted:
+                    break
+                missing = [i for i in range(n) if i not in self.done and i not in self.busy]
+                room = RELAY_INFLIGHT - len(self.busy)
+                if not missing and not self.busy:
+                    return len(self.done) == n
+            if not missing or room <= 0:
+                futures = self._settle(futures, None)
+                continue
+            window = missing[:RELAY_WINDOW]
+            found = self._holders([self.digest, self.fetch_key] + [self.keys[i] for i in window])
+            picks = self._choose(found, window, min(room, burst))
+            if picks is None:  # wait for the upstream
+                futures = self._settle(futures, min(0.02, max(0.002, self.block_s / 4)))
+                continue
+            if not picks:  # nobody (left) holds what is missing
+                if futures:
+                    futures = self._settle(futures, None)
+                    continue
+                return False
+            whole = False
+            for peer, i, remote, from_whole in picks:
+                whole = whole or from_whole
+                with self.cond:
+                    self.busy.add(i)
+                futures.add(readers.submit(self._one, peer, i, remote, from_whole))
+            burst = min(2 * burst, RELAY_INFLIGHT) if whole else RELAY_INFLIGHT
+        for f in futures:
+            f.result()
+        return False
+
+    @staticmethod
+    def _settle(futures: set[Future[None]], timeout: float | None) -> set[Future[None]]:
+        if futures:
+            done, rest = wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            for f in done:
+                f.result()  # a bug in a reader surfaces here
+            return set(rest)
+        if timeout is not None:
+            time.sleep(timeout)
+        return futures
+
+    def _choose(self, found: dict[str, list[tuple[Peer, int]]], window: list[int], room: int
+                ) -> list[tuple[Peer, int, int, bool]] | None:
+        """What to read next: ``(peer, block, remote address, whether the peer holds it whole)``;
+        None to wait for the upstream; empty if nobody can serve the window."""
+        skip = self.bad | self.excluded
+        mine = (self.stamp, self.me or "")
+        ahead = []
+        for peer, stamp in found.get(self.fetch_key, []):
+            self.probe_at.setdefault(peer.id, -1)
+            _RELAYERS[peer.id] = None
+            if (stamp, peer.id) < mine and peer.id not in skip:
+                ahead.append(((stamp, peer.id), peer))
+        if len(_RELAYERS) > 4096:
+            for k in list(_RELAYERS)[:2048]:
+                del _RELAYERS[k]
+        for _, up in sorted(ahead, key=lambda x: x[0], reverse=True):  # the nearest first
+            have = [(i, a) for i in window for p, a in found.get(self.keys[i], []) if p.id == up.id]
+            if have:
+                self.waiting = None
+                return [(up, i, a, False) for i, a in have[:room]]
+            now = time.monotonic()
+            if self.waiting is None or self.waiting[0] != up.id:
+                self.waiting = (up.id, now)
+            waited = now - self.waiting[1]
+            if waited < STALL_S and (waited < 4 * self.block_s or self._answers(up)):
+                return None
+            with self.cond:
+                self.bad.add(up.id)  # dead or stalled: the next one up
+            self.waiting = None
+        whole = [(p, a) for p, a in found.get(self.digest, []) if p.id not in skip]
+        if not whole:
+            return []
+        known = [w for w in whole if w[0].id in _RELAYERS]
+        out = []
+        for i in window[:room]:
+            peer, addr = random.choice(known or whole)  # each block: spread over the holders alike
+            out.append((peer, i, addr, True))
+        return out
+
+    def _answers(self, peer: Peer) -> bool:
+        """Whether ``peer`` still serves (a 64-byte read of a block it served us); True if unknown."""
+        at = self.probe_at.get(peer.id, -1)
+        if at < 0:
+            return True
+        view = memoryview(bytearray(64))
+        local = self.transport.register(view)
+        try:
+            self.transport.read(peer.session, [(local, at, 64)])
+            return True
+        except TransferError:
+            return False
+        finally:
+            _retire(self.transport, local, lambda: None)
+
+    def _one(self, peer: Peer, i: int, remote: int, whole: bool) -> None:
+        b, e, _ = self.blocks[i]
+        remote = remote + b if whole else remote
+        t0 = time.monotonic()
+        try:
+            self.transport.read(peer.session, [(self.addr + b, remote, e - b)])
+        except TransferError as err:
+            with self.cond:
+                self.bad.add(peer.id)
+                self.tainted = self.tainted or err.code == -2
+                self.busy.discard(i)
+            return
+        if _TEST_DELAY_S:
+            time.sleep(_TEST_DELAY_S)
+        with self.lock:
+            self.report.bytes_from[peer.session] += e - b
+        if e - b >= BLOCK_BYTES // 2:
+            self.block_s = 0.7 * self.block_s + 0.3 * (time.monotonic() - t0)
+        self.probe_at[peer.id] = remote
+        why = self._verify(i)
+        if why is not None:
+            self._blame(peer, why)
+            with self.cond:
+                self.busy.discard(i)
+            return
+        if self.me is not None and not self.tainted:
+            self._announce({self.keys[i]: self.addr + b})
+        with self.cond:
+            self.done.add(i)
+            self.busy.discard(i)
+
+    def _verify(self, i: int) -> str | None:
+        """Why block ``i`` (all of it in the slab) fails verification, or None."""
+        for b, e, d in self.blocks[i][2]:
+            if d is not None:
+                if piece_digest(self.buf[b:e]) != d:
+                    return f"bytes {b}-{e} do not match their piece digest"
+                continue
+            try:  # the header: its layout and the manifest's tensor digests must make the object's name
+                start, spans = tensor_spans(self.buf, self.size)
+                if start != self.start:
+                    return "its header has another length"
+                if object_digest(self.buf[:start], [self.spans[s] for s in spans]) != self.digest:
+                    return "its header does not make the object's digest"
+            except (ValueError, KeyError) as err:
+                return f"its header does not match the manifest ({err!r})"
+        return None
+
+    def _blame(self, peer: Peer, why: str) -> None:
+        with self.lock:
+            if peer.id in self.culprits:
+                return
+            self.culprits.add(peer.id)
+            self.excluded.add(peer.id)
+            self.report.rejected[peer.session] += 1
+        warnings.warn(f"paramstore: peer {peer.session} served a block of object {self.digest[:16]}… that fails "
+                      f"verification ({why}): it is asked nothing more in this fetch", RuntimeWarning, stacklevel=2)
+
+    def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
+        found = self.root.registry.holders(keys)
+        return {k: [(p, a) for p, a in v if p.id != self.me] for k, v in found.items()}
+
+    def _announce(self, new: dict[str, int]) -> None:
+        self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
+        self.announced.extend(new)
+
+
+def _block_key(digest: str, index: int) -> str:
+    """The name verified block ``index`` of object ``digest`` is announced under by a host fetching
+    it (index -1: the host fetches the object; its "address" there is the time it joined, in µs)."""
+    return blake3.blake3(b"paramstore/block/v1\0" + bytes.fromhex(digest)
+                         + index.to_bytes(8, "big", signed=True)).hexdigest()
 
 
 def _contiguous(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -26,12 +26,15 @@ class Host:
     """A host process; ``send`` a command, ``expect`` its JSON reply."""
 
     def __init__(self, root: str, registry: str, name: str, role: str, *, fetch_concurrency: int | None = None,
-                 shard: int | None = None) -> None:
+                 shard: int | None = None, block_delay: float = 0.0) -> None:
         self.root = root
         env = dict(os.environ, MC_FORCE_TCP="1", **({"PEER_HOST_SHARD": str(shard)} if shard else {}))
         argv = [HOST_SCRIPT, root, registry, name, role]
-        if fetch_concurrency is not None:  # objects fetched this many at a time (1: one after another)
+        if fetch_concurrency is not None or block_delay:  # objects fetched this many at a time (1: one after
+            # another); block_delay: seconds each relayed block is held back after it lands (a slow host)
+            fetch_concurrency = 4 if fetch_concurrency is None else fetch_concurrency
             argv = ["-c", f"import sys, runpy, paramstore.peer as p; p.FETCH_CONCURRENCY = {fetch_concurrency}; "
+                    f"p._TEST_DELAY_S = {block_delay}; "
                     f"sys.path.insert(0, {os.path.dirname(HOST_SCRIPT)!r}); sys.argv = {argv!r}; "
                     "runpy.run_path(sys.argv[0], run_name='__main__')"]
         self.proc = subprocess.Popen([sys.executable, *argv],
