@@ -57,9 +57,12 @@ within 6.25 % of itself down to ``amax / 2**14.8`` (``2**-6 * s``), and below th
 ``2**-10 * s`` absolutely; a block under the floor is within ``2**-10 * 1e-4 / 448 ~= 2.2e-10``.
 
 **The same bytes everywhere.** Every step is elementwise or a max (exact, in any order), so the
-output does not depend on the thread count or the host; the conversion works on float32 copies of
-stripes of at most :data:`STRIPE_BYTES` (whole 128-row block rows), so deriving never holds a
-float32 copy of a whole weight, and there is no Python loop over blocks.
+output does not depend on the thread count or the host. There is no Python loop over blocks, and
+deriving never holds a float32 copy of a whole weight: the block maxima are taken on the input's own
+bits with the sign cleared, compared as integers (the order of the magnitudes, infinity above every
+finite value and NaN above infinity: the amax is exact, and a non-finite element still leaves a
+non-finite scale), over stripes of whole block rows; the division and the rounding (torch's cast to
+``float8_e4m3fn``) work on float32 copies of at most :data:`STRIPE_BYTES`.
 
 Which tensors (:func:`default_eligible`, each recipe's default): 2-D bfloat16, float16 or float32
 tensors, not empty, named ``*.weight``, except embeddings (``embed`` in the name), norms (``norm``),
@@ -107,13 +110,17 @@ FP8_MAX = 448.0
 #: The smallest amax a scale is computed from (DeepGEMM's ``clamp(1e-4)``): zero and tiny blocks get
 #: the finite, positive scale ``AMAX_FLOOR / FP8_MAX``.
 AMAX_FLOOR = 1e-4
-#: The most bytes of float32 one conversion step holds (a stripe of whole block rows, at least one).
+#: The most bytes of float32 one conversion step holds (at least one row); the block maxima are taken
+#: over stripes of whole block rows of about as many elements (at least one block row).
 STRIPE_BYTES = 8 << 20
 #: The documented bound as ``(relative, absolute in units of the scale, slack)``:
 #: ``|dequantized - x| <= max(relative * |x|, absolute * scale) * (1 + slack)``.
 ERROR_BOUND = (2.0 ** -4, 2.0 ** -10, 2.0 ** -20)
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: Each input dtype's integer view and the mask clearing its sign bit.
+_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float32: (torch.int32, 0x7FFFFFFF)}
 _NAME = re.compile(r"[a-z0-9][a-z0-9._+-]*\Z")
 
 
@@ -329,12 +336,6 @@ def _check_scales(scale: torch.Tensor, what: str) -> None:
         raise InvalidTensorError(f"{what}: an infinite or NaN element leaves no finite FP8 scale")
 
 
-def _stripe_rows(rows_per_block: int, row_elements: int) -> int:
-    """Rows per conversion step: whole block rows, as many as fit :data:`STRIPE_BYTES` (at least one)."""
-    per_block_row = max(1, rows_per_block * row_elements * 4)
-    return rows_per_block * max(1, STRIPE_BYTES // per_block_row)
-
-
 def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
                    amax_floor: float = AMAX_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)``: 2-D ``x`` in ``float8_e4m3fn`` (same shape) and its float32 block scales of
@@ -357,21 +358,31 @@ def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
     scale = torch.empty((gn, gk), dtype=torch.float32, device=x.device)
     if n == 0 or k == 0:
         return q, scale
-    step = _stripe_rows(bn, gk * bk)
-    buf = torch.zeros((min(step, gn * bn), gk * bk), dtype=torch.float32, device=x.device)
-    for r0 in range(0, n, step):
-        rows = min(step, n - r0)
-        brows = -(-rows // bn)
-        chunk = buf[:brows * bn]
-        chunk[:rows, :k].copy_(x[r0:r0 + rows])  # the conversion to float32
-        if rows < brows * bn:
-            chunk[rows:].zero_()  # the bottom edge: padding for the amax only (the right edge stays zero)
-        blocks = chunk.view(brows, bn, gk, bk)
-        amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
+    width = gk * bk  # a row padded to whole blocks; the padding stays zero (the right edge's, for the maxima)
+    group = max(1, STRIPE_BYTES // (4 * bn * width))  # block rows per stripe of maxima
+    fit = max(1, STRIPE_BYTES // (4 * width))  # rows per conversion step
+    step = group * bn if group > 1 else -(-bn // -(-bn // fit))  # a stripe, or a block row in equal parts
+    bits, mask = _MAGNITUDE_BITS[x.dtype]
+    xbits = x.view(bits)
+    mags = torch.zeros((min(group, gn) * bn, width), dtype=bits, device=x.device)
+    buf = torch.zeros((min(step, mags.shape[0]), width), dtype=torch.float32, device=x.device)
+    for b0 in range(0, gn, group):
+        r0 = b0 * bn
+        rows = min(group * bn, n - r0)
+        gb = -(-rows // bn)
+        m = mags[:gb * bn]
+        torch.bitwise_and(xbits[r0:r0 + rows], mask, out=m[:rows, :k])  # |x|, as bits
+        if rows < gb * bn:
+            m[rows:].zero_()  # the bottom edge: padding for the maxima only
+        amax = m.view(gb, bn, gk, bk).amax(dim=3).amax(dim=1).view(x.dtype).float()
         s = amax.clamp_(min=amax_floor).div_(FP8_MAX)
-        scale[r0 // bn:r0 // bn + brows] = s
-        blocks.div_(s[:, None, :, None])
-        q[r0:r0 + rows].copy_(chunk[:rows, :k])  # round to nearest even
+        scale[b0:b0 + gb] = s
+        for i in range(0, rows, step):
+            r = min(step, rows - i)
+            f = buf[:r if gb == 1 else gb * bn]
+            f[:r, :k].copy_(x[r0 + i:r0 + i + r])  # the conversion to float32
+            f.view(gb, -1, gk, bk).div_(s[:, None, :, None])
+            q[r0 + i:r0 + i + r].copy_(f[:r, :k])  # round to nearest even
     _check_scales(scale, "block FP8")
     return q, scale
 
@@ -396,10 +407,11 @@ def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[to
     s = amax.clamp(min=amax_floor).div_(FP8_MAX)
     _check_scales(s, "per-tensor FP8")
     out = q.view(flat.shape)
-    step = _stripe_rows(1, flat.shape[1])
+    step = max(1, STRIPE_BYTES // (4 * flat.shape[1]))
+    buf = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=torch.float32, device=x.device)
     for r0 in range(0, flat.shape[0], step):
-        y = flat[r0:r0 + step].to(torch.float32, copy=True)  # a copy even of float32: never divide the input
-        out[r0:r0 + step].copy_(y.div_(s))
+        f = buf[:min(step, flat.shape[0] - r0)]
+        out[r0:r0 + step].copy_(f.copy_(flat[r0:r0 + step]).div_(s))  # a copy: never divide the input
     return q, s
 
 
