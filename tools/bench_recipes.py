@@ -74,7 +74,7 @@ def _breakdown(w: torch.Tensor, repeats: int) -> list[dict]:
     steps = {
         "copy of the weight (the baseline)": lambda: dst.copy_(w),
         "bf16 -> float32 (into a stripe)": striped(lambda r0, r: f32[:r].copy_(w[r0:r0 + r])),
-        "block maxima (|x| as int16 bits)": striped(lambda r0, r: torch.bitwise_and(
+        "block maxima (sign-cleared int16 bits)": striped(lambda r0, r: torch.bitwise_and(
             w[r0:r0 + r].view(torch.int16), 0x7FFF, out=mags[:r]).view(r, -1, 128).amax(dim=2)),
         "division by the block scales": striped(lambda r0, r: f32[:r].view(r, -1, 128).div_(scale[:, None])),
         "float32 -> float8_e4m3fn (torch's cast)": striped(lambda r0, r: q[r0:r0 + r].copy_(f32[:r])),
