@@ -80,7 +80,7 @@ test-integrations: .venv-verl/.installed .venv-vllm/.installed .venv-hf4/.instal
 	.venv-hf4/bin/python -m pytest -q -p no:cacheprovider tests/test_assets.py   # transformers 4.40 (oldest)
 	.venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py paramstore/integrations/verl.py
 	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py tests/integrations/test_vllm_lora.py \
-	  paramstore/integrations/vllm.py
+	  tests/integrations/test_vllm_fp8.py paramstore/integrations/vllm.py
 
 bench: install
 	$(BIN)/python tools/bench_core.py
