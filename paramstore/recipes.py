@@ -29,7 +29,11 @@ same object). :func:`register` adds a recipe, :func:`get` finds one by name; the
     (``W ~= float(q) * weight_scale``). Source: vLLM ``Fp8LinearMethod.create_weights`` registers a
     ``PerTensorScaleParameter`` named ``weight_scale``, float32, one per fused shard, whose loader
     takes a scalar (``()`` or ``(1,)``) from the checkpoint; ``ops.scaled_fp8_quant`` computes the
-    same ``amax / 448`` scale when vLLM quantizes a bf16 checkpoint itself.
+    same ``amax / 448`` scale when vLLM quantizes a bf16 checkpoint itself. **vLLM's layout only:**
+    transformers (5.19) reads an ``fp8`` config without ``weight_block_size`` as 128x128 blocks
+    with ``weight_scale_inv``, drops ``weight_scale`` as unexpected and loads the raw FP8 values,
+    silently (``tests/integrations/test_vllm_fp8.py`` holds that as a strict xfail); use
+    ``"fp8-block128"`` for a checkpoint both read.
 
 **The quantizer** (both recipes; the block's amax is the tensor's for ``"fp8-tensor"``)::
 
