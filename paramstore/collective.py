@@ -21,10 +21,12 @@ The protocol (every message is JSON as bytes, buffers are ``uint8``; nothing is 
    one and the head of the next. A member that lacks an object copies its part of each bucket into
    a slab of the store's pool (on a CPU group, a bucket inside one object is received straight into
    the slab, and sent straight from the source's mapping); the others receive into a bounce
-   buffer. Two buckets are in flight at once. An object whose last byte arrived is verified
-   (:func:`~paramstore.objects.check_buffer`: its digest, and each tensor where the manifest places
-   it) on a helper thread while the next buckets arrive; good ones are renamed into the local
-   tier, bad ones are discarded, never placed.
+   buffer. Two buckets are in flight at once; the first bucket's worth goes in pieces that double,
+   the last bucket's worth in pieces that halve (:func:`_bounds`). Each bucket that landed is
+   hashed (its pieces, :class:`~paramstore.format.ObjectHasher`) on a helper thread while the next
+   one is in flight; an object whose last byte arrived is then checked (its digest, and each tensor
+   where the manifest places it); good ones are renamed into the local tier (their slabs unmapped
+   afterwards, on another helper thread), bad ones are discarded, never placed.
 5. **Outcome** (``all_gather_bytes``): if any member met a bad object or an error, every member
    raises :class:`~paramstore.errors.BroadcastError` naming the ranks and objects (objects that were
    verified and placed stay: they are content-addressed).
@@ -68,8 +70,9 @@ if TYPE_CHECKING:
 
 __all__ = ["broadcast_version", "PROTOCOL", "DEFAULT_BUCKET_BYTES"]
 
-#: The protocol version members compare in the first round.
-PROTOCOL = 1
+#: The protocol version members compare in the first round (2: the first and last buckets are
+#: cut by halvings, :func:`_bounds`).
+PROTOCOL = 2
 
 #: Bytes per bucket unless the caller says otherwise.
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -406,11 +409,12 @@ class _Buckets:
             for h in self.hashing.values():
                 h.release()
             self._release_views()
-            for o in placed:
+            for o in placed:  # verified: placed while still mapped; unmapped afterwards, off this path
                 slab = self.slabs.pop(o)
-                with contextlib.suppress(BufferError):
-                    slab.close()
-                self.b.root.tier.put(o, slab.path, move=True)
+                try:
+                    self.b.root.tier.put(o, slab.path, move=True)
+                finally:
+                    _retire_later(self.b.pool, slab)
         except (ParamStoreError, OSError) as e:
             if isinstance(e, BroadcastError) or not streamed:
                 raise  # mid-stream: the others are still in buckets (broadcast_version aborts the group)
@@ -511,29 +515,72 @@ class _Buckets:
             return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {})) or self.hashing[o].result()
 
 
-#: The last ``bucket_bytes`` of the stream go in up to this many smaller broadcasts, so that what
-#: a receiver hashes after the last one lands is a fraction of a bucket.
-TAIL_SPLIT = 4
+_retiring: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread)
+
+
+def _retire_later(pool: "SlabPool", slab: "Slab") -> None:
+    """Hand a placed slab back to its pool (:meth:`~paramstore.staging.SlabPool.retire`: kept mapped
+    for recycling, or unmapped) on a helper thread: tearing down the page tables of a received
+    object's mapping costs ~25 ms per 256 MiB here, which the checkout need not wait for (the
+    object is in place, its bytes in the file)."""
+    global _retiring
+    if _retiring is None or _retiring[0] != os.getpid():  # (a forked child has none of its parent's threads)
+        _retiring = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="paramstore-bcast-unmap"))
+
+    def retire() -> None:
+        with contextlib.suppress(BufferError, OSError, ParamStoreError):  # (a view still exported: left mapped)
+            pool.retire(slab)
+
+    _retiring[1].submit(retire)
+
+
+#: The first and the last bucket of the stream are each cut into up to this many halvings: the
+#: first in pieces growing from 1/32 of a bucket (the source maps, and a receiver starts hashing,
+#: after a small one), the last in pieces shrinking to 1/32 (what a receiver hashes after the last
+#: one lands is a small piece). No piece is cut below :data:`MIN_PIECE`.
+SPLITS = 5
+#: The smallest piece :func:`_bounds` cuts a first or last bucket into.
+MIN_PIECE = 1 << 20
+
+
+def _halvings(length: int) -> list[int]:
+    """``length`` bytes as pieces each half the rest (at most :data:`SPLITS` cuts, none below
+    :data:`MIN_PIECE`), largest first; they add up to ``length``."""
+    out, rest = [], length
+    while len(out) < SPLITS and rest >= 2 * MIN_PIECE:
+        half = rest // 2
+        out.append(rest - half)
+        rest = half
+    return out + [rest]
 
 
 def _bounds(total: int, bucket: int) -> list[tuple[int, int]]:
-    """The buckets of a stream of ``total`` bytes, ``[lo, hi)`` each: ``bucket`` bytes each, but the
-    last ``bucket`` bytes cut into up to :data:`TAIL_SPLIT` pieces of at least 1 MiB. The same on
-    every member (a function of the offer).
+    """The broadcasts of a stream of ``total`` bytes, ``[lo, hi)`` each: ``bucket`` bytes each, but
+    the first bucket cut into pieces that grow and the last into pieces that shrink
+    (:func:`_halvings`; a stream of less than two buckets: its first half and the rest). The same
+    on every member (a function of the offer).
 
     Example:
-        >>> _bounds(10 << 20, 4 << 20) == [(0, 4 << 20), (4 << 20, 6 << 20), (6 << 20, 7 << 20),
-        ...                                (7 << 20, 8 << 20), (8 << 20, 9 << 20), (9 << 20, 10 << 20)]
-        True
+        >>> [(hi - lo) >> 20 for lo, hi in _bounds(256 << 20, 64 << 20)]
+        [2, 2, 4, 8, 16, 32, 64, 64, 32, 16, 8, 4, 2, 2]
+        >>> [(hi - lo) >> 20 for lo, hi in _bounds(10 << 20, 4 << 20)]
+        [1, 1, 2, 2, 2, 1, 1]
         >>> _bounds(100, 64)
-        [(0, 36), (36, 100)]
+        [(0, 50), (50, 100)]
+        >>> _bounds(1, 64)
+        [(0, 1)]
     """
-    head = max(0, total - bucket)
-    out = [(lo, min(lo + bucket, head)) for lo in range(0, head, bucket)]
-    tail = total - head
-    pieces = max(1, min(TAIL_SPLIT, tail >> 20))
-    step = -(-tail // pieces)
-    out += [(lo, min(lo + step, total)) for lo in range(head, total, step)]
+    head = min(bucket, total // 2)
+    tail = min(bucket, total - head)
+    sizes = _halvings(head)[::-1] if head else []
+    middle = total - head - tail
+    sizes += [min(bucket, middle - m) for m in range(0, middle, bucket)]
+    sizes += _halvings(tail)
+    out, lo = [], 0
+    for n in sizes:
+        out.append((lo, lo + n))
+        lo += n
+    assert lo == total
     return out
 
 

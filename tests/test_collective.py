@@ -10,8 +10,10 @@ Runs the collective contract's shipped suite
 :func:`paramstore.collective.broadcast_version`: mixed dtypes (bf16, fp8) bit-exact on three
 receivers, a tensor larger than a bucket, a receiver that already holds part of the version (only
 the rest moves), a corrupt object on the source (every member raises, nothing placed), a member
-SIGKILLed mid-broadcast by the parent (the others raise within seconds, nothing placed), and a
-version the source does not have (every member raises).
+SIGKILLed mid-broadcast by the parent (the others raise within seconds, nothing placed), a
+version the source does not have (every member raises), and a version of several MiB whose first
+and last buckets are cut by halvings (bit-exact; a bit flipped in the first, second or last piece
+fails every member, placed nowhere; received slabs are unmapped once placed).
 """
 
 from __future__ import annotations
@@ -416,6 +418,106 @@ def test_a_member_interrupted_mid_stream_makes_the_others_fail_naming_it(shm_dir
         assert "rank 2: KeyboardInterrupt: stop" in got[rank]["raised"], got[rank]["raised"]
         assert got[rank]["rank"] == 2 and got[rank]["seconds"] < 10
     assert got[1]["versions"] == [] and got[2]["versions"] == []
+
+
+# -- buckets cut by halvings: a version of several MiB --------------------------------------------
+def test_bounds_halve_the_first_and_last_bucket_and_cover_the_stream_once():
+    from paramstore.collective import MIN_PIECE, SPLITS, _bounds
+
+    for total, bucket in [(256 << 20, 64 << 20), (10 << 20, 4 << 20), (12 << 20, 4 << 20), (100, 64), (1, 64),
+                          (5, 1), (3 << 20, 1 << 30), (200 << 20, 16 << 10), ((129 << 20) + 7, 64 << 20),
+                          ((64 << 20) + 1, 64 << 20)]:
+        bounds = _bounds(total, bucket)
+        sizes = [hi - lo for lo, hi in bounds]
+        assert bounds[0][0] == 0 and bounds[-1][1] == total and sum(sizes) == total, (total, bucket)
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), (total, bucket)  # contiguous
+        assert all(0 < n <= bucket for n in sizes), (total, bucket)
+        assert len(bounds) <= -(-total // bucket) + 2 * SPLITS, (total, bucket)
+    sizes = [hi - lo for lo, hi in _bounds(256 << 20, 64 << 20)]
+    assert sizes[:6] == sorted(sizes[:6]) and sizes[0] == 2 << 20  # grows: the source maps 2 MiB first
+    assert sizes[-6:] == sorted(sizes[-6:], reverse=True) and sizes[-1] == 2 << 20  # a receiver hashes 2 MiB last
+    assert min(_bounds(256 << 20, 64 << 20), key=lambda b: b[1] - b[0])[1] - \
+        min(_bounds(256 << 20, 64 << 20), key=lambda b: b[1] - b[0])[0] >= MIN_PIECE
+    assert [hi - lo for lo, hi in _bounds(16 << 10, 16 << 10)] == [8 << 10, 8 << 10]  # no piece below MIN_PIECE
+
+
+BIG = {"big": ((3 << 20) + 512,), "small": (1000,)}  # ~6 MiB and ~2 KiB of bf16 (one object)
+BIG_BUCKET = 2 << 20  # the first and last buckets are cut in 1 MiB pieces
+
+
+def big_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g).to(torch.bfloat16) for k, shape in BIG.items()}
+
+
+def _big_version(rank: int, world: int, base: str, corrupt_at: int | None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import paramstore.collective as collective
+    from paramstore.errors import BroadcastError
+
+    store = _store(base, rank)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        store.commit(1, big_model(7)).result()
+        obj = store.manifest(1).tensors["big"].object
+        if corrupt_at is not None:  # one bit, in the file itself: the source does not re-hash
+            path = store._root.tier.object_path(obj)
+            at = corrupt_at if corrupt_at >= 0 else os.path.getsize(path) + corrupt_at
+            with open(path, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)
+                f.seek(at)
+                f.write(bytes([b[0] ^ 0x01]))
+        out["object"] = obj
+    retired: list[list[str]] = []  # at each slab handed back to the pool: the objects then in place
+    inner = store._pool.retire
+
+    def retire(slab: Any) -> None:
+        retired.append(sorted(store._root.tier.list()))
+        inner(slab)
+
+    store._pool.retire = retire  # type: ignore[method-assign]
+    dist.barrier()
+    try:
+        with store.checkout(1, group=dist.group.WORLD, src=0, bucket_bytes=BIG_BUCKET) as snap:
+            out["exact"] = all(torch.equal(as_bytes(snap[k]), as_bytes(v)) for k, v in big_model(7).items())
+            out["from_group"] = list(snap.fetch.from_group)
+        out["raised"] = None
+        out["verify"] = store.verify(1)["ok"]
+    except BroadcastError as e:
+        out["raised"] = str(e)
+    if collective._retiring is not None:  # wait for the helper thread (placed slabs are unmapped there)
+        collective._retiring[1].submit(lambda: None).result()
+    out["retired"] = retired
+    out["objects"] = sorted(store._root.tier.list())
+    out["versions"] = [v.step for v in store.versions()]
+    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
+    store.close()
+    return out
+
+
+def test_a_version_of_several_mib_moves_in_halved_buckets_and_its_slabs_are_unmapped(shm_dir):
+    got, _ = run_members(3, _big_version, shm_dir, None)
+    obj = got[0]["object"]
+    for rank in (1, 2):
+        out = got[rank]
+        assert out["raised"] is None and out["exact"] and out["verify"], out
+        assert obj in out["from_group"] and obj in out["objects"] and out["versions"] == [1]
+        assert out["retired"] == [[obj]], out["retired"]  # its slab: handed back once, after it was placed
+
+
+@pytest.mark.parametrize("corrupt_at", [20 << 10, 1 << 20, -100], ids=["first-piece", "second-piece", "last-piece"])
+def test_a_corrupt_byte_in_a_halved_bucket_fails_every_member_and_is_placed_nowhere(shm_dir, corrupt_at):
+    got, _ = run_members(3, _big_version, shm_dir, corrupt_at)
+    obj = got[0]["object"]
+    for rank, out in got.items():
+        assert out["raised"] is not None and f"object {obj}" in out["raised"], (rank, out["raised"])
+        assert "does not match the manifest" in out["raised"]
+    for rank in (1, 2):
+        assert obj not in got[rank]["objects"] and got[rank]["versions"] == []
+        assert not [t for t in got[rank]["tmp"] if t.startswith("slab")], got[rank]["tmp"]
+        assert got[rank]["retired"] == []  # (discarded, not handed back)
 
 
 # -- over NCCL (a machine with two GPUs or more) -------------------------------------------------

@@ -65,12 +65,13 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
             raw.zero_()  # faulted, as the store's prepared slabs are
         per = total // TENSORS
         times: dict[str, list[float]] = {"paramstore": [], "raw": []}
+        cpu: dict[str, list[float]] = {"paramstore": [], "raw": []}  # this process's CPU-seconds (all threads)
         moved: list[int] = []
 
         def timed(what: str, step: int) -> None:
             time.sleep(settle)  # background work (slabs faulted after a commit or a receive) is done
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if what == "raw":
                 for lo in range(0, total, bucket):
                     dist.broadcast(raw[lo: lo + bucket], src=0)
@@ -78,6 +79,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
                 with store.checkout(step, group=dist.group.WORLD, src=0, bucket_bytes=bucket) as snap:
                     moved.append(snap.fetch.bytes)
             times[what].append(time.perf_counter() - t0)
+            cpu[what].append(time.process_time() - c0)
 
         for r in range(rounds + 1):  # round 0: warm-up
             step = r + 1
@@ -95,7 +97,8 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
                 store.gc()
         store.close()
         results.put((rank, "ok", {"paramstore": times["paramstore"][1:], "raw": times["raw"][1:],
-                                  "moved": moved[1:]}))
+                                  "moved": moved[1:],
+                                  "cpu_paramstore": cpu["paramstore"][1:], "cpu_raw": cpu["raw"][1:]}))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -122,8 +125,11 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
 
     Returns:
         ``{"mib", "receivers", "bucket_mib", "rounds", "paramstore_s", "raw_s", "ratio",
-        "paramstore_all", "raw_all", "bytes_per_receiver", "foreign_cpu_pct", "machine"}``: medians
-        over the rounds of the slowest member's time; ``ratio`` = raw / paramstore;
+        "paramstore_all", "raw_all", "ratio_all", "bytes_per_receiver", "cpu_s_per_gib", "foreign_cpu_pct",
+        "machine"}``: medians over the rounds of the slowest member's time; ``ratio`` = raw / paramstore;
+        ``cpu_s_per_gib``: ``{"paramstore"|"raw": {"receiver", "source"}}``, a member's CPU-seconds
+        (every thread of its process) per GiB of the version, medians over the rounds (receivers:
+        their mean);
         ``foreign_cpu_pct``: the machine's CPU other processes used during the run (noise).
 
     Raises:
@@ -165,11 +171,25 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
         shutil.rmtree(base, ignore_errors=True)
     slowest = {what: [max(got[r][what][i] for r in got) for i in range(rounds)] for what in ("paramstore", "raw")}
     ours, raw = statistics.median(slowest["paramstore"]), statistics.median(slowest["raw"])
+    gib = mib / 1024
+    # CPU-seconds per GiB moved (all of a member's threads: gloo's, hashing, copies), median over
+    # rounds of the receivers' mean, and the source's
+    cpu = {what: {"receiver": statistics.median(
+                      statistics.mean(got[r][f"cpu_{what}"][i] for r in got if r) for i in range(rounds)) / gib
+                  if receivers else 0.0,
+                  "source": statistics.median(got[0][f"cpu_{what}"]) / gib}
+           for what in ("paramstore", "raw")}
     return {"mib": mib, "receivers": receivers, "bucket_mib": bucket_mib, "rounds": rounds,
             "paramstore_s": ours, "raw_s": raw, "ratio": raw / ours,
             "paramstore_all": slowest["paramstore"], "raw_all": slowest["raw"],
+            "ratio_all": [r / o for r, o in zip(slowest["raw"], slowest["paramstore"])],
             "bytes_per_receiver": statistics.median(got[1]["moved"]) if receivers else 0,
-            "foreign_cpu_pct": noise["foreign_pct"], "machine": machine()}
+            "cpu_s_per_gib": cpu, "foreign_cpu_pct": noise["foreign_pct"], "machine": machine()}
+
+
+def _cpu(res: dict[str, Any], what: str) -> str:
+    c = res.get("cpu_s_per_gib", {}).get(what)
+    return f"{c['receiver']:.2f} / {c['source']:.2f}" if c else ""
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -178,12 +198,12 @@ def markdown(res: dict[str, Any]) -> str:
         f"(loopback), {res['bucket_mib']} MiB buckets; median of {res['rounds']} rounds, slowest member; other "
         f"processes used {res['foreign_cpu_pct']}% of the machine's CPU meanwhile.",
         "",
-        "| | time | throughput per receiver | ratio (raw / paramstore) | goal |",
-        "|---|---|---|---|---|",
+        "| | time | throughput per receiver | CPU-s per GiB: receiver / source | ratio (raw / paramstore) | goal |",
+        "|---|---|---|---|---|---|",
         f"| `store.checkout(v, group=, src=0)` | {res['paramstore_s'] * 1e3:.0f} ms | "
-        f"{res['mib'] / 1024 / res['paramstore_s']:.2f} GiB/s | {res['ratio']:.2f}× | ≥ 0.9× |",
+        f"{res['mib'] / 1024 / res['paramstore_s']:.2f} GiB/s | {_cpu(res, 'paramstore')} | {res['ratio']:.2f}× | ≥ 0.9× |",
         f"| raw `dist.broadcast` | {res['raw_s'] * 1e3:.0f} ms | {res['mib'] / 1024 / res['raw_s']:.2f} GiB/s | "
-        "1.00× | |",
+        f"{_cpu(res, 'raw')} | 1.00× | |",
     ])
 
 
