@@ -1,6 +1,7 @@
 """Relay (issue 27, item 3): hosts fetching a version at once form a chain in the order they joined;
-each reads every block from the nearest fetcher ahead of it and announces a block only once it
-verified it (pieces against the manifest, the header against the object's name). Real processes,
+each reads every block from the nearest fetcher ahead of it, up to the mark that host publishes
+in its progress word, which moves only past blocks it verified (pieces against the manifest, the
+header against the object's name). Real processes,
 a real redis-server, Mooncake over TCP on 127.0.0.1 (see test_peers.py).
 
 A "slow host" (``block_delay``) holds each block back after it lands, so that the fetches overlap
@@ -45,7 +46,7 @@ def test_a_corrupt_origin_is_blamed_and_nothing_it_served_is_relayed(hosts, redi
     """The trainer's served memory is corrupted after a good host took a copy. The next host reads
     blocks from both; each block of the trainer's fails its piece digest as it lands, so the trainer
     is blamed at once (exact: the block says who served it), the block comes again from the good
-    host, and the bad bytes are never announced. The host after it reads from it (a chain) and never
+    host, and the bad bytes are never served on (the mark does not move past them). The host after it reads from it (a chain) and never
     receives a bad byte from it: it blames nobody but the trainer, whose announced memory is bad."""
     trainer, good = hosts("trainer"), hosts("rollout")
     trainer.ask("commit 1 1 16")
