@@ -31,12 +31,13 @@ import enum
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import InvalidArgumentError
 from .safefs import read_regular, write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Adapter", "adapter_of", "base_of", "config_bytes", "write_peft", "BASE_KEY", "ADAPTER_CONFIG",
            "ADAPTER_WEIGHTS"]
@@ -53,7 +54,7 @@ _MAX_CONFIG_BYTES = 1 << 20
 class Adapter:
     """An adapter as a commit stores it: its tensors (PEFT's saved names) and its config."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: "dict[str, torch.Tensor]"
     config: dict[str, Any]
 
 
@@ -65,6 +66,8 @@ def adapter_of(adapter: Any, adapter_config: Any = None) -> Adapter:
         InvalidArgumentError: neither form, no tensors, a non-tensor value, or a config without
             ``peft_type`` (and, for LoRA, without a positive int ``r`` or ``target_modules``).
     """
+    import torch  # here: retention and the CLI read adapter metadata without loading torch
+
     if hasattr(adapter, "peft_config") and not isinstance(adapter, Mapping):
         if adapter_config is not None:
             raise InvalidArgumentError("a PEFT model carries its own config: pass adapter_config= only with a state dict")
@@ -157,7 +160,7 @@ def base_of(metadata: Mapping[str, Any]) -> int | None:
     return None
 
 
-def write_peft(directory: str, tensors: Mapping[str, torch.Tensor], config: bytes) -> list[str]:
+def write_peft(directory: str, tensors: "Mapping[str, torch.Tensor]", config: bytes) -> list[str]:
     """Write an adapter directory PEFT loads: ``adapter_model.safetensors`` (``tensors``) and
     ``adapter_config.json`` (``config``, its bytes). ``directory`` is created if missing; each file
     is replaced atomically (:func:`paramstore.safefs.write_atomic`: a link planted there is never

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 
 from .errors import (
@@ -41,6 +41,7 @@ from .errors import (
     VersionNotFoundError,
 )
 from .delta import fetch_by_patches
+from .lazy import LazyReads
 from .manifest import Manifest
 from .objects import quarantine, read_manifest
 from .peer import fetch as peer_fetch
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
     from .peer import PeerServer
     from .remote import Remote
-    from .lazy import LazyReads
     from .snapshot import Snapshot
     from .staging import SlabPool
 
@@ -129,8 +129,6 @@ class Fetcher:
         """What a lazy checkout of leased version ``step`` reads the pieces of the objects this host
         lacks with (:mod:`paramstore.lazy`): from the peers that hold them, then the remote; nothing is
         fetched now. ``report`` (the snapshot's) gets what those reads move."""
-        from .lazy import LazyReads
-
         return LazyReads(self._root, step, manifest, report, transport=self._transport, server=self._server,
                          remote=self._remote)
 

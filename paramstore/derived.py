@@ -53,7 +53,9 @@ import blake3
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
 from .format import TensorSpec, layout, loads, object_digest, read_header, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
+from .objects import quarantine
 from .root import StoreRoot
+from .staging import tmp_name
 from .validate import check_digest
 
 if TYPE_CHECKING:
@@ -351,7 +353,6 @@ def _store_outputs(root: StoreRoot, produced: list[tuple[tuple[tuple[int, int] |
     tier's rename; returns the unit's record (not yet written). The caller holds the GC lock shared."""
     import torch
 
-    from .staging import tmp_name
     from .tensors import TORCH_TO_ST
 
     record = _Record(sources, {})
@@ -557,7 +558,6 @@ def verify_or_forget(root: StoreRoot, snap: "Snapshot") -> None:
     """``checkout(..., verify=True)`` of a derived snapshot: re-hash what it maps; a damaged derived
     object is quarantined and the records pointing at it dropped (the next checkout derives it
     again). Raises CorruptObjectError naming it."""
-    from .objects import quarantine
 
     bad = snap.verify()
     if not bad:

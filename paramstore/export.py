@@ -35,6 +35,7 @@ from typing import IO, Any, Iterable, Mapping
 
 from .adapters import ADAPTER_CONFIG, base_of, write_peft
 from .assets import check_loadable, dir_assets, write_assets
+from .derived import derive_manifest, resolve_recipe
 from .errors import InvalidArgumentError, ObjectUnavailableError
 from .format import TensorSpec, layout
 from .manifest import TensorEntry
@@ -89,8 +90,6 @@ def export(root: StoreRoot, step: int, directory: str, *, shard_size_bytes: int 
     if weights_only and assets_from is not None:
         raise InvalidArgumentError("weights_only exports no assets: pass assets_from= or weights_only=True, not both")
     if recipe is not None:
-        from .derived import resolve_recipe
-
         recipe = resolve_recipe(recipe)
     extra = {} if assets_from is None else dir_assets(assets_from)
     with root.leased([step]):  # retention cannot prune it while its bytes are copied
@@ -133,8 +132,6 @@ def _export(root: StoreRoot, step: int, directory: str, shard_size_bytes: int, s
     version = root.registry.get_version(step)
     man = root.registry.get_manifest(step)
     if recipe is not None:
-        from .derived import derive_manifest
-
         for m in map_objects(root, step, man.objects()).values():  # ObjectUnavailableError before deriving
             m.close()
         man, _ = derive_manifest(root, man, recipe)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from .errors import CorruptObjectError, ObjectUnavailableError, RemoteError, TransferError
 from .format import ITEMSIZE, PIECE_SIZE, piece_digest
 from .manifest import Chunk, Manifest
+from .peer import _contiguous, _retire
 from .reports import FetchReport
 from .staging import tmp_name
 
@@ -216,8 +217,6 @@ class LazyReads:
                    why: list[str]) -> list[Piece]:
         """Read ``pending`` from one peer, a batch at a time; returns what is still missing (all of
         the rest once the peer fails or serves a bad piece: it is asked nothing more)."""
-        from .peer import _contiguous, _retire
-
         session = peer.session  # type: ignore[attr-defined]
         left = list(pending)
         for batch in _batches(pending):

@@ -18,7 +18,7 @@ import queue
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from . import metrics
+from . import derived, metrics
 from .checkout import Fetcher, check_checkout_args, map_version, release_lease
 from .errors import InvalidArgumentError, ParamStoreError, VersionNotFoundError, WaitTimeoutError
 from .manifest import Version
@@ -136,9 +136,7 @@ class ReadSide:
         thread, one version after another, in the order asked."""
         check_checkout_args(version, min_step, timeout)
         if recipe is not None:
-            from .derived import resolve_recipe
-
-            recipe = resolve_recipe(recipe)  # an unknown name fails the call, not the future
+            recipe = derived.resolve_recipe(recipe)  # an unknown name fails the call, not the future
         with self._parts_lock:
             if self._prefetcher is None:
                 self._prefetcher = _Serial("paramstore-prefetch")
@@ -161,9 +159,7 @@ class ReadSide:
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
             if recipe is not None:
-                from .derived import derive_manifest
-
-                derive_manifest(root, manifest, recipe)
+                derived.derive_manifest(root, manifest, recipe)
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
@@ -177,9 +173,7 @@ class ReadSide:
         check_checkout_args(version, min_step, timeout)
         lazy = _check_fetch(fetch, verify=verify, device=device, group=group, recipe=recipe)
         if recipe is not None:
-            from .derived import resolve_recipe
-
-            recipe = resolve_recipe(recipe)
+            recipe = derived.resolve_recipe(recipe)
             if group is not None:
                 raise InvalidArgumentError("recipe= with group= is not supported: check the version out with group= "
                                            "(each member then holds its objects), then again with recipe= alone")
@@ -199,8 +193,6 @@ class ReadSide:
                                              holder or f"pid {os.getpid()}", given)
         snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify, lazy=lazy)
         if recipe is not None:
-            from . import derived
-
             snap = derived.checkout(root, snap, recipe)  # closes snap; the lease passes to the derived one
             if verify:
                 derived.verify_or_forget(root, snap)

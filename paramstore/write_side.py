@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
-from . import metrics
+from . import adapters, metrics
 from .assets import AssetsArg, model_assets, read_assets
 from .delta import Patcher
 from .errors import InvalidArgumentError, ParamStoreError, StepOrderError, WaitTimeoutError
@@ -150,8 +150,6 @@ class WriteSide:
         """An adapter version: the adapter's tensors, its ``adapter_config.json`` as an asset, and
         its base in the metadata. The base is leased until the version is visible (or the commit
         failed), so no prune removes it before an adapter version that names it exists."""
-        from . import adapters
-
         if base is None:
             raise InvalidArgumentError("adapter_config= makes an adapter version: pass base= too (the version the "
                                        "adapter applies to)")

@@ -96,7 +96,10 @@ def _victim_or_liar(rank: int, world: int, base: str, lie: str) -> dict:
             except BroadcastError as e:
                 return {"raised": str(e)}
             return {"raised": None}
-        coll.all_gather_bytes(json.dumps({"protocol": 1, "src": 0}, separators=(",", ":"), sort_keys=True).encode())
+        from paramstore.collective import PROTOCOL
+
+        coll.all_gather_bytes(json.dumps({"protocol": PROTOCOL, "src": 0}, separators=(",", ":"),
+                                         sort_keys=True).encode())
         coll.broadcast_bytes(None, 0)  # the offer
         frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
         frame[:8] = torch.frombuffer(bytearray(HUGE.to_bytes(8, "little")), dtype=torch.uint8)

@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         "paramstore.errors", "paramstore.text", "paramstore.format", "paramstore.validate", "paramstore.reports",
         "paramstore.manifest", "paramstore.patch", "paramstore.liveness", "paramstore.progress", "paramstore.safefs",
         "paramstore.accel", "paramstore.pinning", "paramstore.plugins", "paramstore.metrics", "paramstore.recipes",
+        "paramstore.adapters",
     )),
     ("contracts", "the backend contracts and their conformance suites", (
         "paramstore.backends", "paramstore.backends.*.base", "paramstore.backends.*.testing",
@@ -53,7 +54,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("mechanisms", "one job each: the store root, staging, commit, snapshot, patches, peers, remote, device", (
         "paramstore.root", "paramstore.staging", "paramstore.writer", "paramstore.assets", "paramstore.retention",
         "paramstore.sharded", "paramstore.tensors", "paramstore.objects", "paramstore.snapshot", "paramstore.delta",
-        "paramstore.peer", "paramstore.remote", "paramstore.commit", "paramstore.device",
+        "paramstore.peer", "paramstore.remote", "paramstore.commit", "paramstore.device", "paramstore.lazy",
+        "paramstore.derived",
     )),
     ("orchestration", "paths and services built on the mechanisms: checkout, broadcast, maintenance, commands", (
         "paramstore.checkout", "paramstore.collective", "paramstore.ops", "paramstore.maintenance",

@@ -62,13 +62,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paramstore import adapters
+from paramstore import ParamStore, adapters
 from paramstore.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-    from paramstore import ParamStore, Snapshot
+    from paramstore import Snapshot
 
 __all__ = ["AdapterInfo", "LoRAVersions"]
 
@@ -167,8 +167,6 @@ class LoRAVersions:
         self._base = base
         self._owns_store = not hasattr(store, "checkout")
         if self._owns_store:
-            from paramstore import ParamStore
-
             store = ParamStore(os.fspath(store), create=False)
         self.store = store
         if workdir is None:
