@@ -438,16 +438,7 @@ class _Fetch:
                     self._blame(peer)
 
     def _blame(self, peer: Peer) -> None:
-        """``peer`` served bytes of this object that fail verification: counted in the report's
-        ``rejected`` (once per object), said in a warning, and asked nothing more in this fetch."""
-        with self.lock:
-            if peer.id in self.culprits:
-                return
-            self.culprits.add(peer.id)
-            self.excluded.add(peer.id)
-            self.report.rejected[peer.session] += 1
-        warnings.warn(f"paramstore: peer {peer.session} served bytes of object {self.digest[:16]}… that fail "
-                      "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=2)
+        _blame(self, peer, "bytes")
 
     def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
         found = self.root.registry.holders(keys)
@@ -869,14 +860,7 @@ class _Relay:
         return None
 
     def _blame(self, peer: Peer, why: str) -> None:
-        with self.lock:
-            if peer.id in self.culprits:
-                return
-            self.culprits.add(peer.id)
-            self.excluded.add(peer.id)
-            self.report.rejected[peer.session] += 1
-        warnings.warn(f"paramstore: peer {peer.session} served a block of object {self.digest[:16]}… that fails "
-                      f"verification ({why}): it is asked nothing more in this fetch", RuntimeWarning, stacklevel=2)
+        _blame(self, peer, f"a block ({why})")
 
     def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
         found = self.root.registry.holders(keys)
@@ -885,6 +869,19 @@ class _Relay:
     def _announce(self, new: dict[str, int]) -> None:
         self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
         self.announced.extend(new)
+
+
+def _blame(fetch: "_Fetch | _Relay", peer: Peer, what: str) -> None:
+    """``peer`` served ``what`` of ``fetch``'s object that fails verification: counted in the
+    report's ``rejected`` (once per object), said in a warning, and asked nothing more in this fetch."""
+    with fetch.lock:
+        if peer.id in fetch.culprits:
+            return
+        fetch.culprits.add(peer.id)
+        fetch.excluded.add(peer.id)
+        fetch.report.rejected[peer.session] += 1
+    warnings.warn(f"paramstore: peer {peer.session} served {what} of object {fetch.digest[:16]}… that fails "
+                  "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=3)
 
 
 def _block_key(digest: str, index: int) -> str:

@@ -23,6 +23,7 @@ import torch
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
 from paramstore import ParamStore, ParamStoreError  # noqa: E402
+from peer_host import corrupt_served  # noqa: E402  (this directory is on sys.path: the script runs from it)
 
 ROWS, COLS = 4096, 4096  # big.weight: 64 MiB of float32, 8 pieces of 8 MiB (512 rows each)
 
@@ -92,14 +93,7 @@ def main() -> None:
                               and torch.equal(policy.head.weight, want["head.weight"]) and not result.missing_keys)
                         say(ok=ok, **report(snap))
                 elif cmd == "corrupt":
-                    for digest in server.served:
-                        with open(store._root.tier.object_path(digest), "r+b") as f:
-                            for pos in range(4096, os.fstat(f.fileno()).st_size, 1 << 20):
-                                f.seek(pos)
-                                byte = f.read(1)
-                                f.seek(pos)
-                                f.write(bytes([byte[0] ^ 0xFF]))
-                    say(corrupted=len(server.served))
+                    say(corrupted=corrupt_served(store, server))
                 elif cmd == "quit":
                     break
             except ParamStoreError as e:

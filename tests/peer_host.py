@@ -48,6 +48,19 @@ def model(seed: int, changed: int = TENSORS, sparse: float = 0.0) -> dict[str, t
     return out
 
 
+def corrupt_served(store: ParamStore, server: object) -> int:
+    """Flip a byte every MiB (from byte 4096) of every object ``server`` serves, in this host's
+    shared memory; returns how many objects."""
+    for digest in server.served:  # type: ignore[attr-defined]
+        with open(store._root.tier.object_path(digest), "r+b") as f:
+            for pos in range(4096, os.fstat(f.fileno()).st_size, 1 << 20):
+                f.seek(pos)
+                byte = f.read(1)
+                f.seek(pos)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    return len(server.served)  # type: ignore[attr-defined]
+
+
 def say(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -108,14 +121,7 @@ def main() -> None:
                     from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
                     largest_slab=max(slabs, default=0))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
-                for digest in server.served:
-                    with open(store._root.tier.object_path(digest), "r+b") as f:
-                        for pos in range(4096, os.fstat(f.fileno()).st_size, 1 << 20):
-                            f.seek(pos)
-                            byte = f.read(1)
-                            f.seek(pos)
-                            f.write(bytes([byte[0] ^ 0xFF]))
-                say(corrupted=len(server.served))
+                say(corrupted=corrupt_served(store, server))
             elif cmd == "quit":
                 break
 
