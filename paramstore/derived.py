@@ -474,16 +474,10 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
     tensors: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
     made_by: dict[str, str] = {}  # output name -> the input name it came from
+    from .recipes import claim_output  # (loads torch: only when a version is derived)
 
     def put(new: str, entry: TensorEntry, name: str) -> None:
-        clash = made_by.get(new)
-        if clash is None and new != name and (new in manifest.tensors or new in manifest.aliases):
-            clash = new
-        if clash is not None:
-            where = "is in the version already" if clash == new else f"{clash!r} gives too"
-            raise InvalidArgumentError(f"recipe {recipe.name!r}: {name!r} gives {new!r}, which {where}: "
-                                       "is it derived already?")
-        made_by[new] = name
+        claim_output(recipe, made_by, name, new, new in manifest.tensors or new in manifest.aliases, "the version")
         tensors[new] = entry
 
     def outputs(name: str, e: TensorEntry) -> dict[str, TensorEntry] | None:

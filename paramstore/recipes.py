@@ -93,7 +93,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -277,16 +276,23 @@ def derive(recipe: str | Recipe, state_dict: Mapping[str, Any]) -> dict[str, Any
         else:
             produced = {name: value}
         for new, tensor in produced.items():
-            clash = source.get(new)
-            if clash is None and new != name and new in state_dict:
-                clash = new
-            if clash is not None:
-                where = "is in the state dict already" if clash == new else f"{clash!r} gives too"
-                raise InvalidArgumentError(f"recipe {recipe.name!r}: {name!r} gives {new!r}, which {where}: "
-                                           "is it derived already?")
-            source[new] = name
+            claim_output(recipe, source, name, new, new in state_dict, "the state dict")
             out[new] = tensor
     return out
+
+
+def claim_output(recipe: Recipe, made_by: dict[str, str], name: str, new: str, present: bool, where: str) -> None:
+    """Record that input ``name`` gives output ``new`` (``made_by``: output -> input), refusing
+    (InvalidArgumentError) an output another input gives too, or one already ``present`` in the
+    input (``where`` names it) that ``name`` does not simply keep."""
+    clash = made_by.get(new)
+    if clash is None and new != name and present:
+        clash = new
+    if clash is not None:
+        said = f"is in {where} already" if clash == new else f"{clash!r} gives too"
+        raise InvalidArgumentError(f"recipe {recipe.name!r}: {name!r} gives {new!r}, which {said}: "
+                                   "is it derived already?")
+    made_by[new] = name
 
 
 def default_eligible(name: str, tensor: torch.Tensor) -> bool:
