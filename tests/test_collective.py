@@ -420,6 +420,43 @@ def test_a_member_interrupted_mid_stream_makes_the_others_fail_naming_it(shm_dir
     assert got[1]["versions"] == [] and got[2]["versions"] == []
 
 
+def _abandoned_buffer_member(rank: int, world: int, base: str) -> dict[str, Any]:
+    import gc
+    import weakref
+
+    from paramstore.backends.transports.collective import TorchCollective
+    from paramstore.errors import BroadcastError
+
+    coll = TorchCollective()
+    if rank == 2:  # leaves without taking part: the source's transfer fails part way
+        return {}
+    if rank == 1:  # takes no part either, but stays: its connection to the source stays open
+        time.sleep(4)
+        return {}
+    tensor = torch.ones(256 << 20, dtype=torch.uint8)  # larger than the sockets' buffers: still being sent
+    pending = coll.broadcast(tensor, 0, async_op=True)
+    out: dict[str, Any] = {}
+    try:
+        pending.wait()
+    except BroadcastError as e:
+        out["raised"] = str(e)
+    ref = weakref.ref(tensor)
+    del tensor, pending
+    gc.collect()
+    time.sleep(0.5)  # (gloo ends the failed work on its own threads)
+    gc.collect()
+    out["alive"] = ref() is not None
+    return out
+
+
+def test_a_buffer_handed_to_a_transfer_that_failed_is_never_freed(shm_dir):
+    # Freeing it let gloo's I/O thread, still writing it to another member, fail with EFAULT and
+    # abort the whole process (CI: the interrupted-member test above, rank 0 killed by SIGABRT).
+    got, _ = run_members(3, _abandoned_buffer_member, shm_dir)
+    assert "raised" in got[0], got[0]
+    assert got[0]["alive"], "a buffer of a failed transfer was freed while the group's threads may use it"
+
+
 # -- buckets cut by halvings: a version of several MiB --------------------------------------------
 def test_bounds_halve_the_first_and_last_bucket_and_cover_the_stream_once():
     from paramstore.collective import MIN_PIECE, SPLITS, _bounds

@@ -206,7 +206,25 @@ class Collective(abc.ABC):
         afterwards.
 
         Note for implementers: the default does nothing; override it where the group can be
-        aborted (idempotent)."""
+        aborted (idempotent). A transfer not complete when the group fails may still be read or
+        written by the group's own threads after its wait raised: keep every buffer handed to one
+        alive and mapped for the life of the process (:func:`abandon`), never free it."""
+
+
+#: Buffers (and work handles) of transfers given up before they completed: see :func:`abandon`.
+_abandoned: list[Any] = []
+
+
+def abandon(*things: Any) -> None:
+    """Keep ``things`` (tensors handed to a transfer, its work handle) for the rest of the process.
+
+    Aborting a gloo group ends the waits on its transfers while its transport thread may still
+    have a ``writev``/``readv`` of their buffers queued; freeing one then (a bounce buffer, a
+    mapping of an object) made that thread fail with ``EFAULT`` ("Bad address") and gloo abort the
+    whole process (CI, once in ~1,000 runs of a test that interrupts a member mid-stream), or could
+    let it write into memory reused for something else. The cost is the buffers in flight when one
+    group failed (two buckets of a collective checkout), once per failed group."""
+    _abandoned.append(things)
 
 
 class TorchCollective(Collective):
@@ -232,7 +250,8 @@ class TorchCollective(Collective):
     polling loop that looks at that key every :data:`POLL_S` seconds: each raises
     BroadcastError naming the failed rank within about that. A store that cannot be reached (its
     host, rank 0, died) counts as a failure too. A transfer abandoned this way may still write
-    into its buffer later: the caller never reuses it (:mod:`paramstore.collective` drops it).
+    into its buffer later: the caller never reuses nor frees it (:mod:`paramstore.collective` keeps
+    it for the life of the process).
     After a failure the group is broken for good: make a new one. With gloo, transfers abandoned
     while their peers live on stay queued on gloo's threads until the group's timeout, which can
     hold up ``destroy_process_group`` and the interpreter's exit for that long (measured here: a
@@ -259,6 +278,7 @@ class TorchCollective(Collective):
         self._device = torch.device(device) if device is not None else _backend_device(self.backend, self._group)
         self._timeout = timeout
         self._aborted = False
+        self._in_flight: dict[int, tuple[Any, ...]] = {}  # id(work) -> (work, its tensors), until complete
         try:
             self._store: Any = distributed_c10d._get_process_group_store(self._group)
         except Exception:  # noqa: BLE001 - private API: without it, failures are noticed by neighbours only
@@ -283,6 +303,7 @@ class TorchCollective(Collective):
             work = self._dist.broadcast(tensor, group=self._group, group_src=src, async_op=True)
         except RuntimeError as e:
             raise self._failed("a broadcast", e) from e
+        self._in_flight[id(work)] = (work, tensor)
         pending = Pending(lambda: self._wait(work, "a broadcast"))
         if not async_op:
             pending.wait()
@@ -321,6 +342,9 @@ class TorchCollective(Collective):
         if self._aborted:
             return
         self._aborted = True
+        if self._in_flight:  # their buffers outlive the group (abandon): its threads may still use them
+            abandon(*self._in_flight.values())
+            self._in_flight.clear()
         if self._store is not None:
             try:
                 if not self._store.check([FAILED_KEY]):
@@ -339,6 +363,7 @@ class TorchCollective(Collective):
             work = self._dist.all_gather(out, tensor, group=self._group, async_op=True)
         except RuntimeError as e:
             raise self._failed("an all_gather", e) from e
+        self._in_flight[id(work)] = (work, tensor, *out)
         self._wait(work, "an all_gather")
 
     def _wait(self, work: Any, what: str) -> None:
@@ -364,6 +389,7 @@ class TorchCollective(Collective):
             work.wait()
         except RuntimeError as e:
             raise self._failed(what, e, self._other_failed()) from e
+        self._in_flight.pop(id(work), None)  # complete: its buffers are the caller's again
 
     def _other_failed(self) -> str | None:
         """What another member wrote under :data:`FAILED_KEY` (or why the store cannot be read)."""
