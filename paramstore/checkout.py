@@ -132,6 +132,12 @@ class Fetcher:
         return LazyReads(self._root, step, manifest, report, transport=self._transport, server=self._server,
                          remote=self._remote)
 
+    def obtain(self, sizes: "dict[str, int]", report: FetchReport | None) -> int:
+        """Bring these objects (by digest: objects no version names, such as derived ones) here from
+        the peers that serve them, each verified against its digest as it arrives; returns the bytes
+        moved (also counted in ``report``, if given). What no peer delivers stays absent."""
+        return self._get(report if report is not None else FetchReport(0), set(), sizes)
+
     def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                       excluded: set[str]) -> None:
         fetch_by_patches(self._root, self._pool, step, manifest, report,

@@ -15,20 +15,28 @@ hashed, renamed into ``objects/`` by :meth:`LocalTier.put <paramstore.backends.t
 as a commit places its objects). Two derivers of the same unit, in any processes, write the same
 bytes (the recipes are exact: see :mod:`paramstore.recipes`) under the same name; the rename is
 atomic, so they end with one valid object. The mapping from a unit to its result is a small JSON
-*record*, ``<root>/derived/<recipe>@<version>/<source object digest>.json``: the derived objects
-and their sizes, and for each converted tensor its byte range in the source and the entries of
-its outputs. A record is created once (a link: the first one wins, the others adopt it) and read
-by every later checkout, in any process; so a version that shares unchanged objects with an
-earlier one derives only its changed objects.
+*record* in the store's registry, under ``<recipe>@<version>/<source object digest>``
+(:meth:`Registry.swap_derived <paramstore.backends.registries.base.Registry.swap_derived>`): the
+derived objects and their sizes, and for each converted tensor its byte range in the source and
+the entries of its outputs. A record is created once (the first writer wins, the others adopt it)
+and read by every later checkout, in any process; so a version that shares unchanged objects with
+an earlier one derives only its changed objects.
+
+**Shared between hosts.** With a shared registry (redis), every host reads the records any host
+wrote. A host that needs a unit whose record names derived objects it lacks asks for them as for
+any object (``obtain``: the checkout's fetcher, from the peers that serve them, each verified
+against its digest as it arrives), and derives the unit itself only if nobody can deliver them;
+derived objects are ordinary objects of the tier, so every peer server serves them. So a recipe's
+work is done once per changed object in the whole cluster, by the first host that asks.
 
 A tensor that the version names otherwise than its object does (its bytes deduplicated against
 another tensor's, a chunked tensor of a sharded commit, a tied name) is a unit of its own, keyed
-by the blake3 of its name, dtype, shape and pieces (``t-<key>.json``): its derivation then reads
+by the blake3 of its name, dtype, shape and pieces (``t-<key>``): its derivation then reads
 the tensor as the version names it.
 
 **Lifetimes.** A derived object is referenced by no version: GC's mark phase (:func:`mark`, called
 by :func:`paramstore.maintenance.gc` under the exclusive GC lock) keeps every derived object whose
-record's source objects are still referenced, and deletes the records whose sources are not, so
+record's source objects are still referenced, and drops the records whose sources are not, so
 their derived objects are swept with their source. A leased version's objects are referenced, so
 a checked-out derived snapshot keeps its derived objects too. A deriver holds the GC lock shared
 from the rename of its objects until its record is written, as a commit does until it publishes.
@@ -44,7 +52,6 @@ import contextlib
 import json
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -64,11 +71,13 @@ if TYPE_CHECKING:
     from .recipes import Recipe
     from .snapshot import Snapshot
 
-__all__ = ["DERIVED_DIR", "RECORD_FORMAT", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
+__all__ = ["RECORD_FORMAT", "Obtain", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
            "records"]
 
-#: Where the records live, under the store root.
-DERIVED_DIR = "derived"
+#: What a derivation is given to bring derived objects named by another host's record here:
+#: ``obtain({digest: size})`` places what it can (verified, as any fetched object) and leaves the
+#: rest absent (then they are derived here).
+Obtain = Callable[[dict[str, int]], Any]
 #: The records' format (a record of another format is derived again).
 RECORD_FORMAT = 1
 _UNIT_DOMAIN = b"paramstore/derived-unit/v1\0"
@@ -125,12 +134,9 @@ def resolve_recipe(recipe: "str | Recipe") -> "Recipe":
 
 
 # -- records -------------------------------------------------------------------------------------
-def _folder(root: StoreRoot, recipe: "Recipe") -> str:
-    return os.path.join(root.path, DERIVED_DIR, recipe_key(recipe))
-
-
-def _unit_file(root: StoreRoot, recipe: "Recipe", unit: str) -> str:
-    return os.path.join(_folder(root, recipe), unit + ".json")
+def _key(recipe: "Recipe", unit: str) -> str:
+    """The registry key of ``unit``'s record: ``<recipe>@<version>/<unit>``."""
+    return f"{recipe_key(recipe)}/{unit}"
 
 
 def _encode(recipe: "Recipe", record: _Record) -> bytes:
@@ -177,103 +183,69 @@ def _decode(raw: bytes, recipe: "Recipe | None" = None) -> _Record:
     return _Record(sources, objects, outputs)
 
 
-def _read_record(root: StoreRoot, recipe: "Recipe", unit: str) -> _Record | None:
-    """The record of ``unit`` if it is there, parses, and its objects are here at their sizes."""
-    try:
-        with open(_unit_file(root, recipe, unit), "rb") as f:
-            record = _decode(f.read(), recipe)
-    except FileNotFoundError:
+def _parse(raw: bytes | None, recipe: "Recipe") -> _Record | None:
+    """``raw`` as a record of ``recipe``, or None if absent or damaged (then derived again, and replaced)."""
+    if not raw:
         return None
-    except (ValueError, ParamStoreError):
-        return None  # damaged: derived again, and replaced
-    for o, n in record.objects.items():
-        try:
-            if root.tier.size(o) != n:
-                return None
-        except FileNotFoundError:
-            return None
-    return record
-
-
-def _own_folder(path: str, like: str) -> None:
-    """Make ``path`` (and ``derived/``) if missing, with the mode of ``like`` (``objects/``)."""
-    if os.path.isdir(path):
-        return
-    mode = os.stat(like).st_mode & 0o7777
-    for p in (os.path.dirname(path), path):
-        try:
-            os.mkdir(p)
-        except FileExistsError:
-            continue
-        os.chmod(p, mode)
-
-
-def _write_record(root: StoreRoot, recipe: "Recipe", unit: str, record: _Record) -> _Record:
-    """Create the record of ``unit``; a valid record made meanwhile by another deriver wins (and
-    is returned), a damaged one is replaced."""
-    folder = _folder(root, recipe)
-    _own_folder(folder, root.tier.objects_dir)
-    final = _unit_file(root, recipe, unit)
-    tmp = os.path.join(folder, f".{unit}.{uuid.uuid4().hex}.partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_encode(recipe, record))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, final)  # create-only: the first record wins
-        except FileExistsError:
-            other = _read_record(root, recipe, unit)
-            if other is not None:
-                return other
-            os.replace(tmp, final)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    return record
+        return _decode(raw, recipe)
+    except (ValueError, ParamStoreError):
+        return None
+
+
+def _here(root: StoreRoot, record: _Record, obtain: "Obtain | None") -> bool:
+    """Whether every object of ``record`` is in the local tier at its size, after asking ``obtain``
+    (peers, the remote: verified as any fetched object) for those that are not."""
+    def absent() -> dict[str, int]:
+        out = {}
+        for o, n in record.objects.items():
+            try:
+                size = root.tier.size(o)
+            except FileNotFoundError:
+                out[o] = n
+                continue
+            if size != n:
+                raise CorruptObjectError(f"derived object {o[:12]}… has {size} bytes, its record says {n}")
+        return out
+
+    try:
+        missing = absent()
+        if missing and obtain is not None:
+            obtain(missing)
+            missing = absent()
+    except CorruptObjectError:
+        return False
+    return not missing
 
 
 def records(root: StoreRoot) -> Iterable[tuple[str, _Record | None]]:
-    """Every record under ``root``: (path, record, or None if it does not parse). No torch."""
-    base = os.path.join(root.path, DERIVED_DIR)
-    if not os.path.isdir(base):
-        return
-    for folder in sorted(os.listdir(base)):
-        path = os.path.join(base, folder)
-        if not os.path.isdir(path):
-            continue
-        for name in sorted(os.listdir(path)):
-            if not name.endswith(".json") or name.startswith("."):
-                continue
-            file = os.path.join(path, name)
+    """Every derived record of the store's registry: (key, record, or None if it does not parse). No torch."""
+    keys = root.registry.derived_keys()
+    for i in range(0, len(keys), 1024):
+        got = root.registry.derived(keys[i:i + 1024])
+        for key in keys[i:i + 1024]:
+            if key not in got:
+                continue  # dropped meanwhile
             try:
-                with open(file, "rb") as f:
-                    yield file, _decode(f.read())
-            except (OSError, ValueError, ParamStoreError):
-                yield file, None
+                yield key, _decode(got[key])
+            except (ValueError, ParamStoreError):
+                yield key, None
 
 
 def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set[str]:
     """GC's mark phase for derived objects (the caller holds the GC lock exclusive): the derived
     objects of every record whose source objects are all still ``referenced``. Unless ``dry_run``,
-    the other records (and those that do not parse) are deleted, so their objects are swept as
-    objects nobody references; leftover ``*.partial`` records of dead derivers too."""
+    the other records (and those that do not parse) are dropped from the registry, so their
+    objects are swept as objects nobody references."""
     live: set[str] = set()
-    for path, record in records(root):
+    dead: list[str] = []
+    for key, record in records(root):
         if record is not None and record.sources and all(s in referenced for s in record.sources):
             live.update(record.objects)
-        elif not dry_run:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    if not dry_run:  # records being written hold the GC lock shared: a partial one now is a dead deriver's
-        base = os.path.join(root.path, DERIVED_DIR)
-        for folder in (os.listdir(base) if os.path.isdir(base) else []):
-            path = os.path.join(base, folder)
-            for name in (os.listdir(path) if os.path.isdir(path) else []):
-                if name.endswith(".partial"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(path, name))
+        else:
+            dead.append(key)
+    if dead and not dry_run:
+        root.registry.drop_derived(dead)
     return live
 
 
@@ -437,27 +409,36 @@ def _tensor_unit(name: str, e: TensorEntry) -> str:
 
 
 def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Callable[[], _Record],
-          report: DeriveReport, cache: dict[str, _Record]) -> _Record:
-    """The record of ``unit``: found (this call, or by a record), else made now and recorded."""
+          report: DeriveReport, cache: dict[str, _Record], obtain: "Obtain | None") -> _Record:
+    """The record of ``unit``: found (this call, or by a record whose objects are here or can be
+    fetched), else made now and recorded."""
     if unit in cache:
         return cache[unit]
     report.units += 1
-    record = _read_record(root, recipe, unit)
-    if record is None:
+    key = _key(recipe, unit)
+    raw = root.registry.derived([key]).get(key)
+    record = _parse(raw, recipe)
+    if record is None or not _here(root, record, obtain):
         with root.gc_lock():  # shared: no GC between the objects' rename and the record
-            record = _read_record(root, recipe, unit)  # made meanwhile by another deriver?
-            if record is None:
+            raw = root.registry.derived([key]).get(key)  # made meanwhile by another deriver?
+            record = _parse(raw, recipe)
+            if record is None or not _here(root, record, None):
                 report.derived += 1
-                record = _write_record(root, recipe, unit, make())
+                made = make()
+                mine = _encode(recipe, made)
+                held = root.registry.swap_derived(key, raw, mine)  # first wins; a damaged or lost one replaced
+                other = _parse(held, recipe) if held != mine else None
+                record = other if other is not None and _here(root, other, None) else made
     cache[unit] = record
     return record
 
 
 def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
-                    report: DeriveReport | None = None) -> tuple[Manifest, DeriveReport]:
+                    report: DeriveReport | None = None, *, obtain: Obtain | None = None) -> tuple[Manifest, DeriveReport]:
     """The manifest of a version (whose objects are all here, and leased by the caller) as
-    ``recipe`` derives it: converted tensors point into derived objects (derived now if no record
-    says where they are), every other one as committed. Returns it and what was done.
+    ``recipe`` derives it: converted tensors point into derived objects (derived now unless a
+    record says where they are and they are here, or ``obtain`` brings them), every other one as
+    committed. Returns it and what was done.
 
     Raises:
         InvalidArgumentError: an unknown recipe; a recipe output whose name another tensor of the
@@ -488,12 +469,13 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
             span = src.header_span(e.object, name)
             if span == ((e.offset, e.offset + e.nbytes), e.dtype, e.shape):  # named as in its object
                 rec = _unit(root, recipe, src, e.object, lambda: _derive_object(root, recipe, src, e.object, report),
-                            report, cache)
+                            report, cache, obtain)
                 found = rec.outputs.get(((e.offset, e.offset + e.nbytes), name))
                 if found is not None:
                     return found
         unit = _tensor_unit(name, e)
-        rec = _unit(root, recipe, src, unit, lambda: _derive_tensor(root, recipe, src, name, e, report), report, cache)
+        rec = _unit(root, recipe, src, unit, lambda: _derive_tensor(root, recipe, src, name, e, report), report, cache,
+                    obtain)
         return rec.outputs.get((None, name), None)
 
     converted: set[str] = set()
@@ -521,15 +503,15 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
     return Manifest(tensors, aliases, dict(manifest.assets)), report
 
 
-def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe") -> "Snapshot":
+def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe", *, obtain: Obtain | None = None) -> "Snapshot":
     """``snap`` (a CPU checkout, holding its lease) in ``recipe``'s form: a new snapshot of the same
     version that maps the derived objects and the committed ones it keeps, and takes over the
-    lease. ``snap`` is closed (its lease released on error)."""
+    lease. ``snap`` is closed (its lease released on error). ``obtain``: see :func:`derive_manifest`."""
     from .snapshot import Snapshot
 
     try:
         recipe = resolve_recipe(recipe)
-        manifest, report = derive_manifest(root, snap.manifest, recipe)
+        manifest, report = derive_manifest(root, snap.manifest, recipe, obtain=obtain)
         sizes = dict(root.registry.object_sizes(manifest.objects()))
         sizes.update({o: root.tier.size(o) for o in manifest.objects() if o not in sizes})
     except BaseException:
@@ -559,10 +541,8 @@ def verify_or_forget(root: StoreRoot, snap: "Snapshot") -> None:
     step = snap.step
     snap.close()
     quarantine(root, bad)
-    for path, record in records(root):
-        if record is not None and set(record.objects) & set(bad):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    root.registry.drop_derived([key for key, record in records(root)
+                                if record is not None and set(record.objects) & set(bad)])
     first = min(bad)
     raise CorruptObjectError(f"version {step} in recipe {snap.recipe!r}: object {first} is damaged ({bad[first]}); "
                              "it was quarantined: check out again (a derived object is derived again; a committed "

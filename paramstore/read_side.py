@@ -10,6 +10,7 @@ and prefetch (obtain the bytes ahead of the checkout that maps them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -159,7 +160,8 @@ class ReadSide:
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
             if recipe is not None:
-                derived.derive_manifest(root, manifest, recipe)
+                derived.derive_manifest(root, manifest, recipe, obtain=functools.partial(self.fetcher.obtain,
+                                                                                         report=report))
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
@@ -193,7 +195,9 @@ class ReadSide:
                                              holder or f"pid {os.getpid()}", given)
         snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify, lazy=lazy)
         if recipe is not None:
-            snap = derived.checkout(root, snap, recipe)  # closes snap; the lease passes to the derived one
+            assert self.fetcher is not None
+            snap = derived.checkout(root, snap, recipe,  # closes snap; the lease passes to the derived one
+                                    obtain=functools.partial(self.fetcher.obtain, report=snap.fetch))
             if verify:
                 derived.verify_or_forget(root, snap)
         if place is None:

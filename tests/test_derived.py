@@ -161,8 +161,7 @@ def test_concurrent_derivers_end_with_one_result(store_root):
     with paramstore.ParamStore(store_root) as store:
         recs = [r for _, r in derived.records(store._root)]
         assert len(recs) == 1 and recs[0] is not None and len(recs[0].objects) == 1
-        leftovers = [f for f in os.listdir(os.path.join(store_root, "derived", "fp8-block128@1")) if f.endswith(".partial")]
-        assert leftovers == []
+        assert [k.split("/")[0] for k in store._root.registry.derived_keys()] == ["fp8-block128@1"]
         # every derived object made is the recorded one (the losers' copies were dropped by the rename)
         present = set(store._root.tier.list()) - store.manifest(1).objects()
         assert present == set(recs[0].objects)
@@ -279,13 +278,13 @@ def test_damaged_record_is_derived_again(store):
     store.commit(1, model_state()).result()
     with store.checkout(1, recipe="fp8-block128"):
         pass
-    folder = os.path.join(store.root, "derived", "fp8-block128@1")
-    (name,) = os.listdir(folder)
-    with open(os.path.join(folder, name), "wb") as f:
-        f.write(b'{"format": 1, "tensors": [')
+    reg = store._root.registry
+    (key,) = reg.derived_keys()
+    assert reg.swap_derived(key, reg.derived([key])[key], b'{"format": 1, "tensors": [') == b'{"format": 1, "tensors": ['
     with store.checkout(1, recipe="fp8-block128") as snap:
         assert snap.derived.derived == 1
         assert snap["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+    assert derived._parse(reg.derived([key])[key], recipes.get("fp8-block128")) is not None  # replaced
 
 
 def test_export_with_recipe_loads_and_dequantizes_within_the_bound(store, tmp_path):

@@ -50,12 +50,38 @@ from paramstore.errors import InvalidArgumentError, UnregisteredObjectsError, Ve
 from paramstore.manifest import Manifest, Version
 from paramstore.validate import check_digest
 
-__all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key"]
+__all__ = ["check_patches", "Registry", "TensorLocation", "Watch", "Lease", "ObjectInfo", "Peer", "META_KEYS", "check_meta_key",
+           "check_derived_key", "MAX_DERIVED_RECORD_BYTES"]
 
 #: Store-level values a registry keeps (:meth:`Registry.get_meta`): the store's identity, written
 #: when it is created and checked by every open, the current writer (see ``paramstore.writer``),
 #: and the run id of the writer that makes patches (see ``paramstore.delta``).
 META_KEYS = ("store_id", "writer", "patches")
+
+
+#: The longest derived record a registry accepts (:meth:`Registry.swap_derived`).
+MAX_DERIVED_RECORD_BYTES = 16 << 20
+_DERIVED_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_derived_key(key: object) -> str:
+    """``key`` if it names a derived record (``<recipe>@<version>/<unit>``: letters, digits and
+    ``._@+-``), else InvalidArgumentError."""
+    if not isinstance(key, str) or not _DERIVED_KEY.fullmatch(key):
+        raise InvalidArgumentError(f"not a derived record's key (<recipe>@<version>/<unit>): {key!r}")
+    return key
+
+
+def check_derived_record(record: object) -> bytes:
+    """``record`` as bytes if it is non-empty UTF-8 of at most :data:`MAX_DERIVED_RECORD_BYTES` bytes."""
+    if not isinstance(record, (bytes, bytearray)) or not record or len(record) > MAX_DERIVED_RECORD_BYTES:
+        raise InvalidArgumentError(f"a derived record is 1 to {MAX_DERIVED_RECORD_BYTES} bytes, got "
+                                   f"{len(record) if isinstance(record, (bytes, bytearray)) else type(record).__name__}")
+    try:
+        bytes(record).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgumentError("a derived record is UTF-8 text (JSON)") from None
+    return bytes(record)
 
 
 def check_meta_key(key: object) -> str:
@@ -393,6 +419,30 @@ class Registry(abc.ABC):
     @abc.abstractmethod
     def forget_objects(self, digests: set[str]) -> None:
         """Drop object records and the tensor-index entries that point into them, atomically."""
+
+    # -- derived records ---------------------------------------------------------------------
+    # What a recipe made of a source object (:mod:`paramstore.derived`): opaque bytes (JSON) under
+    # ``<recipe>@<version>/<unit>``, shared by every host of the registry, so a host that needs a
+    # derived form reads where another host put it (and fetches its objects) instead of deriving.
+    @abc.abstractmethod
+    def swap_derived(self, key: str, expected: bytes | None, record: bytes) -> bytes:
+        """Set derived record ``key`` to ``record`` if it now holds ``expected`` (None: absent), in
+        one transaction. Returns what ``key`` holds afterwards: ``record`` when the swap happened,
+        else the current record, ``b""`` if none (the first writer of an absent key wins; a damaged
+        record is replaced by passing it as ``expected``). InvalidArgumentError for a bad key or
+        record."""
+
+    @abc.abstractmethod
+    def derived(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """The derived records held under ``keys`` (absent keys are left out)."""
+
+    @abc.abstractmethod
+    def derived_keys(self) -> list[str]:
+        """Every derived record's key, sorted (GC's mark reads them all)."""
+
+    @abc.abstractmethod
+    def drop_derived(self, keys: Iterable[str]) -> None:
+        """Delete these derived records (absent keys are ignored)."""
 
     # -- peers -------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -21,6 +21,7 @@ name              key                             value
 ``meta``          ``store_id`` / ``writer``       the store's identity and its current writer (UTF-8)
 ``patches``       target step + base step          pairs of target object + patch object (32 raw bytes each)
                   (8-byte big-endian each)
+``derived``       ``<recipe>@<version>/<unit>``    a derived record (JSON, :mod:`paramstore.derived`)
 ================  ==============================  ===========================================
 
 ``refs`` makes the mark phase of GC cheap (no manifest is parsed); ``objects`` lists each object's
@@ -69,7 +70,8 @@ from paramstore.text import restore_advice
 
 from ._inotify import FileWatch
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
+    check_holdings, check_meta_key, check_patches,
     check_peer, check_peer_id, unregistered,
 )
 
@@ -79,7 +81,7 @@ _STEP = struct.Struct(">Q")
 _LOC = struct.Struct(">32sQQ")
 # Named databases missing from an older store are created when it is opened.
 _DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
-        "peer-objects", "meta", "patches")
+        "peer-objects", "meta", "patches", "derived")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 #: Bytes allocated ahead of LMDB's last page in ``data.mdb`` (topped up when half is used), so
 #: that lease writes never need new space from a full filesystem.
@@ -549,6 +551,38 @@ class LmdbRegistry(Registry):
                 return current
             txn.put(k, value.encode())
         return value
+
+    # -- derived records ---------------------------------------------------------------------
+    @_guarded
+    def swap_derived(self, key: str, expected: bytes | None, record: bytes) -> bytes:
+        k, record = check_derived_key(key).encode(), check_derived_record(record)
+        with self._write(db=self._dbs["derived"]) as txn:
+            current = txn.get(k)
+            if current != expected:
+                return b"" if current is None else bytes(current)
+            txn.put(k, record)
+        return record
+
+    @_guarded
+    def derived(self, keys: Iterable[str]) -> dict[str, bytes]:
+        wanted = [check_derived_key(k) for k in keys]
+        with self.env.begin(db=self._dbs["derived"]) as txn:
+            got = {k: txn.get(k.encode()) for k in wanted}
+        return {k: bytes(v) for k, v in got.items() if v is not None}
+
+    @_guarded
+    def derived_keys(self) -> list[str]:
+        with self.env.begin(db=self._dbs["derived"]) as txn:
+            return sorted(bytes(k).decode() for k, _ in txn.cursor())
+
+    @_guarded
+    def drop_derived(self, keys: Iterable[str]) -> None:
+        gone = [check_derived_key(k).encode() for k in keys]
+        if not gone:
+            return
+        with self._write(db=self._dbs["derived"]) as txn:
+            for k in gone:
+                txn.delete(k)
 
     # -- leases ------------------------------------------------------------------------------
     @_guarded

@@ -93,7 +93,8 @@ from paramstore.manifest import Manifest, Version, check_manifest
 from paramstore.validate import check_digest
 
 from .base import (
-    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_digests, check_holdings, check_meta_key, check_patches,
+    Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
+    check_holdings, check_meta_key, check_patches,
     check_peer, check_peer_id, unregistered,
 )
 
@@ -554,7 +555,7 @@ class RedisRegistry(Registry):
         p = f"ps:{{{namespace}}}:"
         self._k = {n: p + n for n in ("steps", "versions", "manifests", "refs", "persisted", "tags",
                                       "tensors", "objects", "leases", "events", "lease-events", "meta",
-                                      "patches")}
+                                      "patches", "derived")}
         self._lease_prefix = p + "lease:"
         self._prefix = p
         self._closed = False
@@ -788,6 +789,33 @@ class RedisRegistry(Registry):
         out = self._run(_SWAP_META, self._keys("meta"),
                         [check_meta_key(key), expected or "", "1" if expected is None else "0", value])
         return out if isinstance(out, str) else None
+
+    # -- derived records ---------------------------------------------------------------------
+    @_translated
+    def swap_derived(self, key: str, expected: bytes | None, record: bytes) -> bytes:
+        record = check_derived_record(record)
+        out = self._run(_SWAP_META, self._keys("derived"),
+                        [check_derived_key(key), (expected or b"").decode("utf-8", "replace"),
+                         "1" if expected is None else "0", record.decode()])
+        return out.encode() if isinstance(out, str) else b""
+
+    @_translated
+    def derived(self, keys: Iterable[str]) -> dict[str, bytes]:
+        wanted = [check_derived_key(k) for k in keys]
+        if not wanted:
+            return {}
+        got = self._client().hmget(self._k["derived"], wanted)
+        return {k: v.encode() for k, v in zip(wanted, got) if v is not None}
+
+    @_translated
+    def derived_keys(self) -> list[str]:
+        return sorted(self._client().hkeys(self._k["derived"]))
+
+    @_translated
+    def drop_derived(self, keys: Iterable[str]) -> None:
+        gone = [check_derived_key(k) for k in keys]
+        if gone:
+            self._client().hdel(self._k["derived"], *gone)
 
     @_translated
     def stores(self) -> dict[str, str | None]:

@@ -49,7 +49,7 @@ from paramstore.errors import (
 )
 from paramstore.manifest import Manifest, TensorEntry, Version
 
-from .base import ObjectInfo, Peer, Registry, TensorLocation
+from .base import MAX_DERIVED_RECORD_BYTES, ObjectInfo, Peer, Registry, TensorLocation
 
 __all__ = ["RegistryTests", "digest", "location", "make_version", "publish", "steps", "peer"]
 
@@ -345,6 +345,29 @@ class RegistryTests:
         assert reg.get_meta("writer") == "b" and reg.get_meta("store_id") is None
         with pytest.raises(InvalidArgumentError):
             reg.get_meta("../etc")
+
+    def test_derived_records_first_writer_wins_and_are_shared(self, opened: Callable[..., Registry]) -> None:
+        reg, other = opened(), opened()  # two handles: as two processes (or hosts) see one registry
+        a, b = "fp8-block128@1/" + D("o1"), "fp8-block128@1/t-" + D("t1")
+        assert reg.derived([a, b]) == {} and reg.derived_keys() == []
+        assert reg.swap_derived(a, None, b'{"x":1}') == b'{"x":1}'
+        assert other.swap_derived(a, None, b'{"x":2}') == b'{"x":1}'  # already made: the first record comes back
+        assert other.swap_derived(a, b'{"x":9}', b'{"x":2}') == b'{"x":1}'  # wrong expectation
+        assert other.swap_derived(a, b'{"x":1}', b'{"x":2}') == b'{"x":2}'  # a damaged record replaced
+        assert other.swap_derived(b, b'{"x":1}', b'{"y":1}') == b""  # expected one, none there: nothing set
+        assert reg.swap_derived(b, None, "é".encode()) == "é".encode()
+        assert reg.derived([a, b, "r@1/" + D("zz")]) == {a: b'{"x":2}', b: "é".encode()}
+        assert other.derived_keys() == sorted([a, b])
+        other.drop_derived([a, "r@1/" + D("zz")])  # an absent key is ignored
+        assert reg.derived_keys() == [b] and reg.derived([a]) == {}
+        reg.drop_derived([])
+        for bad_key in ("../etc", "fp8", "", "a/b/c", 7, "a b/c"):
+            with pytest.raises(InvalidArgumentError):
+                reg.derived([bad_key])  # type: ignore[list-item]
+        for bad_record in (b"", b"\xff\xfe", "text", b"x" * (MAX_DERIVED_RECORD_BYTES + 1)):
+            with pytest.raises(InvalidArgumentError):
+                reg.swap_derived(a, None, bad_record)  # type: ignore[arg-type]
+        assert reg.derived_keys() == [b]
 
     def test_leases(self, opened: Callable[..., Registry]) -> None:
         reg, other = opened(), opened()
