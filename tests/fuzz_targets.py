@@ -712,9 +712,7 @@ def sglang_requests(draw: Any) -> Any:
     import torch
 
     body = {"root": "/dev/shm/run", "version": "latest", "min_step": None, "timeout": None, "registry": None,
-            "name": None}
-    if draw(st.booleans()):  # a request from after check= (a request from before it has no such field)
-        body["check"] = draw(st.booleans())
+            "name": None, "check": draw(st.booleans()), "recipe": draw(st.sampled_from([None, "fp8-block128"]))}
     raw = draw(hostile_json_text(body))
     how = draw(st.sampled_from(["u8", "u8", "u8", "2d", "f32", "big"]))
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -732,7 +730,8 @@ def _feed_sglang(t: Any) -> None:
 
     body = _body(t)
     _expect(isinstance(body, dict) and isinstance(body.get("check"), bool)
-            and set(body) == {"root", "version", "min_step", "timeout", "registry", "name", "check"}, "bad body")
+            and set(body) == {"root", "version", "min_step", "timeout", "registry", "name", "check", "recipe"},
+            "bad body")
 
 
 _ENGINE_DIR: dict[str, str] = {}

@@ -37,6 +37,7 @@ class NextVersion:
         self._lock = threading.Lock()
         self._future: concurrent.futures.Future[Any] | None = None
         self._min_step: int | None = None
+        self._recipe: str | None = None
 
     @property
     def min_step(self) -> int | None:
@@ -48,26 +49,29 @@ class NextVersion:
         """The pending (or last) prefetch: a Future of the :class:`~paramstore.Version` prefetched."""
         return self._future
 
-    def start(self, store: Any, min_step: int) -> concurrent.futures.Future[Any]:
+    def start(self, store: Any, min_step: int, *, recipe: str | None = None) -> concurrent.futures.Future[Any]:
         """Prefetch the first version with a step ``>= min_step`` once it is committed (at once when it
-        is there). A prefetch already pending for the same ``min_step`` is kept."""
+        is there), in ``recipe``'s form if one is named (its derived objects made or fetched too:
+        :meth:`paramstore.ParamStore.prefetch`). A prefetch already pending for the same
+        ``min_step`` and recipe is kept."""
         with self._lock:
-            if self._future is not None and self._min_step == min_step and not self._future.done():
+            if self._future is not None and (self._min_step, self._recipe) == (min_step, recipe) \
+                    and not self._future.done():
                 return self._future
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            self._future, self._min_step = future, min_step
-        threading.Thread(target=self._run, args=(store, min_step, future), daemon=True,
+            self._future, self._min_step, self._recipe = future, min_step, recipe
+        threading.Thread(target=self._run, args=(store, min_step, recipe, future), daemon=True,
                          name=f"paramstore-next-{min_step}").start()
         return future
 
     @staticmethod
-    def _run(store: Any, min_step: int, future: concurrent.futures.Future[Any]) -> None:
+    def _run(store: Any, min_step: int, recipe: str | None, future: concurrent.futures.Future[Any]) -> None:
         try:
             version = store.wait_for(min_step, timeout=None)  # ends with StoreClosedError when the store closes
             deadline, delay = time.monotonic() + RETRY_FOR_S, 0.05
             while True:
                 try:
-                    future.set_result(store.prefetch(version.step).result())
+                    future.set_result(store.prefetch(version.step, recipe=recipe).result())
                     return
                 except ObjectUnavailableError:
                     # Published before any source holds its bytes: a version reaches the remote

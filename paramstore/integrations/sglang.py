@@ -79,13 +79,13 @@ logger = logging.getLogger(__name__)
 REQUEST_NAME = "paramstore.request"
 #: A request is a few hundred bytes; a larger tensor under its name is not decoded.
 MAX_REQUEST_BYTES = 64 << 10
-_FIELDS = {"root", "version", "min_step", "timeout", "registry", "name", "check"}
+_FIELDS = {"root", "version", "min_step", "timeout", "registry", "name", "check", "recipe"}
 #: The dotted path to give SGLang's ``--custom-weight-loader`` and ``load_format``.
 LOADER = "paramstore.integrations.sglang.load_weights"
 
 _loaded: dict[int, int] = {}  # id(model) -> step loaded last
 _fetches: dict[int, Any] = {}  # id(model) -> the FetchReport of its last load's checkout
-_sources: dict[int, tuple[str, Any, Any]] = {}  # id(model) -> (root, registry, name) of its last load
+_sources: dict[int, tuple[str, Any, Any, Any]] = {}  # id(model) -> (root, registry, name, recipe) of its last load
 _checks: dict[int, dict[str, Any]] = {}  # id(model) -> the report of its last check request
 _next: dict[int, NextVersion] = {}  # id(store) -> its prefetch of the version after the one loaded
 _lock = threading.Lock()
@@ -93,7 +93,7 @@ _lock = threading.Lock()
 
 def request(root: str | os.PathLike[str], *, version: int | str | None = None, min_step: int | None = None,
             timeout: float | None = None, registry: str | None = None,
-            name: str | None = None, check: bool = False) -> list[tuple[str, torch.Tensor]]:
+            name: str | None = None, check: bool = False, recipe: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """The ``named_tensors`` that ask every worker to load a version from its host's store.
 
     Args:
@@ -105,6 +105,10 @@ def request(root: str | os.PathLike[str], *, version: int | str | None = None, m
         check: instead of loading, compare what each worker's model holds with ``version``
             (default: the step it loaded last) with :func:`check_installed`; the report goes to
             the worker's log and :func:`last_checks`.
+        recipe: load (or check) the version as this recipe derives it (:mod:`paramstore.recipes`,
+            e.g. ``"fp8-block128"`` for an engine started from an FP8 export); None: as committed
+            (a check then takes the form of the last load). The next version is prefetched in
+            the form of the last load.
 
     Example:
         >>> [(n, t)] = request("/dev/shm/run", min_step=5, timeout=30)
@@ -118,6 +122,8 @@ def request(root: str | os.PathLike[str], *, version: int | str | None = None, m
         raise InvalidArgumentError("give version= or min_step=, not both")
     if type(check) is not bool:
         raise InvalidArgumentError(f"check must be True or False, got {check!r}")
+    if recipe is not None and (not isinstance(recipe, str) or not recipe):
+        raise InvalidArgumentError(f"recipe must be a recipe's name, got {recipe!r}")
     if check and min_step is not None:
         raise InvalidArgumentError("a check compares with one version: give version= (or nothing: the step "
                                    "loaded), not min_step=")
@@ -126,7 +132,8 @@ def request(root: str | os.PathLike[str], *, version: int | str | None = None, m
     else:
         version_field = "latest" if version is None and min_step is None else version
     body = {"root": os.fspath(root), "version": version_field,
-            "min_step": min_step, "timeout": timeout, "registry": registry, "name": name, "check": check}
+            "min_step": min_step, "timeout": timeout, "registry": registry, "name": name, "check": check,
+            "recipe": recipe}
     data = json.dumps(body).encode()
     return [(REQUEST_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))]
 
@@ -181,7 +188,7 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         # The newest version within the bound as soon as there is one; the prefetch's bytes if it covers it.
         version = store.wait_for(body["min_step"], timeout=body["timeout"])
         nxt.settle(version.step, body["timeout"])
-        snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"])
+        snap = store.checkout(min_step=body["min_step"], timeout=body["timeout"], recipe=body["recipe"])
     else:
         try:
             step = store.get(body["version"]).step
@@ -189,14 +196,14 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
             step = None  # the checkout raises what is wrong
         if step is not None:
             nxt.settle(step, body["timeout"])
-        snap = store.checkout(body["version"])
+        snap = store.checkout(body["version"], recipe=body["recipe"])
     with snap:
         model.load_weights(iter(snap.items()))
         with _lock:
             _loaded[id(model)] = snap.step  # only once the model holds every tensor
             _fetches[id(model)] = snap.fetch
-            _sources[id(model)] = (body["root"], body["registry"], body["name"])
-    nxt.start(store, snap.step + 1)
+            _sources[id(model)] = (body["root"], body["registry"], body["name"], body["recipe"])
+    nxt.start(store, snap.step + 1, recipe=body["recipe"])
 
 
 def _check_request(model: Any, body: dict[str, Any]) -> None:
@@ -205,7 +212,7 @@ def _check_request(model: Any, body: dict[str, Any]) -> None:
     if version is not None and type(version) is not int:
         version = request_store(body["root"], body["registry"], body["name"]).get(version).step
     report = check_installed(model, version, root=body["root"], registry=body["registry"], name=body["name"],
-                             device="cpu")
+                             device="cpu", recipe=body["recipe"])
     with _lock:
         _checks[id(model)] = report
     if report["ok"]:
@@ -218,7 +225,7 @@ def _check_request(model: Any, body: dict[str, Any]) -> None:
 
 def check_installed(model: Any, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
                     registry: str | None = None, name: str | None = None,
-                    device: str | torch.device | None = None) -> dict[str, Any]:
+                    device: str | torch.device | None = None, recipe: str | None = None) -> dict[str, Any]:
     """Compare what ``model`` holds with a version, tensor by tensor, bit for bit (in the worker).
 
     The version goes through the model's own ``load_weights``, as an update does (its name mapping,
@@ -237,6 +244,8 @@ def check_installed(model: Any, step: int | None = None, *, root: str | os.PathL
             as a request's is (``PARAMSTORE_ENGINE_ROOTS``...).
         device: where the scratch tensors live (default: each parameter's device; ``"cpu"`` spares
             the accelerator a copy of the weights, and each parameter is then read back to compare).
+        recipe: the form of the version to compare with (:mod:`paramstore.recipes`; default: the
+            form of the model's last load from that store, None if it loaded none).
 
     Returns:
         ``{"step", "ok", "tensors" (parameters compared), "mismatched" ({parameter name: what
@@ -270,13 +279,15 @@ def check_installed(model: Any, step: int | None = None, *, root: str | os.PathL
     if root is None:
         if source is None:
             raise InvalidArgumentError("check_installed: this model loaded no version from a store: name one (root=...)")
-        root, registry, name = source
+        root, registry, name = source[:3]
+    if recipe is None and source is not None and source[:3] == (os.fspath(root), registry, name):
+        recipe = source[3]
     if step is None:
         if loaded is None:
             raise InvalidArgumentError("check_installed: this model holds no version loaded whole: pass step=")
         step = loaded
     store = request_store(os.fspath(root), registry, name)
-    with store.checkout(step, holder=f"sglang check pid {os.getpid()}") as snap:
+    with store.checkout(step, holder=f"sglang check pid {os.getpid()}", recipe=recipe) as snap:
         return _compare(model, snap, device)
 
 
@@ -326,15 +337,15 @@ def _body(t: torch.Tensor) -> dict[str, Any]:
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_REQUEST_BYTES:
             raise ValueError("not a request tensor")
         body = loads(t.detach().cpu().numpy().tobytes(), dict, "the request")
-        if not _FIELDS - {"check"} <= set(body) <= _FIELDS:  # "check" absent: a request from before it
+        if set(body) != _FIELDS:
             raise ValueError(f"fields {sorted(body)[:8]}")
-        version, min_step, timeout = body["version"], body["min_step"], body["timeout"]
-        check = body.setdefault("check", False)
+        version, min_step, timeout, check, recipe = (body["version"], body["min_step"], body["timeout"], body["check"],
+                                                     body["recipe"])
         if not (version is None or isinstance(version, str) or type(version) is int) \
                 or not (min_step is None or type(min_step) is int) \
                 or not (timeout is None or (type(timeout) in (int, float) and timeout >= 0)) \
-                or type(check) is not bool:
-            raise ValueError("version, min_step, timeout or check of the wrong type")
+                or type(check) is not bool or not (recipe is None or (isinstance(recipe, str) and recipe)):
+            raise ValueError("version, min_step, timeout, check or recipe of the wrong type")
         if check and min_step is not None:
             raise ValueError("a check with min_step")
     except ValueError as e:

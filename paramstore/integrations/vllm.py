@@ -246,6 +246,7 @@ class _Reader:
         self._lock = threading.Lock()
         self._closed = False
         self._after = -1  # the prefetch follows versions with a step above this one
+        self._recipe: str | None = None  # the form of the last load: the prefetch brings the next one in it
         self._next = NextVersion()
         self._watched: Future[Version] | None = None  # the prefetch whose end starts the next one
         self.prefetched: int | None = None
@@ -255,26 +256,28 @@ class _Reader:
         checkout_s, install_s."""
 
     def load(self, model: torch.nn.Module, model_config: Any, version: int | str = "latest",
-             min_step: int | None = None, timeout: float | None = None) -> int:
-        """Check a version out (every rank the same step), load it into ``model``, release it;
-        return its step. The model is untouched if the checkout fails. Then prefetch the next
-        version (see :meth:`follow`)."""
+             min_step: int | None = None, timeout: float | None = None, recipe: str | None = None) -> int:
+        """Check a version out (every rank the same step), in ``recipe``'s form if one is named,
+        load it into ``model``, release it; return its step. The model is untouched if the
+        checkout fails. Then prefetch the next version, in the same form (see :meth:`follow`)."""
         t0 = time.perf_counter()
         self._await_prefetch(version, min_step, timeout)
         t1 = time.perf_counter()
         if timeout is not None:
             timeout = max(0.0, timeout - (t1 - t0))
-        with _checkout(self.store, version, min_step, timeout) as snap:
+        with _checkout(self.store, version, min_step, timeout, recipe) as snap:
             t2 = time.perf_counter()
             _load_snapshot(model, model_config, snap)
             step, n, fetch = snap.step, snap.version.nbytes, snap.fetch
         t3 = time.perf_counter()
         _SOURCE[model] = self
-        self.last = {"step": step, "moved": bool(fetch.moved), "bytes": int(fetch.bytes),
+        self.last = {"step": step, "recipe": recipe, "moved": bool(fetch.moved), "bytes": int(fetch.bytes),
                      "prefetch_wait_s": t1 - t0, "checkout_s": t2 - t1, "install_s": t3 - t2}
         logger.info("paramstore: loaded step %d (%.1f MiB) from %s: prefetch wait %.3f s, checkout %.3f s "
                     "(%d bytes moved), install %.3f s", step, n / 2**20, self.key[0], t1 - t0, t2 - t1,
                     fetch.bytes, t3 - t2)
+        with self._lock:
+            self._recipe = recipe
         self.follow(step)
         return step
 
@@ -288,7 +291,7 @@ class _Reader:
             self._after = max(self._after, after)
             if self._closed:
                 return
-            future = self._next.start(self.store, self._after + 1)
+            future = self._next.start(self.store, self._after + 1, recipe=self._recipe)
             if future is self._watched:
                 return
             self._watched = future
@@ -335,18 +338,18 @@ class _Reader:
 
 
 def _checkout(store: ParamStore, version: int | str, min_step: int | None,
-              timeout: float | None) -> Snapshot:
-    """``store.checkout`` on every rank of vLLM's world group, all of the same step: a step is
-    checked out as it is; ``"latest"``, a tag or ``min_step`` is resolved by rank 0, which tells the
-    other ranks the step it holds (or its error)."""
+              timeout: float | None, recipe: str | None = None) -> Snapshot:
+    """``store.checkout`` (in ``recipe``'s form, if one is named) on every rank of vLLM's world
+    group, all of the same step: a step is checked out as it is; ``"latest"``, a tag or
+    ``min_step`` is resolved by rank 0, which tells the other ranks the step it holds (or its error)."""
     holder = f"vllm worker pid {os.getpid()}"
     group = _world_group()
     exact = min_step is None and isinstance(version, int) and not isinstance(version, bool)
     if group is None or exact:
-        return store.checkout(version, min_step=min_step, timeout=timeout, holder=holder)
+        return store.checkout(version, min_step=min_step, timeout=timeout, holder=holder, recipe=recipe)
     if group.rank_in_group == 0:
         try:
-            snap = store.checkout(version, min_step=min_step, timeout=timeout, holder=holder)
+            snap = store.checkout(version, min_step=min_step, timeout=timeout, holder=holder, recipe=recipe)
         except BaseException as e:
             group.broadcast_object((None, f"{type(e).__name__}: {e}"), src=0)
             raise
@@ -359,7 +362,7 @@ def _checkout(store: ParamStore, version: int | str, min_step: int | None,
     step, error = group.broadcast_object(None, src=0)
     if error is not None:
         raise RuntimeError(f"paramstore: rank 0 could not check out {_spec(version, min_step)}: {error}")
-    return store.checkout(step, holder=holder)
+    return store.checkout(step, holder=holder, recipe=recipe)
 
 
 def _world_group() -> Any:
@@ -562,11 +565,15 @@ class ParamStoreUpdateInfo(_UpdateBase):
         min_step: instead of ``version``, the newest version whose step is >= ``min_step`` (waits
             for one: the staleness contract of :meth:`paramstore.ParamStore.checkout`).
         timeout: with ``min_step``, seconds to wait before the update fails (None: no limit).
+        recipe: load the version as this recipe derives it (:mod:`paramstore.recipes`, e.g.
+            ``"fp8-block128"`` for an engine started from an FP8 export, ``paramstore export
+            --recipe``); None: as committed. The next version is prefetched in the same form.
     """
 
     version: int | str = "latest"
     min_step: int | None = None
     timeout: float | None = None
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         if not (type(self.version) is int or isinstance(self.version, str)) \
@@ -578,6 +585,8 @@ class ParamStoreUpdateInfo(_UpdateBase):
             raise ValueError("paramstore update_info: pass either version or min_step, not both")
         if self.timeout is not None and self.min_step is None:
             raise ValueError("paramstore update_info: timeout goes with min_step")
+        if self.recipe is not None and (not isinstance(self.recipe, str) or not self.recipe):
+            raise ValueError(f"paramstore update_info: recipe must be a recipe's name, got {self.recipe!r}")
 
 
 _EngineBase: Any = WeightTransferEngine[ParamStoreInitInfo, ParamStoreUpdateInfo] if NATIVE_API else object
@@ -620,7 +629,7 @@ class ParamStoreWeightTransferEngine(_EngineBase):
         """Check the version out, load it through layerwise reload, release the snapshot."""
         reader = self._require_reader()
         self._received = reader.load(self.model, self.model_config, update_info.version,
-                                     update_info.min_step, update_info.timeout)
+                                     update_info.min_step, update_info.timeout, update_info.recipe)
 
     def finish_weight_update(self) -> None:
         """Publish the step this session loaded as ``loaded_step``."""
@@ -651,14 +660,14 @@ class ParamStoreWorkerExtension:
 
     def update_from_paramstore(self, root: str, version: int | str = "latest", min_step: int | None = None,
                                timeout: float | None = None, registry: str | None = None,
-                               name: str | None = None) -> int:
+                               name: str | None = None, recipe: str | None = None) -> int:
         """Check a version out of the store at ``root``, load it into this worker's model, release
         it, and return its step (``collective_rpc`` returns one per worker).
 
         Arguments as in :class:`ParamStoreInitInfo` and :class:`ParamStoreUpdateInfo`. The store
         is opened on the first call and kept open while later calls name the same one.
         """
-        info = ParamStoreUpdateInfo(version=version, min_step=min_step, timeout=timeout)
+        info = ParamStoreUpdateInfo(version=version, min_step=min_step, timeout=timeout, recipe=recipe)
         reader: _Reader | None = getattr(self, "_paramstore_reader", None)
         key = (os.fspath(root), registry, name)
         if reader is None or reader.key != key:
@@ -675,7 +684,8 @@ class ParamStoreWorkerExtension:
         except ImportError:  # pragma: no cover - very old vLLM
             context = contextlib.nullcontext()
         with context:
-            step = reader.load(model, worker.vllm_config.model_config, info.version, info.min_step, info.timeout)
+            step = reader.load(model, worker.vllm_config.model_config, info.version, info.min_step, info.timeout,
+                               info.recipe)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload does
             fn = getattr(worker.model_runner, reset, None)
             if callable(fn):
@@ -683,9 +693,11 @@ class ParamStoreWorkerExtension:
         return step
 
     def verify_paramstore(self, version: int | str | None = None, root: str | None = None,
-                          registry: str | None = None, name: str | None = None) -> dict[str, Any]:
+                          registry: str | None = None, name: str | None = None,
+                          recipe: str | None = None) -> dict[str, Any]:
         """Check that this worker's model holds ``version`` (default: the step it loaded last),
-        tensor by tensor, bit for bit; ``collective_rpc`` returns one report per worker.
+        tensor by tensor, bit for bit; ``collective_rpc`` returns one report per worker. The
+        version is taken in ``recipe``'s form (default: the form of the last load from that store).
 
         The version's tensors are run through the same path as an update (the model's
         ``load_weights`` name mapping and loaders, which fill fused parameters such as
@@ -724,7 +736,9 @@ class ParamStoreWorkerExtension:
             context: Any = set_current_vllm_config(worker.vllm_config)
         except ImportError:  # pragma: no cover - very old vLLM
             context = contextlib.nullcontext()
-        with context, reader.store.checkout(version, holder=f"vllm verify pid {os.getpid()}") as snap:
+        if recipe is None and reader.last is not None:
+            recipe = reader.last.get("recipe")
+        with context, reader.store.checkout(version, holder=f"vllm verify pid {os.getpid()}", recipe=recipe) as snap:
             report = _verify_snapshot(model, worker.vllm_config.model_config, snap)
         if not report["ok"]:
             logger.warning("paramstore: the engine does not hold step %d: %d tensors differ %s, layers not "
@@ -734,7 +748,7 @@ class ParamStoreWorkerExtension:
 
     def paramstore_status(self) -> dict[str, Any]:
         """What this worker holds and what its store reader did: ``{"held": the weight version
-        (a step as a string, "incomplete" or None), "last_update": {"step", "moved" (whether its
+        (a step as a string, "incomplete" or None), "last_update": {"step", "recipe", "moved" (whether its
         checkout moved any byte to this host), "bytes", "prefetch_wait_s", "checkout_s",
         "install_s"}, "prefetched": the last step prefetched, "prefetching": the min_step the
         prefetch in flight waits for, "root"}`` (the last two keys and the updates: None before a

@@ -146,8 +146,15 @@ def test_the_engines_roots_bound_what_a_request_opens(shm_dir, monkeypatch):
     b'{"root": "/x", "version": 1, "min_step": null, "timeout": -1, "registry": null, "name": null}',
     b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": 5, "name": null}',
     b'{"root": "/x"}',
-    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": "yes"}',
-    b'{"root": "/x", "version": null, "min_step": 1, "timeout": null, "registry": null, "name": null, "check": true}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": "yes",'
+    b' "recipe": null}',
+    b'{"root": "/x", "version": null, "min_step": 1, "timeout": null, "registry": null, "name": null, "check": true,'
+    b' "recipe": null}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": false}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": false,'
+    b' "recipe": ""}',
+    b'{"root": "/x", "version": 1, "min_step": null, "timeout": null, "registry": null, "name": null, "check": false,'
+    b' "recipe": 8}',
     b"[" * 100_000,
     b"\xff\xfe",
     b" " * (128 << 10),
@@ -155,6 +162,28 @@ def test_the_engines_roots_bound_what_a_request_opens(shm_dir, monkeypatch):
 def test_malformed_requests_are_refused(body):
     with pytest.raises(InvalidArgumentError):
         sglang.load_weights(Policy(), _raw(body))
+
+
+# -- a version in the form the engine runs (issue 29) ---------------------------------------------
+def test_a_request_with_a_recipe_loads_and_checks_that_form(store_root):
+    """``request(..., recipe=...)``: the worker loads the version as the recipe derives it (here one
+    that rounds weights to bfloat16: the model widens them back on load), and a check compares with
+    that form by default."""
+    from paramstore import recipes
+
+    rounded = recipes.register(recipes.Recipe(
+        "bf16-rounded-sglang", 1, lambda n, t: t.dim() == 2, lambda n, t: {n: t.to(torch.bfloat16)}), replace=True)
+    w = weights(5)
+    with ParamStore(store_root) as trainer:
+        trainer.commit(1, w).result()
+    model = Policy()
+    sglang.load_weights(model, sglang.request(store_root, version=1, recipe=rounded.name))
+    assert torch.equal(model.proj.weight, w["proj.weight"].to(torch.bfloat16).float())  # the recipe's form
+    assert not torch.equal(model.proj.weight, w["proj.weight"])
+    assert torch.equal(model.proj.bias, w["proj.bias"])  # not eligible: as committed
+    assert sglang.check_installed(model)["ok"]  # compared with the form it loaded
+    with pytest.raises(InvalidArgumentError, match="recipe"):
+        sglang.request(store_root, recipe="")
 
 
 # -- prefetch (issue 28): the next version comes while the engine generates ---------------------

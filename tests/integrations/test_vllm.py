@@ -397,6 +397,41 @@ def test_a_corrupted_engine_is_found_and_one_update_makes_it_the_version_again(l
     assert store.leases() == []
 
 
+# -- 3d. a version in the form the engine runs (issue 29) ------------------------------------------
+def test_an_update_loads_the_version_in_a_recipes_form_and_prefetches_the_next_in_it(llm, store, reference):
+    """``update_info={"recipe": ...}``: the worker checks the version out as the recipe derives it
+    (here ``bf16-rounded``, registered by the worker extension's module: vLLM's CPU build cannot run
+    the FP8 recipes) and loads that; the check compares with the same form; the next version is
+    prefetched in it."""
+    llm.init_weight_transfer_engine({"init_info": {"root": store.root}})
+    step = (store.latest().step if store.latest() else 0) + 1
+    exact = random_weights(reference.model, 70)
+    rounded = {k: v.to(torch.bfloat16).float() if v.dim() == 2 else v for k, v in exact.items()}
+    assert (reference(rounded) - reference(exact)).abs().max() > 10 * TOLERANCE  # the forms are told apart
+    commit(store, step, exact)
+    update(llm, version=step, recipe="bf16-rounded")
+    assert_serves(llm, reference, rounded)
+    [now] = llm.collective_rpc("paramstore_status")
+    assert now["last_update"]["recipe"] == "bf16-rounded" and now["last_update"]["step"] == step, now
+    [report] = llm.collective_rpc("verify_paramstore")  # in the form it loaded
+    assert report["ok"] and report["step"] == step, report
+    commit(store, step + 1, random_weights(reference.model, 71))
+    [other] = llm.collective_rpc("verify_paramstore", kwargs={"version": step + 1})  # not what it holds
+    assert not other["ok"], other
+    deadline = time.monotonic() + 60
+    while llm.collective_rpc("paramstore_status")[0]["prefetched"] != step + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    derived = [k for k in store._root.registry.derived_keys() if k.startswith("bf16-rounded@1/")]
+    assert len(derived) == 2, derived  # both versions' objects derived (the second by the prefetch)
+    update(llm, version=step + 1, recipe="bf16-rounded")
+    [now] = llm.collective_rpc("paramstore_status")
+    assert now["last_update"]["step"] == step + 1 and now["last_update"]["moved"] is False, now
+    update(llm, version=step + 1)  # as committed again
+    assert_serves(llm, reference, random_weights(reference.model, 71))
+    assert store.leases() == []
+
+
 # -- 4. the trainer-side engine ------------------------------------------------------------------
 def test_the_trainer_engine_commits_a_module_that_the_workers_load(llm, shm, reference):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory

@@ -1,5 +1,6 @@
 """The worker extension the vLLM tests' shared ``LLM`` runs: paramstore's, and a way to corrupt the
-engine's weights (issue 28: an update must make corrupted weights the version again).
+engine's weights (issue 28: an update must make corrupted weights the version again), and a recipe
+the CPU engine can load (issue 29: an update in a recipe's form).
 
 It is imported by the worker process (``worker_extension_cls="vllm_worker.CorruptingWorkerExtension"``,
 this directory on ``PYTHONPATH``): vLLM sends RPCs by method name, not functions.
@@ -7,7 +8,16 @@ this directory on ``PYTHONPATH``): vLLM sends RPCs by method name, not functions
 
 from __future__ import annotations
 
+import torch
+
+from paramstore import recipes
 from paramstore.integrations.vllm import ParamStoreWorkerExtension
+
+#: A recipe the CPU engine can load (its FP8 ones need kernels this CPU build lacks): every 2-D
+#: float32 weight rounded to bfloat16; the fp32 engine's loader widens it back on load.
+ROUNDED = recipes.register(recipes.Recipe(
+    "bf16-rounded", 1, lambda name, t: t.dim() == 2 and t.dtype == torch.float32,
+    lambda name, t: {name: t.to(torch.bfloat16)}, description="tests: 2-D float32 weights in bfloat16"), replace=True)
 
 
 class CorruptingWorkerExtension(ParamStoreWorkerExtension):
