@@ -78,6 +78,11 @@ class StoreOptions:
             share it through CUDA IPC (True: the current CUDA device; or ``"cuda:0"``; None/False:
             off). Raises DeviceError without CUDA.
         device_bucket_bytes: size of one host-to-device copy of a device checkout (None: 64 MiB).
+        derive: recipe names (:mod:`paramstore.recipes`, e.g. ``("fp8-block128",)``) the
+            committing process derives each version it commits into, in the background once the
+            version is visible (the newest first: a burst of commits derives the last one), so
+            that readers, on this host or, through a shared registry, on others, find the
+            derived objects made instead of deriving them.
 
     Keeping:
         retention: a policy (for the shared-memory tier), ``{"local": policy, "remote": policy}``,
@@ -113,6 +118,7 @@ class StoreOptions:
     patches: bool | None = None
     device_latest: "bool | str | torch.device | None" = None
     device_bucket_bytes: int | None = None
+    derive: tuple[str, ...] = ()
     retention: Any = None
     remote: "str | Remote | None" = None
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
@@ -131,6 +137,10 @@ class StoreOptions:
         _positive_int("shard_size_bytes", self.shard_size_bytes)
         if self.device_bucket_bytes is not None:
             _positive_int("device_bucket_bytes", self.device_bucket_bytes)
+        if isinstance(self.derive, str) or not isinstance(self.derive, (tuple, list)) \
+                or not all(isinstance(r, str) and r for r in self.derive) or len(set(self.derive)) != len(self.derive):
+            raise InvalidArgumentError(f"derive must be a list of distinct recipe names, got {self.derive!r}")
+        object.__setattr__(self, "derive", tuple(self.derive))
         if self.registry is not None and not self.name:
             raise InvalidArgumentError("a shared registry needs name=: the store's name, the same on every host")
         if self.storage_options is not None and not isinstance(self.remote, str):

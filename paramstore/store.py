@@ -85,7 +85,8 @@ class ParamStore:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))  # "~/run" is the home's, not ./~
         self._open = Opening(self.root, self.options, remote)
         self._read = ReadSide(self._open)
-        self._write = WriteSide(self._open, gather=self._read.gather, announce=self._read.announce)
+        self._write = WriteSide(self._open, gather=self._read.gather, announce=self._read.announce,
+                                prefetch=lambda step, recipe: self._read.prefetch(step, None, None, recipe))
         # A script that commits and exits without close() must not lose the in-flight commit.
         ref = weakref.ref(self)
         self._atexit = lambda: (store := ref()) is not None and store.close()
@@ -208,7 +209,7 @@ class ParamStore:
 
     def flush(self, *, timeout: float | None = None) -> Version | None:
         """Wait until every commit of this process is visible (and, with patches, its patches are
-        made); returns the last version.
+        made; with ``derive=``, its derived objects); returns the last version.
 
         Example:
             >>> for step in (2, 3):

@@ -12,14 +12,22 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from . import adapters, metrics
 from .assets import AssetsArg, model_assets, read_assets
 from .delta import Patcher
-from .errors import InvalidArgumentError, ParamStoreError, StepOrderError, WaitTimeoutError
+from .errors import (
+    InvalidArgumentError,
+    ParamStoreError,
+    StepOrderError,
+    StoreClosedError,
+    VersionNotFoundError,
+    WaitTimeoutError,
+)
 from .maintenance import Maintainer
 from .manifest import Version
 from .opening import Opening
@@ -49,11 +57,23 @@ class WriteSide:
     ``opening`` opens the store (the first commit creates it); ``gather(step)`` makes every object
     of a version present on this host (the read side's), before it is pushed; ``announce(objects)``
     serves objects just stored to other hosts, if this process serves (the read side's), before
-    the version or patch record naming them is published.
+    the version or patch record naming them is published; ``prefetch(step, recipe)`` (the read
+    side's) makes a version's derived objects (``StoreOptions.derive``), returning a Future.
     """
 
-    def __init__(self, opening: Opening, gather: Callable[[int], None], announce: Callable[[list[str]], None]) -> None:
+    def __init__(self, opening: Opening, gather: Callable[[int], None], announce: Callable[[list[str]], None],
+                 prefetch: "Callable[[int, str], Future[Any]] | None" = None) -> None:
         self._open, self._opts, self._gather, self._announce = opening, opening.opts, gather, announce
+        self._prefetch = prefetch
+        if self._opts.derive:
+            from . import derived  # (torch: only for a store that derives)
+
+            for recipe in self._opts.derive:
+                derived.resolve_recipe(recipe)  # an unknown name fails the store's creation
+        self._deriving: Future[Any] | None = None  # the derivations of one version in flight
+        self._derive_next: int | None = None  # the newest step committed meanwhile (derived next)
+        self._derived_up_to = -1  # derivations of every step up to this one are done (or failed)
+        self._derive_done = threading.Condition()
         self.run_id = new_run_id() if self._opts.run_id is None else check_run_id(self._opts.run_id)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a streaming commit is queued
@@ -251,7 +271,8 @@ class WriteSide:
                 raise WaitTimeoutError(f"commit of step {handle.step} not staged within {timeout:.4g} s") from None
 
     def flush(self, timeout: float | None) -> Version | None:
-        """Wait until every commit of this process is visible, and its patches made; the last version."""
+        """Wait until every commit of this process is visible, and its patches and derived objects
+        made (``StoreOptions.derive``); the last version."""
         handle = self.last_handle
         if handle is None:
             return None
@@ -260,6 +281,10 @@ class WriteSide:
         if self._opts.use_patches and self._patcher().wait(
                 version.step, None if deadline is None else max(0.0, deadline - time.monotonic())) is False:
             raise WaitTimeoutError(f"the patches of step {version.step} were not made within {timeout:.4g} s")
+        if self._opts.derive and self._prefetch is not None and not self.wait_derived(
+                version.step, None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise WaitTimeoutError(f"step {version.step} was not derived ({', '.join(self._opts.derive)}) "
+                                   f"within {timeout:.4g} s")
         return version
 
     def wait_persisted(self, timeout: float | None) -> None:
@@ -337,6 +362,8 @@ class WriteSide:
             self._patcher().submit(version.step, version.writer)
         if self._opts.device_latest is not None and version.writer == self.run_id:
             self._exporter().submit(version.step)
+        if self._opts.derive and self._prefetch is not None:
+            self._derive(version.step)
         if self.persister is not None and handle.persisted is not None:
             try:
                 self.persister.submit(version.step, handle.persisted)
@@ -344,6 +371,37 @@ class WriteSide:
                 handle.persisted.set_exception(e)
         if self.maintainer is not None:
             self.maintainer.poke()
+
+    def _derive(self, step: int) -> None:
+        """Derive ``step`` in every recipe of ``StoreOptions.derive`` (the read side's prefetch
+        thread), unless derivations are in flight: then the newest step waits for them."""
+        with self._derive_done:
+            if self._deriving is not None and not self._deriving.done():
+                self._derive_next = step if self._derive_next is None else max(step, self._derive_next)
+                return
+        assert self._prefetch is not None
+        futures = [self._prefetch(step, recipe) for recipe in self._opts.derive]
+        with self._derive_done:
+            self._deriving = futures[-1]  # (one after another on the prefetch thread: the last ends them)
+        futures[-1].add_done_callback(lambda f, step=step: self._derived(step, futures))
+
+    def _derived(self, step: int, futures: list[Future[Any]]) -> None:
+        for recipe, f in zip(self._opts.derive, futures):
+            error = None if f.cancelled() else f.exception()
+            if error is not None and not isinstance(error, (VersionNotFoundError, StoreClosedError)):
+                warnings.warn(f"paramstore: deriving step {step} with recipe {recipe!r} failed: "
+                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+        with self._derive_done:
+            self._derived_up_to = max(self._derived_up_to, step)
+            nxt, self._derive_next = self._derive_next, None
+            self._derive_done.notify_all()
+        if nxt is not None:
+            self._derive(nxt)
+
+    def wait_derived(self, step: int, timeout: float | None) -> bool:
+        """Block until the derivations of ``step`` (or of a newer version) are done; False on timeout."""
+        with self._derive_done:
+            return self._derive_done.wait_for(lambda: self._derived_up_to >= step, timeout)
 
     # -- closing -----------------------------------------------------------------------------
     def wait_streaming(self) -> None:

@@ -333,3 +333,26 @@ def test_cli_export_with_recipe(store, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "paramstore", "--root", store.root, "export", "1",
                           str(tmp_path / "bad"), "--recipe", "int4"], capture_output=True, text=True, env=env, cwd=REPO)
     assert bad.returncode != 0 and "unknown recipe 'int4'" in bad.stderr and "'fp8-block128'" in bad.stderr
+
+
+def test_a_trainer_with_derive_makes_each_version_in_the_background(shm_dir):
+    """``ParamStore(derive=[...])``: the committing process derives each version it commits once
+    it is visible; a reader then derives nothing. An unknown recipe fails the store's creation."""
+    with pytest.raises(paramstore.InvalidArgumentError, match="recipe"):
+        paramstore.ParamStore(os.path.join(shm_dir, "bad"), derive=["no-such-recipe"])
+    with pytest.raises(paramstore.InvalidArgumentError, match="derive"):
+        paramstore.ParamStore(os.path.join(shm_dir, "bad"), derive="fp8-block128")
+    root = os.path.join(shm_dir, "trainer")
+    with paramstore.ParamStore(root, derive=["fp8-block128", "fp8-tensor"]) as trainer:
+        for step in (1, 2, 3):
+            trainer.commit(step, model_state(seed=step)).result()
+        assert trainer.flush(timeout=60).step == 3  # ... and its derivations done
+        keys = trainer._root.registry.derived_keys()
+        assert {k.split("/")[0] for k in keys} == {"fp8-block128@1", "fp8-tensor@1"}
+        latest = trainer.manifest(3).objects()
+        assert {k.split("/")[1] for k in keys} >= latest  # the newest version, in both recipes
+        with paramstore.ParamStore(root) as reader:
+            for recipe in ("fp8-block128", "fp8-tensor"):
+                with reader.checkout(3, recipe=recipe) as snap:
+                    assert snap.derived.derived == 0, recipe
+                    assert snap["model.layers.0.mlp.up_proj.weight"].dtype == FP8
