@@ -179,9 +179,6 @@ class ReadSide:
             if group is not None:
                 raise InvalidArgumentError("recipe= with group= is not supported: check the version out with group= "
                                            "(each member then holds its objects), then again with recipe= alone")
-            if device is not None and str(device) != "cpu":
-                raise InvalidArgumentError(f"recipe= with device={str(device)!r} is not supported yet: check out on "
-                                           "the CPU (device=None) with the recipe and copy the tensors to the device")
         place = self._device_placer(device)
         if group is None and (src is not None or bucket_bytes is not None):
             raise InvalidArgumentError("src= and bucket_bytes= are for a collective checkout: pass group= too")

@@ -244,8 +244,6 @@ def test_bad_input_is_refused_clearly(store):
         store.checkout(1, recipe="fp4")
     with pytest.raises(InvalidArgumentError, match="recipe must be a recipe's name or a Recipe"):
         store.checkout(1, recipe=3)
-    with pytest.raises(InvalidArgumentError, match="device='cuda:0' is not supported"):
-        store.checkout(1, recipe="fp8-block128", device="cuda:0")
     with pytest.raises(InvalidArgumentError, match="unknown recipe"):
         store.export(1, os.path.join(store.root, "..", "x"), recipe="nope", weights_only=True)
     clash = recipes.register(recipes.Recipe("test-clash", 1, lambda n, t: n.endswith("up_proj.weight"),

@@ -131,6 +131,28 @@ def test_chunked_tensors_are_assembled_on_the_snapshot_device(store_root):
             snap.close()
 
 
+def test_a_derived_snapshot_is_placed_like_any_other(store_root):
+    """checkout(v, recipe=..., device=...): the derived snapshot's objects (derived and committed)
+    go through the same device cache (driven on CPU buffers here; CUDA in the gpu test below)."""
+    from paramstore import recipes
+
+    want = {"mlp.up_proj.weight": torch.randn(256, 384).bfloat16(), "norm.weight": torch.ones(384).bfloat16()}
+    expected = recipes.derive("fp8-block128", want)
+    with ParamStore(store_root, create=True) as store:
+        store.commit(1, want).result()
+        snap = DeviceCache(bucket_bytes=4096).place(store.checkout(1, recipe="fp8-block128"), torch.device("cpu"),
+                                                    store._root)
+        try:
+            assert snap.device_source == "copy" and snap.recipe == "fp8-block128"
+            assert snap.device_bytes == sum(store._root.tier.size(o) for o in snap.manifest.objects())
+            for name, t in expected.items():
+                got = snap[name]
+                assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+        finally:
+            snap.close()
+        assert store.leases() == []
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process")
 
@@ -151,6 +173,24 @@ def test_cuda_checkout_is_bit_exact_and_moves_only_what_changed(store_root):
                 changed = store.manifest(2).objects() - store.manifest(1).objects()
                 assert s2.device_bytes == sum(store._root.tier.size(o) for o in changed)
                 assert torch.equal(s2["w"].cpu(), b["w"])
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_cuda_checkout_in_a_recipes_form_is_bit_exact(store_root):
+    from paramstore import recipes
+
+    want = {"mlp.up_proj.weight": torch.randn(256, 384).bfloat16(), "norm.weight": torch.ones(384).bfloat16()}
+    expected = recipes.derive("fp8-block128", want)
+    with ParamStore(store_root, create=True) as store:
+        store.commit(1, want).result()
+        with store.checkout(1, recipe="fp8-block128", device="cuda:0") as snap:
+            assert snap.device == torch.device("cuda", 0) and snap.recipe == "fp8-block128"
+            for name, t in expected.items():
+                got = snap[name]
+                assert got.is_cuda and got.dtype == t.dtype, name
+                assert torch.equal(got.cpu().view(torch.uint8), t.view(torch.uint8)), name
+        assert store.leases() == []
 
 
 def _ipc_reader(root: str, step: int, out: str) -> None:
