@@ -176,9 +176,6 @@ class ReadSide:
         lazy = _check_fetch(fetch, verify=verify, device=device, group=group, recipe=recipe)
         if recipe is not None:
             recipe = derived.resolve_recipe(recipe)
-            if group is not None:
-                raise InvalidArgumentError("recipe= with group= is not supported: check the version out with group= "
-                                           "(each member then holds its objects), then again with recipe= alone")
         place = self._device_placer(device)
         if group is None and (src is not None or bucket_bytes is not None):
             raise InvalidArgumentError("src= and bucket_bytes= are for a collective checkout: pass group= too")

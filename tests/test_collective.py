@@ -192,6 +192,37 @@ def _three_receivers(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def _recipe_member(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from paramstore import recipes
+
+    g = torch.Generator().manual_seed(3)
+    w = {"mlp.up_proj.weight": torch.randn(200, 300, generator=g).bfloat16(), "norm.weight": torch.ones(300).bfloat16()}
+    store = _store(base, rank)
+    if rank == 0:
+        store.commit(1, w).result()
+    dist.barrier()
+    with store.checkout(1, group=dist.group.WORLD, src=0, bucket_bytes=BUCKET, recipe="fp8-block128") as snap:
+        want = recipes.derive("fp8-block128", w)
+        out = {"exact": set(snap) == set(want) and all(
+            snap[k].dtype == t.dtype and torch.equal(snap[k].view(torch.uint8), t.view(torch.uint8)) for k, t in want.items()),
+            "derived": snap.derived.derived, "moved": snap.fetch.bytes_from.get("group:0", 0)}
+    out["leases"] = len(store.leases())
+    store.close()
+    return out
+
+
+def test_a_collective_checkout_in_a_recipes_form(shm_dir):
+    """checkout(v, group=, recipe=): the committed objects move through the group, then each member
+    derives (or finds) the recipe's form on its own host."""
+    got, _ = run_members(2, _recipe_member, shm_dir)
+    assert got[0]["exact"] and got[1]["exact"]
+    assert got[1]["moved"] > 0 and got[0]["moved"] == 0
+    assert got[0]["derived"] == got[1]["derived"] == 1  # one object, one unit, on each host
+    assert got[0]["leases"] == got[1]["leases"] == 0
+
+
 def test_a_version_moves_bit_exact_to_three_receivers_and_only_what_each_lacks(shm_dir):
     got, _ = run_members(4, _three_receivers, shm_dir)
     src = got[0]
