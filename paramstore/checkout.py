@@ -132,11 +132,11 @@ class Fetcher:
         return LazyReads(self._root, step, manifest, report, transport=self._transport, server=self._server,
                          remote=self._remote)
 
-    def obtain(self, sizes: "dict[str, int]", report: FetchReport | None) -> int:
-        """Bring these objects (by digest: objects no version names, such as derived ones) here from
-        the peers that serve them, each verified against its digest as it arrives; returns the bytes
-        moved (also counted in ``report``, if given). What no peer delivers stays absent."""
-        return self._get(report if report is not None else FetchReport(0), set(), sizes)
+    def elsewhere(self, report: FetchReport | None) -> "_Elsewhere":
+        """Where a derivation (:mod:`paramstore.derived`) finds what another host made: derived
+        records in the remote, derived objects on peers, then in the remote (bytes counted in
+        ``report``)."""
+        return _Elsewhere(self, report if report is not None else FetchReport(0))
 
     def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                       excluded: set[str]) -> None:
@@ -190,6 +190,26 @@ class Fetcher:
         report.bytes_from.update(sub.bytes_from)
         report.rejected.update(sub.rejected)
         return sub.bytes
+
+
+class _Elsewhere:
+    """:class:`paramstore.derived.Elsewhere` for one checkout: its fetcher's peers and remote."""
+
+    def __init__(self, fetcher: Fetcher, report: FetchReport) -> None:
+        self._fetcher, self._report = fetcher, report
+
+    def record(self, key: str) -> bytes | None:
+        remote = self._fetcher._remote
+        return None if remote is None else remote.derived_record(key)
+
+    def objects(self, sizes: "dict[str, int]") -> None:
+        f, tier = self._fetcher, self._fetcher._root.tier
+        f._get(self._report, set(), sizes)
+        left = {o: n for o, n in sizes.items() if not tier.exists(o)}
+        if left and f._remote is not None:
+            moved = f._remote.fetch_objects(f._root, left)
+            if moved:
+                self._report.bytes_from[f._remote.url] += moved
 
 
 def _unavailable(root: StoreRoot, step: int, missing: list[str], has_remote: bool) -> str:

@@ -24,8 +24,10 @@ an earlier one derives only its changed objects.
 
 **Shared between hosts.** With a shared registry (redis), every host reads the records any host
 wrote. A host that needs a unit whose record names derived objects it lacks asks for them as for
-any object (``obtain``: the checkout's fetcher, from the peers that serve them, each verified
-against its digest as it arrives), and derives the unit itself only if nobody can deliver them;
+any object (``elsewhere``: the checkout's fetcher, from the peers that serve them, then the
+remote, each verified against its digest as it arrives), and derives the unit itself only if
+nobody can deliver them; a record the registry lacks is looked for in the remote too (where
+:meth:`Remote.push <paramstore.remote.Remote.push>` puts the records of the versions it pushes);
 derived objects are ordinary objects of the tier, so every peer server serves them. So a recipe's
 work is done once per changed object in the whole cluster, by the first host that asks.
 
@@ -53,7 +55,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 import blake3
 
@@ -71,13 +73,19 @@ if TYPE_CHECKING:
     from .recipes import Recipe
     from .snapshot import Snapshot
 
-__all__ = ["RECORD_FORMAT", "Obtain", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
+__all__ = ["RECORD_FORMAT", "Elsewhere", "record_objects", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
            "records"]
 
-#: What a derivation is given to bring derived objects named by another host's record here:
-#: ``obtain({digest: size})`` places what it can (verified, as any fetched object) and leaves the
-#: rest absent (then they are derived here).
-Obtain = Callable[[dict[str, int]], Any]
+class Elsewhere(Protocol):
+    """Where a derivation looks for what another host made: the checkout's fetcher
+    (:meth:`paramstore.checkout.Fetcher.elsewhere`)."""
+
+    def record(self, key: str) -> bytes | None:
+        """The derived record ``key`` as another store keeps it (the remote), or None."""
+
+    def objects(self, sizes: dict[str, int]) -> None:
+        """Bring these derived objects here (peers, the remote), each verified against its digest;
+        what nobody delivers stays absent (then it is derived here)."""
 #: The records' format (a record of another format is derived again).
 RECORD_FORMAT = 1
 _UNIT_DOMAIN = b"paramstore/derived-unit/v1\0"
@@ -193,9 +201,9 @@ def _parse(raw: bytes | None, recipe: "Recipe") -> _Record | None:
         return None
 
 
-def _here(root: StoreRoot, record: _Record, obtain: "Obtain | None") -> bool:
-    """Whether every object of ``record`` is in the local tier at its size, after asking ``obtain``
-    (peers, the remote: verified as any fetched object) for those that are not."""
+def _here(root: StoreRoot, record: _Record, elsewhere: Elsewhere | None) -> bool:
+    """Whether every object of ``record`` is in the local tier at its size, after asking
+    ``elsewhere`` (peers, the remote: verified as any fetched object) for those that are not."""
     def absent() -> dict[str, int]:
         out = {}
         for o, n in record.objects.items():
@@ -210,8 +218,8 @@ def _here(root: StoreRoot, record: _Record, obtain: "Obtain | None") -> bool:
 
     try:
         missing = absent()
-        if missing and obtain is not None:
-            obtain(missing)
+        if missing and elsewhere is not None:
+            elsewhere.objects(missing)
             missing = absent()
     except CorruptObjectError:
         return False
@@ -230,6 +238,16 @@ def records(root: StoreRoot) -> Iterable[tuple[str, _Record | None]]:
                 yield key, _decode(got[key])
             except (ValueError, ParamStoreError):
                 yield key, None
+
+
+def record_objects(raw: bytes) -> tuple[tuple[str, ...], dict[str, int]] | None:
+    """A derived record's source objects and derived objects (digest -> size), or None if it is
+    not one (for stores that keep records without deriving: the remote's GC). No torch."""
+    try:
+        record = _decode(raw)
+    except (ValueError, ParamStoreError):
+        return None
+    return record.sources, dict(record.objects)
 
 
 def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set[str]:
@@ -409,7 +427,7 @@ def _tensor_unit(name: str, e: TensorEntry) -> str:
 
 
 def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Callable[[], _Record],
-          report: DeriveReport, cache: dict[str, _Record], obtain: "Obtain | None") -> _Record:
+          report: DeriveReport, cache: dict[str, _Record], elsewhere: Elsewhere | None) -> _Record:
     """The record of ``unit``: found (this call, or by a record whose objects are here or can be
     fetched), else made now and recorded."""
     if unit in cache:
@@ -417,8 +435,12 @@ def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Cal
     report.units += 1
     key = _key(recipe, unit)
     raw = root.registry.derived([key]).get(key)
+    if raw is None and elsewhere is not None:
+        found = elsewhere.record(key)  # another store's (the remote's): shared here from now on
+        if found is not None and _parse(found, recipe) is not None:
+            raw = root.registry.swap_derived(key, None, found) or None
     record = _parse(raw, recipe)
-    if record is None or not _here(root, record, obtain):
+    if record is None or not _here(root, record, elsewhere):
         with root.gc_lock():  # shared: no GC between the objects' rename and the record
             raw = root.registry.derived([key]).get(key)  # made meanwhile by another deriver?
             record = _parse(raw, recipe)
@@ -434,10 +456,11 @@ def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Cal
 
 
 def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
-                    report: DeriveReport | None = None, *, obtain: Obtain | None = None) -> tuple[Manifest, DeriveReport]:
+                    report: DeriveReport | None = None, *,
+                    elsewhere: Elsewhere | None = None) -> tuple[Manifest, DeriveReport]:
     """The manifest of a version (whose objects are all here, and leased by the caller) as
     ``recipe`` derives it: converted tensors point into derived objects (derived now unless a
-    record says where they are and they are here, or ``obtain`` brings them), every other one as
+    record says where they are and they are here, or ``elsewhere`` brings them), every other one as
     committed. Returns it and what was done.
 
     Raises:
@@ -469,13 +492,13 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
             span = src.header_span(e.object, name)
             if span == ((e.offset, e.offset + e.nbytes), e.dtype, e.shape):  # named as in its object
                 rec = _unit(root, recipe, src, e.object, lambda: _derive_object(root, recipe, src, e.object, report),
-                            report, cache, obtain)
+                            report, cache, elsewhere)
                 found = rec.outputs.get(((e.offset, e.offset + e.nbytes), name))
                 if found is not None:
                     return found
         unit = _tensor_unit(name, e)
         rec = _unit(root, recipe, src, unit, lambda: _derive_tensor(root, recipe, src, name, e, report), report, cache,
-                    obtain)
+                    elsewhere)
         return rec.outputs.get((None, name), None)
 
     converted: set[str] = set()
@@ -503,15 +526,16 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
     return Manifest(tensors, aliases, dict(manifest.assets)), report
 
 
-def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe", *, obtain: Obtain | None = None) -> "Snapshot":
+def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe", *,
+             elsewhere: Elsewhere | None = None) -> "Snapshot":
     """``snap`` (a CPU checkout, holding its lease) in ``recipe``'s form: a new snapshot of the same
     version that maps the derived objects and the committed ones it keeps, and takes over the
-    lease. ``snap`` is closed (its lease released on error). ``obtain``: see :func:`derive_manifest`."""
+    lease. ``snap`` is closed (its lease released on error). ``elsewhere``: see :func:`derive_manifest`."""
     from .snapshot import Snapshot
 
     try:
         recipe = resolve_recipe(recipe)
-        manifest, report = derive_manifest(root, snap.manifest, recipe, obtain=obtain)
+        manifest, report = derive_manifest(root, snap.manifest, recipe, elsewhere=elsewhere)
         sizes = dict(root.registry.object_sizes(manifest.objects()))
         sizes.update({o: root.tier.size(o) for o in manifest.objects() if o not in sizes})
     except BaseException:

@@ -10,7 +10,6 @@ and prefetch (obtain the bytes ahead of the checkout that maps them).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -160,8 +159,7 @@ class ReadSide:
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
             if recipe is not None:
-                derived.derive_manifest(root, manifest, recipe, obtain=functools.partial(self.fetcher.obtain,
-                                                                                         report=report))
+                derived.derive_manifest(root, manifest, recipe, elsewhere=self.fetcher.elsewhere(report))
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
@@ -191,7 +189,7 @@ class ReadSide:
         if recipe is not None:
             assert self.fetcher is not None
             snap = derived.checkout(root, snap, recipe,  # closes snap; the lease passes to the derived one
-                                    obtain=functools.partial(self.fetcher.obtain, report=snap.fetch))
+                                    elsewhere=self.fetcher.elsewhere(snap.fetch))
             if verify:
                 derived.verify_or_forget(root, snap)
         if place is None:

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from . import liveness
+from . import derived, liveness
 from .errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, RemoteError, StepOrderError, VersionNotFoundError, WaitTimeoutError,
 )
@@ -61,7 +61,7 @@ from .reports import TransferReport
 from .staging import SlabPool, tmp_name
 from .root import StoreRoot, VersionSpec
 
-from paramstore.backends.registries.base import check_digests
+from paramstore.backends.registries.base import MAX_DERIVED_RECORD_BYTES, check_derived_key, check_digests
 from paramstore.backends.tiers.remote import RemoteTier
 
 __all__ = ["Remote", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
@@ -88,6 +88,12 @@ def _record_key(step: int) -> str:
 
 def _manifest_key(step: int) -> str:
     return f"manifests/{step:020d}.json"
+
+
+def _derived_key(key: str) -> str:
+    """The remote's key of derived record ``key`` (``<recipe>@<version>/<unit>``): one flat folder
+    (``=`` is in no recipe name nor unit)."""
+    return f"derived/{check_derived_key(key).replace('/', '=')}.json"
 
 
 @dataclass(frozen=True)
@@ -228,8 +234,20 @@ class Remote:
         return tagged[-1]
 
     def referenced(self) -> set[str]:
-        """Objects any complete version needs: its objects stored whole, and its patch objects."""
-        return {o for s in self.steps() for o in self._record(s).stored()}
+        """Objects any complete version needs: its objects stored whole, and its patch objects; and
+        the derived objects of every derived record whose sources are all objects of a version."""
+        records = [self._record(s) for s in self.steps()]
+        out = {o for r in records for o in r.stored()}
+        sources = {o for r in records for o in r.objects}
+        for name in self.tier.records("derived"):
+            try:
+                found = derived.record_objects(self.tier.get_record(f"derived/{name}",
+                                                                    max_bytes=MAX_DERIVED_RECORD_BYTES))
+            except (FileNotFoundError, CorruptObjectError):
+                continue
+            if found is not None and found[0] and set(found[0]) <= sources:
+                out.update(found[1])
+        return out
 
     def bases(self, steps: list[int]) -> set[int]:
         """The versions that versions ``steps`` are rebuilt from (patch bases, transitively; those
@@ -283,7 +301,8 @@ class Remote:
         self.create()  # a push is a write: the first one makes the remote
         with self.shared_lock("push") as lock:
             if self._same_version_exists(version):
-                return TransferReport(step, 0, 0, len(manifest.objects()), time.monotonic() - t0)
+                moved = self._push_derived(root, manifest.objects())  # made since it was pushed
+                return TransferReport(step, 0, moved, len(manifest.objects()), time.monotonic() - t0)
             objects = sorted(manifest.objects())
             sizes = {o: root.tier.size(o) for o in objects}
             with ThreadPoolExecutor(self._concurrency) as pool:
@@ -299,6 +318,7 @@ class Remote:
                         bar.update(sizes[o])
                     list(pool.map(up, sorted(todo, key=lambda o: -sizes[o])))
             self.tier.put_record(_manifest_key(step), json.dumps(manifest.to_json()).encode())
+            derived_bytes = self._push_derived(root, set(objects))
             lock.check()  # a lock lost while we were stalled: GC may have run; push again
             record = {"format": 2 if patches else 1, "version": version.to_json(), "tags": list(version.tags),
                       "objects": {o: sizes[o] for o in objects}}
@@ -309,9 +329,48 @@ class Remote:
             except FileExistsError:
                 if not self._same_version_exists(version):
                     raise StepOrderError(f"{self.url} already holds another version at step {step}") from None
-            return TransferReport(step, len(todo), sum(sizes[o] for o in todo), len(objects) - len(absent),
+            return TransferReport(step, len(todo), sum(sizes[o] for o in todo) + derived_bytes, len(objects) - len(absent),
                                   time.monotonic() - t0, from_patches=tuple(sorted(patches)),
                                   patch_bytes=sum(sizes[p] for p in {p for p, _, _ in patches.values()} if p in todo))
+
+    def _push_derived(self, root: StoreRoot, objects: set[str]) -> int:
+        """Upload the derived records of the local registry whose sources are all among ``objects``
+        (a version's) and whose derived objects are all on this host, with the derived objects the
+        remote lacks (objects first, then the record, create-only); returns the bytes uploaded.
+        The caller holds the push lock."""
+        found = [(k, r) for k, r in derived.records(root) if r is not None and r.sources
+                 and set(r.sources) <= objects and all(root.tier.exists(o) for o in r.objects)]
+        if not found:
+            return 0
+        raw = root.registry.derived([k for k, _ in found])
+        sizes = {o: n for _, r in found for o, n in r.objects.items()}
+        with ThreadPoolExecutor(self._concurrency) as pool:
+            todo = [o for o, there in zip(sorted(sizes), pool.map(self.tier.exists, sorted(sizes))) if not there]
+            list(pool.map(lambda o: self.tier.put(o, root.tier.object_path(o)), todo))
+        for key, _ in found:
+            if key in raw:
+                with contextlib.suppress(FileExistsError):
+                    self.tier.put_record(_derived_key(key), raw[key], create=True)
+        return sum(sizes[o] for o in todo)
+
+    def derived_record(self, key: str) -> bytes | None:
+        """Derived record ``key`` as pushed here (None if there is none; the remote's as it is:
+        :mod:`paramstore.derived` parses and checks it)."""
+        try:
+            return self.tier.get_record(_derived_key(key), max_bytes=MAX_DERIVED_RECORD_BYTES)
+        except (FileNotFoundError, CorruptObjectError):
+            return None
+
+    def fetch_objects(self, root: StoreRoot, sizes: Mapping[str, int]) -> int:
+        """Download, verify and place the objects of ``sizes`` (digest -> size) that the remote
+        holds and the local tier lacks (derived objects: no version names them); returns the bytes
+        moved. The others stay absent."""
+        check_digests(sizes)
+        with ThreadPoolExecutor(self._concurrency) as pool:
+            held = {o: n for (o, n), there in zip(sizes.items(), pool.map(self.tier.exists, list(sizes))) if there}
+        with self.shared_lock("pull"):
+            moved = self._fetch(root, held, "derived objects", None)
+        return sum(held[o] for o in moved)
 
     def _patches_to_push(self, root: StoreRoot, step: int, absent: list[str]) -> dict[str, tuple[str, int, int]]:
         """The objects of ``step`` (among ``absent``, those the remote lacks) to push as patches:

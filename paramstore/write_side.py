@@ -17,7 +17,7 @@ from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
-from . import adapters, metrics
+from . import adapters, derived, metrics
 from .assets import AssetsArg, model_assets, read_assets
 from .delta import Patcher
 from .errors import (
@@ -66,8 +66,6 @@ class WriteSide:
         self._open, self._opts, self._gather, self._announce = opening, opening.opts, gather, announce
         self._prefetch = prefetch
         if self._opts.derive:
-            from . import derived  # (torch: only for a store that derives)
-
             for recipe in self._opts.derive:
                 derived.resolve_recipe(recipe)  # an unknown name fails the store's creation
         self._deriving: Future[Any] | None = None  # the derivations of one version in flight
@@ -318,12 +316,15 @@ class WriteSide:
     # -- after a commit ----------------------------------------------------------------------
     def _before_push(self, step: int) -> None:
         """On the persister's thread, before a push: the objects other hosts hold come here (a shared
-        registry), and the version's patches are made first (for up to a minute), so the remote can
-        get them instead of whole objects."""
+        registry), and the version's patches and derived objects (``derive=``) are made first (for
+        up to a minute each), so the remote can get patches instead of whole objects, and the
+        derived forms with the version."""
         if self._opts.registry is not None:
             self._gather(step)
         if self._opts.use_patches and self.patcher is not None:
             self.patcher.wait(step, PATCH_WAIT_S, submitted=False)
+        if self._opts.derive and self._prefetch is not None:
+            self.wait_derived(step, PATCH_WAIT_S)  # its derived forms go with it (Remote.push)
 
     def _exporter(self) -> LatestExporter:
         with self._parts_lock:

@@ -354,3 +354,35 @@ def test_a_trainer_with_derive_makes_each_version_in_the_background(shm_dir):
                 with reader.checkout(3, recipe=recipe) as snap:
                     assert snap.derived.derived == 0, recipe
                     assert snap["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+
+
+def test_derived_forms_go_to_the_remote_with_their_version(shm_dir, s3_remote):
+    """A trainer with ``derive=`` and a remote pushes each version's derived forms with it (objects,
+    then records); a host that reaches the version only through the remote (its own registry)
+    reads the record there and downloads the derived object, verified, instead of deriving; the
+    remote's GC keeps derived objects while their sources are in a version, and sweeps them after."""
+    from paramstore import maintenance
+    from paramstore.remote import Remote
+
+    url, opts = s3_remote
+    with paramstore.ParamStore(os.path.join(shm_dir, "trainer"), remote=url, storage_options=opts,
+                               derive=["fp8-block128"]) as trainer:
+        trainer.commit(1, model_state(seed=1)).result()
+        trainer.wait_persisted(timeout=120)
+        keys = trainer._root.registry.derived_keys()
+        assert len(keys) == 1
+        made = set(derived._decode(trainer._root.registry.derived(keys)[keys[0]]).objects)
+        remote = trainer._open.remote
+        assert made <= remote.referenced() and all(remote.tier.exists(o) for o in made)
+    with paramstore.ParamStore(os.path.join(shm_dir, "reader"), remote=url, storage_options=opts) as reader:
+        with reader.checkout(1, recipe="fp8-block128") as snap:
+            assert snap.derived.derived == 0  # found in the remote, not derived
+            assert snap.fetch.bytes_from[remote.url] >= sum(remote.tier.size(o) for o in made)
+            want = recipes.derive("fp8-block128", model_state(seed=1))
+            assert all(same(snap[k], t) for k, t in want.items()) and set(snap) == set(want)
+        assert reader._root.registry.derived_keys() == keys  # shared with this host's registry now
+    remote = Remote(url, opts)
+    assert maintenance.gc_remote(remote, grace=0).objects == []  # the version's sources keep them
+    remote.remove([1])  # the version goes: its derived objects are garbage too
+    assert not made & remote.referenced()
+    assert made <= set(maintenance.gc_remote(remote, grace=0).objects)
