@@ -5,8 +5,9 @@
   the transport and announces ``{object digest: address}`` in the (shared) registry; it follows
   commits, pulls and GC. It serves only registered object memory, and only objects it announced.
 * :func:`fetch` — what a checkout runs for the objects of a version its host lacks: each object is
-  read straight into a pre-faulted slab of the local tier (registered memory, no intermediate
-  copy). An object the version's manifest covers end to end is *relayed* (:class:`_Relay`): read in
+  read straight into a slab of the local tier (registered memory, no intermediate copy):
+  pre-faulted when the pool prepared one (a version of a layout seen before); else, for a relayed
+  object, one reserved and faulted just ahead of the blocks as they arrive (:class:`_Space`). An object the version's manifest covers end to end is *relayed* (:class:`_Relay`): read in
   blocks (its header, then its pieces, up to 8 MiB each), each verified the moment it lands
   (pieces against the manifest's piece digests, the header against the object's name) and only
   then announced, so the next host reads it from here while the rest still arrives. Hosts that
@@ -47,7 +48,7 @@ from .errors import ParamStoreError, TransferError
 from .format import PIECE_SIZE, ObjectHasher, object_digest, piece_digest, rehash, tensor_spans
 from .reports import FetchReport
 from .root import StoreRoot
-from .staging import SlabPool
+from .staging import Slab, SlabPool
 
 from paramstore.backends.registries.base import Peer
 from paramstore.backends.transports.base import Transport
@@ -162,7 +163,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     """Fetch the ``objects`` (digest -> size) the local tier lacks from the peers that hold them.
 
     The caller holds a lease on the version. Each object is read into a slab of ``pool`` (pages
-    faulted ahead of time when the pool prepared one of that size). A size (the registry's word)
+    faulted ahead of time when the pool prepared one of that size; a relayed object's fresh slab
+    is reserved and faulted just ahead of the blocks that arrive, see :class:`_Space`). A size (the registry's word)
     is believed before anything of that size is allocated only where it is the object's extent in
     the version's manifest (``extents``: digest -> end of the last byte range it references);
     otherwise a holder's own safetensors header must say the same size first (:meth:`_Fetch.sized`),
@@ -641,11 +643,15 @@ class _Relay:
         self.tainted = False  # a read timed out: a late write may still land; nothing here is trusted
 
     def run(self) -> bool:
-        slab = self.pool.take(self.size)
+        # None ready: a slab made now is reserved and faulted on a thread of its own, just ahead of
+        # the blocks that arrive, not before the first read (256 MiB: 0.13 s on the hot path).
+        slab = self.pool.take(self.size, reserve=False)
+        self.space = _Space(slab)
         try:
             self.addr = self.transport.register(slab.map)
         except BaseException:
-            slab.close()
+            self.space.close()
+            slab.discard()
             raise
         self.buf = memoryview(slab.map)
         # progress: (slab address, blocks verified from the first on), read by the hosts behind
@@ -660,7 +666,10 @@ class _Relay:
             with ThreadPoolExecutor(RELAY_INFLIGHT, thread_name_prefix="paramstore-relay") as readers:
                 placed = self._relay(readers)
             placed = placed and not self.tainted and len(self.done) == len(self.blocks)
+            if self.space.error is not None and not placed:
+                raise self.space.error  # the local tier is full: the checkout says so
         finally:
+            self.space.close()
             self.buf.release()
             if placed:
                 self.root.tier.put(self.digest, slab.path, move=True)  # the mapping stays: same pages
@@ -706,7 +715,7 @@ class _Relay:
         n = len(self.blocks)
         while True:
             with self.cond:
-                if self.tainted:
+                if self.tainted or self.space.error is not None:
                     break
                 missing = [i for i in range(n) if i not in self.done and i not in self.busy]
                 if not missing and not self.busy:
@@ -806,8 +815,10 @@ class _Relay:
         remote = remote + b if whole else remote
         ok = False
         try:
-            t0 = time.monotonic()
             try:
+                if not self.space.wait(e):
+                    return  # the space could not be reserved: nothing is written there
+                t0 = time.monotonic()
                 self.transport.read(peer.session, [(self.addr + b, remote, e - b)])
                 if _TEST_DELAY_S:
                     time.sleep(_TEST_DELAY_S)  # a slow link
@@ -869,6 +880,73 @@ class _Relay:
     def _announce(self, new: dict[str, int]) -> None:
         self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
         self.announced.extend(new)
+
+
+#: Bytes a fresh relay slab is reserved (and faulted) ahead of the furthest block asked for.
+SPACE_AHEAD = 4 * BLOCK_BYTES
+
+
+class _Space:
+    """The space of a relay's slab, reserved and faulted (:meth:`Slab.reserve`) in offset order on
+    a thread of its own, at most :data:`SPACE_AHEAD` bytes beyond the furthest block a read has
+    asked for (:meth:`wait`): the first read starts at once and the fault work overlaps the
+    transfer, paced by it. Before, :meth:`SlabPool.take` reserved and faulted the whole slab first:
+    0.13 s for 256 MiB on the hot path (one host, 1 Gbit/s: the fetch took 1.06× a raw read of the
+    same bytes, now 1.01×), and with 8 hosts on 2 cores all faulting at once, more for the first
+    host of the chain. A slab that came ready (prepared by the pool) needs none of it; one that
+    cannot be reserved (a full tmpfs) fails the fetch with StorageFullError, never SIGBUS."""
+
+    def __init__(self, slab: "Slab") -> None:
+        self.slab, self.size = slab, slab.size
+        self.cond = threading.Condition()
+        self.upto = slab.size if slab.reserved else 0  # bytes [0, upto) reserved
+        self.want = 0  # the furthest end a read asked for
+        self.error: Exception | None = None
+        self.stop = False
+        self.thread: threading.Thread | None = None
+        if self.upto < self.size:
+            self.thread = threading.Thread(target=self._run, name="paramstore-space", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        step = BLOCK_BYTES  # a multiple of the page size: every reservation starts on a page
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stop or self.upto < self.want + SPACE_AHEAD)
+                if self.stop:
+                    return
+                begin = self.upto
+            end = min(self.size, begin + step)
+            try:
+                self.slab.reserve(begin, end)
+            except Exception as e:  # noqa: BLE001 - StorageFullError mostly; the fetch raises it
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.upto = end
+                self.cond.notify_all()
+                if end == self.size:
+                    return
+
+    def wait(self, end: int) -> bool:
+        """Wait until bytes ``[0, end)`` are reserved; False if they cannot be (:attr:`error`)."""
+        with self.cond:
+            if self.upto >= end:
+                return True
+            self.want = max(self.want, end)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.upto >= end or self.error is not None or self.stop)
+            return self.upto >= end
+
+    def close(self) -> None:
+        """Stop reserving (before the slab is unmapped)."""
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def _blame(fetch: "_Fetch | _Relay", peer: Peer, what: str) -> None:

@@ -91,8 +91,24 @@ class Slab:
     fd: int = -1
     #: whether ``fd`` is the slab's to close (else the mapping object's own: see :func:`_map_fd`)
     owns_fd: bool = False
+    #: whether its space is reserved and its pages faulted; False: a slab :meth:`SlabPool.take`
+    #: made with ``reserve=False``, whose user calls :meth:`reserve` on each range before writing it
+    reserved: bool = True
     #: unregisters the pinned mapping if the slab is garbage-collected without close()
     _unpin_at_gc: Any = field(default=None, repr=False, compare=False)
+
+    def reserve(self, begin: int, end: int) -> None:
+        """Reserve the space of bytes ``[begin, end)`` and fault their pages in (what
+        :meth:`SlabPool.new` does for a whole slab), so that writing them neither faults on the
+        hot path nor raises SIGBUS on a full filesystem (``begin``: a multiple of the page size;
+        the range must not have been written yet). Raises StorageFullError or StorageError."""
+        if begin % mmap.PAGESIZE:
+            raise ValueError(f"a reservation starts on a page boundary, not at byte {begin}")
+        try:
+            os.posix_fallocate(self.fd, begin, end - begin)
+        except OSError as e:
+            raise storage_error(e, os.path.dirname(self.path), end - begin, "a peer fetch") from e
+        _populate_range(address(self.map) + begin, end - begin)
 
     def pin(self, device: Any) -> bool:
         """Register the mapping as page-locked memory for copies with ``device`` (an accelerator),
@@ -209,6 +225,11 @@ def _populate(m: mmap.mmap) -> None:
     addr = address(m)
     size = len(m)
     libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), _MADV_HUGEPAGE)  # on huge=advise tmpfs
+    _populate_range(addr, size)
+
+
+def _populate_range(addr: int, size: int) -> None:
+    """:func:`_populate` of the ``size`` bytes at ``addr`` (their space reserved)."""
     for off in range(0, size, _POPULATE_CHUNK):
         n = min(_POPULATE_CHUNK, size - off)
         if libc().madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
@@ -307,8 +328,9 @@ class SlabPool:
         if recycle:
             _register(self)
 
-    def new(self, size: int, *, what: str = "a staging buffer") -> Slab:
-        """Create a slab of ``size`` bytes now: space reserved, every page faulted in.
+    def new(self, size: int, *, what: str = "a staging buffer", reserve: bool = True) -> Slab:
+        """Create a slab of ``size`` bytes now: space reserved, every page faulted in
+        (``reserve=False``: neither; the file only has its size, see :meth:`Slab.reserve`).
 
         Raises StorageFullError (the filesystem is full; ``what`` says for what, in the
         message) or StorageError."""
@@ -320,7 +342,10 @@ class SlabPool:
         try:
             # Reserve the space now: a full tmpfs then fails here with ENOSPC (an error on the
             # commit) instead of SIGBUS when the copy touches a page that cannot be allocated.
-            os.posix_fallocate(fd, 0, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
         except OSError as e:
             os.close(fd)
             os.unlink(path)
@@ -330,8 +355,11 @@ class SlabPool:
         except BaseException:
             os.unlink(path)
             raise
-        _populate(m)
-        slab = Slab(path, size, m, fd=mfd, owns_fd=owned)
+        if reserve:
+            _populate(m)
+        else:
+            libc().madvise(ctypes.c_void_p(address(m)), ctypes.c_size_t(size), _MADV_HUGEPAGE)
+        slab = Slab(path, size, m, fd=mfd, owns_fd=owned, reserved=reserve)
         self.stats["created"] += 1
         return slab
 
@@ -367,16 +395,19 @@ class SlabPool:
             return slab.pinned
         return slab.pin(device)
 
-    def take(self, size: int, *, pinned: bool = False) -> Slab:
+    def take(self, size: int, *, pinned: bool = False, reserve: bool = True) -> Slab:
         """A slab of ``size`` bytes: a prepared (or recycled) one if there is one, else a new one
         made on the spot. ``pinned=True`` (a commit of accelerator tensors): pinned for
-        :meth:`pin_for`'s device before it is returned (a no-op for one that already is)."""
-        slab = self._take(size)
+        :meth:`pin_for`'s device before it is returned (a no-op for one that already is).
+        ``reserve=False``: one made on the spot is returned at once, its space neither reserved
+        nor faulted (:attr:`Slab.reserved` False: the caller reserves each range before writing it,
+        e.g. a peer fetch, ahead of the bytes it receives)."""
+        slab = self._take(size, reserve)
         if pinned:
             self.pin(slab)
         return slab
 
-    def _take(self, size: int) -> Slab:
+    def _take(self, size: int, reserve: bool = True) -> Slab:
         while True:
             with self._lock:
                 free = self._free.get(size)
@@ -390,7 +421,7 @@ class SlabPool:
             if self._reusable(slab):
                 return slab
         self.stats["on_the_spot"] += 1
-        return self.new(size)
+        return self.new(size, reserve=reserve)
 
     def _pin_prepared(self, slab: Slab) -> None:
         """The background thread: pin a slab prepared for the next commits, if this process stages

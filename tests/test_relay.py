@@ -10,10 +10,12 @@ on loopback (which is far faster than any link) as they do on a real network."""
 from __future__ import annotations
 
 import signal
+import textwrap
 import time
 
 import pytest
 
+from helpers import run_in_small_tmpfs
 from test_peers import Host, hosts, stored_bytes  # noqa: F401 - the fixture is used by name
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -92,3 +94,31 @@ def test_an_upstream_killed_mid_relay_the_downstream_finishes_from_the_next_one_
     assert rb["ok"] and rb["rejected"] == {}, rb
     assert sum(rb["bytes_from"].values()) == v1, rb  # nothing read twice: it went on from its own blocks
     assert rb["bytes_from"].get(a.session, 0) > 0 and rb["bytes_from"].get(trainer.session, 0) > 0, rb
+
+
+FULL_CHILD = textwrap.dedent("""
+    import os, sys, traceback, paramstore
+    root, registry, name = sys.argv[1:4]
+    with paramstore.ParamStore(root, registry=registry, name=name, prepare_buffers=False) as store:
+        try:
+            store.checkout(1)
+            print("fetched")
+        except OSError as e:  # the package's error, naming this filesystem
+            print("ENOSPC" if isinstance(e, paramstore.StorageFullError) and e.errno == 28 else repr(e).replace(" ", "_"))
+            print("in", traceback.extract_tb(e.__traceback__)[-1].name)  # where the space ran out
+        tmp = os.path.join(root, "tmp")
+        print("leftovers", len([f for f in os.listdir(tmp) if not f.startswith(".")]) if os.path.isdir(tmp) else 0)
+""")
+
+
+def test_a_relay_into_a_full_tmpfs_fails_the_checkout_not_the_process(hosts, redis_url, tmp_path):
+    """A relay's destination is reserved block by block, just ahead of the bytes that arrive (not
+    all before the first read): a tmpfs too small for the version fails the checkout with
+    StorageFullError where the reservation fails, never with SIGBUS in the receiving thread, and
+    leaves no partial slab behind."""
+    trainer = hosts("trainer")
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}  # 64 MiB in two objects
+    proc = run_in_small_tmpfs(tmp_path, "40m", FULL_CHILD, redis_url, hosts.name)
+    assert proc.returncode == 0, f"exit {proc.returncode} (135 = SIGBUS): {proc.stderr}"
+    # reserve: a block's reservation, once the fetch was under way (before: the whole slab's, up front)
+    assert proc.stdout.split() == ["ENOSPC", "in", "reserve", "leftovers", "0"], proc.stdout + proc.stderr

@@ -85,6 +85,34 @@ def test_prepare_wait_has_every_buffer_ready(store_root, retention, recycle, cop
         assert pool.stats["on_the_spot"] == 0, pool.stats
 
 
+def test_an_unreserved_slab_is_reserved_range_by_range(shm_dir):
+    """take(reserve=False) with none ready returns at once a slab whose space is neither reserved
+    nor faulted (a peer fetch reserves it just ahead of the bytes it receives); a prepared one
+    comes reserved."""
+    size = 3 << 20
+    pool = staging.SlabPool(shm_dir, pin=False)
+    try:
+        slab = pool.take(size, reserve=False)
+        assert not slab.reserved and os.fstat(slab.fd).st_size == size
+        assert os.fstat(slab.fd).st_blocks == 0  # no page allocated yet
+        with pytest.raises(ValueError):
+            slab.reserve(100, 200)  # a reservation starts on a page
+        slab.reserve(0, 1 << 20)
+        assert os.fstat(slab.fd).st_blocks * 512 >= 1 << 20
+        slab.map[: 1 << 20] = b"\x07" * (1 << 20)
+        slab.reserve(1 << 20, size)
+        assert os.fstat(slab.fd).st_blocks * 512 >= size and slab.map[(1 << 20) - 1] == 7
+        slab.discard()
+        pool.prepare([size], purpose="fetch")
+        assert pool.wait_prepared(30)
+        ready = pool.take(size, reserve=False)
+        assert ready.reserved and os.fstat(ready.fd).st_blocks * 512 >= size
+        assert pool.stats["on_the_spot"] == 1
+        ready.discard()
+    finally:
+        pool.close()
+
+
 # -- recycling ---------------------------------------------------------------------------------
 def test_commits_with_recycling_are_bit_exact_and_reuse_the_files(store_root):
     with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
