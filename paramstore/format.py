@@ -48,6 +48,8 @@ import blake3
 __all__ = [
     "rehash",
     "tensor_spans",
+    "header_layout",
+    "cores",
     "ObjectHasher",
     "ITEMSIZE",
     "DATA_ALIGN",
@@ -66,6 +68,7 @@ __all__ = [
     "PIECES_KEY",
     "pieces",
     "piece_digest",
+    "piece_hasher",
     "pieces_root",
     "tensor_pieces",
     "bad_pieces",
@@ -275,6 +278,12 @@ def piece_digest(data: bytes | memoryview) -> str:
     return blake3.blake3(data, max_threads=1).hexdigest()
 
 
+def piece_hasher() -> Any:
+    """An incremental :func:`piece_digest` on the calling thread: ``update()`` it with a piece's
+    bytes in order (a block at a time, say, each while it is in cache), then ``hexdigest()``."""
+    return blake3.blake3(max_threads=1)
+
+
 def pieces_root(piece_digests: Sequence[str], nbytes: int) -> str:
     """The digest of a tensor of ``nbytes`` bytes (more than :data:`PIECE_SIZE`) from its piece
     digests (hex, in order)."""
@@ -288,16 +297,21 @@ _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
+def cores() -> int:
+    """The cores this process may run on (``taskset`` and cgroup CPU sets count; at least 1): how many
+    threads hash or decode side by side."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def _hash_pool() -> ThreadPoolExecutor:
     """Threads to hash pieces side by side on (one per core this process may run on), made once."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            try:
-                n = len(os.sched_getaffinity(0))
-            except (AttributeError, OSError):  # pragma: no cover - not Linux
-                n = os.cpu_count() or 1
-            _pool = ThreadPoolExecutor(max(1, n), thread_name_prefix="paramstore-pieces")
+            _pool = ThreadPoolExecutor(cores(), thread_name_prefix="paramstore-pieces")
         return _pool
 
 
@@ -394,8 +408,7 @@ def rehash(buf: memoryview) -> tuple[str, dict[tuple[int, int], str]]:
     ``ValueError`` if ``buf`` is not a well-formed paramstore object (a malformed header, or
     tensors that do not tile the data section exactly).
     """
-    start, spans, meta = _spans(buf)
-    piece_size = piece_size_of(meta)
+    start, spans, piece_size = header_layout(buf)
     digests = {(b, e): tensor_digest(buf[b:e], piece_size=piece_size) for b, e in spans}
     return object_digest(buf[:start], [digests[s] for s in spans]), digests
 
@@ -408,6 +421,14 @@ def tensor_spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tu
     """
     start, spans, _ = _spans(buf, size)
     return start, spans
+
+
+def header_layout(buf: memoryview, size: int | None = None) -> tuple[int, list[tuple[int, int]], int]:
+    """``(data_start, [(begin, end), ...], piece_size)``: what an object's header says of its bytes
+    (:func:`tensor_spans`, and the rule of its tensor digests, :func:`piece_size_of`), from one parse.
+    Raises ``ValueError`` as they do."""
+    start, spans, meta = _spans(buf, size)
+    return start, spans, piece_size_of(meta)
 
 
 def _spans(buf: memoryview, size: int | None = None) -> tuple[int, list[tuple[int, int]], dict[str, Any]]:
@@ -569,8 +590,7 @@ class ObjectHasher:
         if self._reach(0) < min(8 + n, len(self._buf)):
             return
         try:
-            start, self._spans, meta = _spans(self._buf)
-            self._piece_size = piece_size_of(meta)
+            start, self._spans, self._piece_size = header_layout(self._buf)
         except ValueError as e:
             self._error = f"malformed ({e})"
             return

@@ -370,11 +370,11 @@ def patch_objects(draw: Any) -> dict[str, Any]:
     """A patch object (``delta._make_one``'s layout) rebuilding a target object from a base object,
     mutated; and the base objects the reader has."""
     from paramstore.delta import PATCH_OBJECT_FORMAT
-    from paramstore.format import TensorSpec, layout
+    from paramstore.format import ITEMSIZE, TensorSpec, layout
     from paramstore.patch import encode
 
     dtype, base, target = draw(_tensor_pair())
-    head = b"\x10" + bytes(15)
+    head = layout([TensorSpec("w", dtype, (len(target) // ITEMSIZE[dtype],))]).header  # the target's real header
     base_obj = head + base
     target_obj = head + target
     bobj = "ab" * 32
@@ -394,17 +394,27 @@ def patch_objects(draw: Any) -> dict[str, Any]:
     return {"object": draw(mutated_bytes(obj)), "bases": {bobj: base_obj}}
 
 
-class _FakeMaps:
-    def __init__(self, objects: dict[str, bytes]) -> None:
-        self._objects = objects
+class _BaseFiles:
+    """The base objects of a fuzzed patch as ``delta._apply`` reads them: (descriptor, size) by digest
+    (memfds, closed together)."""
 
-    def get(self, digest: str) -> memoryview:
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self._objects, self._fds = objects, []
+
+    def open(self, digest: str) -> tuple[int, int]:
         from paramstore.backends.tiers.base import object_key
 
         object_key(digest)  # what the tier checks (InvalidArgumentError for a name that is not a digest)
         if digest not in self._objects:
             raise FileNotFoundError(digest)
-        return memoryview(self._objects[digest])
+        fd = os.memfd_create("base")
+        self._fds.append(fd)
+        os.write(fd, self._objects[digest])
+        return fd, len(self._objects[digest])
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
 
 
 def _feed_patch_object(i: dict[str, Any]) -> None:
@@ -412,11 +422,15 @@ def _feed_patch_object(i: dict[str, Any]) -> None:
 
     got = _read_patch(memoryview(i["object"]))
     _expect(isinstance(got.size, int) and got.size >= 0 and isinstance(got.target, str), "bad size or target")
-    if got.size <= 1 << 20:  # what rebuild() does next, into a buffer of the size its record names
+    if got.size <= 1 << 20:  # what rebuild() does next, into a new file
+        bases, out = _BaseFiles(i["bases"]), os.memfd_create("rebuilt")
         try:
-            _apply(_FakeMaps(i["bases"]), got, memoryview(bytearray(got.size)))
+            _apply(bases, got, out)
         except (ValueError, FileNotFoundError) as e:  # documented by rebuild(): a malformed patch, a base not here
             raise _Documented(str(e)) from None
+        finally:
+            bases.close()
+            os.close(out)
 
 
 def _patch_object_bound(i: dict[str, Any]) -> int:

@@ -146,6 +146,51 @@ def test_encode_and_decode_into_a_bytearray_or_an_mmap():
             view.release()
 
 
+def test_a_frame_decodes_chunk_by_chunk_in_place_as_decode_into_does():
+    """open_frame + Frame.decode_chunk (what a rebuild uses, a chunk read from the base then patched
+    in place) give decode_into's bytes, for every chunk alone; a chunk's changes do not fit another
+    chunk's buffer; the count is checked once every chunk is done."""
+    from paramstore.patch import open_frame
+
+    base, target = sparse_pair(3_000_001, 0.015, seed=4)  # 3 chunks, the last partial
+    enc = encode(base, target, "BF16")
+    frame = open_frame(enc.frame, len(base), "BF16", enc.changed, enc.gap_width)
+    assert frame.chunks()[-1][1] == len(base) and len(frame.chunks()) == 3
+    count = 0
+    for i, (lo, hi) in reversed(list(enumerate(frame.chunks()))):  # any order
+        block = bytearray(base[lo:hi])
+        count += frame.decode_chunk(i, block)
+        assert block == target[lo:hi]
+    frame.check(count)
+    with pytest.raises(CorruptObjectError, match="expected"):
+        frame.check(count - 1)
+    with pytest.raises(InvalidArgumentError, match="chunk 2 is"):
+        frame.decode_chunk(2, bytearray(frame.chunk_bytes))
+    with pytest.raises(CorruptObjectError, match="its chunks say"):
+        open_frame(enc.frame[:-1], len(base), "BF16", enc.changed, enc.gap_width)
+
+
+def test_run_all_returns_or_raises_only_once_no_job_runs():
+    """A job's error is raised only after the jobs already running have finished (a rebuild's
+    threads must not write into a file or buffer its caller is about to delete)."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def job(k: int) -> int:
+        if k == 0:
+            raise CorruptObjectError("bad chunk")
+        time.sleep(0.2)
+        done.set()
+        return k
+
+    with pytest.raises(CorruptObjectError, match="bad chunk"):
+        patch_module.run_all(job, [(0,), (1,)])
+    assert done.is_set() or patch_module.cores() == 1  # (one core: job 1 was cancelled, never started)
+    assert patch_module.run_all(job, [(3,), (2,)]) == [3, 2]
+
+
 def test_encode_is_deterministic_and_independent_of_threads(monkeypatch):
     base, target = sparse_pair(3_000_001, 0.015, seed=3)  # 3 chunks, the last partial, an odd tail
     first = encode(base, target, "BF16")

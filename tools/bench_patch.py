@@ -17,6 +17,19 @@ rounds, each timing side by side :func:`~paramstore.patch.make_patch` (digests g
 the same bytes (``np.copyto`` into a new ``np.empty_like``, as above, and
 ``torch.empty_like(x).copy_(x)``); also the share of the machine's CPU other processes used.
 
+Then a patch rebuild (``--rebuild-mib``, 0 to skip): a store on /dev/shm commits a model of that
+many MiB of bf16 in 8 MiB tensors (one object), then the same with a fraction
+(``--rebuild-changed``) of the elements moved by a unit or two in the last place, and makes the
+patch; each round removes the new object and times :func:`paramstore.delta.rebuild` into a
+pre-faulted slab (as a rollout host's pool has one), next to its two passes as separate calls
+(``decode_into`` of every tensor, then ``format.rehash`` of the object: what rebuild did before
+it decoded and hashed each piece in one pass), a bare copy of the object's bytes (``np.copyto``
+into a buffer already faulted) and that copy + the rehash (the floor of any rebuild that writes
+and checks every byte). Each runs in a child process on 1 core, then on 2 (``taskset``); with
+``--baseline DIR`` (a checkout of another revision: ``git worktree add build/old <rev>``) the same
+children run that revision's code too (``PYTHONPATH=DIR``), interleaved with this tree's, so the
+two are compared in one run on one machine load.
+
     .venv/bin/python tools/bench_patch.py --json out/bench_patch.json --markdown out/bench_patch.md
     .venv/bin/python tools/docgen.py patch out/bench_patch.md --json out/bench_patch.json
 """
@@ -30,6 +43,7 @@ import statistics
 import struct
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +51,29 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import CpuMeter, machine, write_outputs
 
-from paramstore.patch import apply_patch, decode_into, make_patch, patch_info
+
+def _pin_backends(tree: str) -> None:
+    """Import ``paramstore.backends`` from ``tree``'s ``backends/`` (with ``PYTHONPATH=tree``,
+    ``paramstore`` comes from the tree, but the editable install maps ``paramstore.backends`` to
+    this checkout's): a rebuild child of ``--baseline`` then runs that revision's code only."""
+    import importlib.abc
+    import importlib.util
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+            if name != "paramstore.backends":
+                return None
+            where = os.path.join(tree, "backends")
+            return importlib.util.spec_from_file_location(name, os.path.join(where, "__init__.py"),
+                                                          submodule_search_locations=[where])
+
+    sys.meta_path.insert(0, _Finder())
+
+
+if os.environ.get("BENCH_PATCH_TREE"):
+    _pin_backends(os.environ["BENCH_PATCH_TREE"])
+
+from paramstore.patch import apply_patch, decode_into, make_patch, patch_info  # noqa: E402
 
 
 
@@ -146,6 +182,203 @@ def run_tensor(args: argparse.Namespace) -> dict:
     return res
 
 
+def rebuild_child(args: argparse.Namespace) -> dict:
+    """In a child process (pinned by its parent with taskset; its paramstore maybe another
+    revision's): time rebuild and its parts, round by round (see the module docstring)."""
+    import shutil
+    import tempfile
+
+    import blake3
+
+    import paramstore
+    from paramstore import ParamStore
+    from paramstore.delta import rebuild
+    from paramstore.format import rehash, tensor_spans
+
+    rng = np.random.default_rng(0)
+    tensors, per = args.rebuild_mib // 8, 8 << 20  # 8 MiB tensors: one piece each
+    base = {f"layer{i}.weight": (torch.from_numpy(rng.standard_normal(per // 2, dtype=np.float32)) * 0.02)
+            .to(torch.bfloat16) for i in range(tensors)}
+    target = {}
+    for name, t in base.items():
+        k = int(t.numel() * args.rebuild_changed)
+        where = torch.from_numpy(rng.choice(t.numel(), size=k, replace=False))
+        step = torch.from_numpy(rng.choice(np.array([-2, -1, 1, 2], dtype=np.int16), size=k))
+        target[name] = t.clone()
+        target[name].view(torch.int16)[where] += step
+    root = tempfile.mkdtemp(prefix="bench-rebuild-", dir="/dev/shm")
+    try:
+        with ParamStore(root, patches=True, shard_size_bytes=(args.rebuild_mib << 20) + (1 << 20)) as store:
+            store.commit(1, base).result()
+            store.commit(2, target).result()
+            store.flush()
+            reg, tier, pool = store._root.registry, store._root.tier, store._pool
+            [pairs] = reg.patches().values()
+            [obj] = [o for o in store.manifest(2).objects() if o in pairs]
+            [bobj] = store.manifest(1).objects()
+            patch, size = pairs[obj], reg.object_sizes([obj])[obj]
+            with open(tier.object_path(obj), "rb") as f:
+                want = blake3.blake3(f.read()).hexdigest()  # to check each rebuild's bytes
+            spans = _patch_spans(tier.object_path(patch))
+            dest = np.empty(size, dtype=np.uint8)
+            dest.fill(1)  # faulted
+            rounds = []
+            meter = CpuMeter()
+            for r in range(args.repeats + 1):  # (the first round warms up: not counted)
+                os.unlink(tier.object_path(obj))
+                row = {}
+                pool.prepare([size], purpose="fetch")  # a slab ready, as a rollout host has one
+                pool.wait_prepared(60)
+                c0, t0 = time.process_time(), time.perf_counter()  # (CPU: every thread of this process)
+                rebuild(store._root, pool, patch, obj, size)
+                row["rebuild_s"] = time.perf_counter() - t0
+                row["rebuild_cpu_s"] = time.process_time() - c0
+                c0 = time.process_time()
+                pool.prepare([size], purpose="fetch")  # the slab the rebuild took (if it took one), faulted anew
+                pool.wait_prepared(60)
+                row["prepare_cpu_s"] = time.process_time() - c0
+                with open(tier.object_path(obj), "rb") as f:
+                    data = f.read()
+                assert blake3.blake3(data).hexdigest() == want
+                mv = memoryview(data)
+                bmap = np.fromfile(tier.object_path(bobj), dtype=np.uint8)
+                t0 = time.perf_counter()
+                dest[: spans[0][0][0]] = np.frombuffer(mv[: spans[0][0][0]], dtype=np.uint8)  # the header
+                for (begin, end, dtype, _, boff, changed, width), frame in spans:
+                    if frame is None:
+                        dest[begin:end] = np.frombuffer(mv[begin:end], dtype=np.uint8)
+                    else:
+                        decode_into(dest[begin:end], bmap[boff : boff + end - begin], frame, dtype, changed, width)
+                row["decode_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                rehash(memoryview(dest))
+                row["rehash_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                np.copyto(dest, np.frombuffer(mv, dtype=np.uint8))
+                row["copy_s"] = time.perf_counter() - t0
+                assert tensor_spans(memoryview(dest))[0] > 0
+                del mv, data, bmap
+                # the whole path: a checkout that finds the object missing (Fetcher: patches first),
+                # then whatever it leaves running in the background (slabs faulted for the next one)
+                os.unlink(tier.object_path(obj))
+                pool.wait_prepared(60)
+                c0, t0 = time.process_time(), time.perf_counter()
+                with store.checkout(2) as snap:
+                    row["checkout_s"] = time.perf_counter() - t0
+                    assert snap.fetch.from_patches == [obj], snap.fetch
+                pool.wait_prepared(60)
+                row["checkout_cpu_s"] = time.process_time() - c0
+                if r:
+                    rounds.append(row)
+            noise = meter.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    import paramstore.backends
+
+    return {"paramstore": os.path.dirname(paramstore.__file__), "backends": os.path.dirname(paramstore.backends.__file__),
+            "cores": len(os.sched_getaffinity(0)),
+            "size": size, "patch_bytes": sum(len(f) for _, f in spans if f is not None), "rounds": rounds,
+            "median": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}, **noise}
+
+
+def _patch_spans(path: str) -> list[tuple[list, memoryview | None]]:
+    """A patch object's spans (``[begin, end, dtype, base, base offset, changed, width]``) with each
+    patched tensor's frame (None for one stored whole)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + n])
+    spans = json.loads(header["__metadata__"]["spans"])
+    out = []
+    for i, s in enumerate(spans):
+        begin, end = header[f"t{i}"]["data_offsets"]
+        out.append((s, memoryview(data)[8 + n + begin : 8 + n + end] if s[3] else None))
+    return out
+
+
+def run_rebuild(args: argparse.Namespace) -> list[dict]:
+    """Rebuild children for this tree (and ``--baseline``) on 1 core and on 2, interleaved."""
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("this tree", here)] + ([("baseline", os.path.abspath(args.baseline))] if args.baseline else [])
+    out = []
+    for cpus in ("0", "0-1"):
+        for label, tree in trees:
+            cmd = ["taskset", "-c", cpus, sys.executable, os.path.abspath(__file__), "--rebuild-child",
+                   "--rebuild-mib", str(args.rebuild_mib), "--rebuild-changed", str(args.rebuild_changed),
+                   "--repeats", str(args.repeats)]
+            env = {**os.environ, "PYTHONPATH": tree, "BENCH_PATCH_TREE": tree}
+            got = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
+            res = json.loads(got.stdout.strip().splitlines()[-1])
+            for key in ("paramstore", "backends"):  # the code measured is the tree's
+                assert os.path.realpath(res[key]).startswith(os.path.realpath(tree) + os.sep), (key, res[key])
+            res.update(code=label, tree=tree, rev=_rev(tree))
+            m = res["median"]
+            print(f"rebuild {args.rebuild_mib} MiB, {args.rebuild_changed * 100:g}% changed, {label} ({res['rev']}), "
+                  f"{res['cores']} core(s): rebuild {m['rebuild_s'] * 1e3:.0f} ms (CPU {m['rebuild_cpu_s'] * 1e3:.0f} "
+                  f"+ slab {m['prepare_cpu_s'] * 1e3:.0f} ms); checkout {m['checkout_s'] * 1e3:.0f} ms (CPU "
+                  f"{m['checkout_cpu_s'] * 1e3:.0f} ms); decode_into "
+                  f"{m['decode_s'] * 1e3:.0f} + rehash {m['rehash_s'] * 1e3:.0f} ms; bare copy {m['copy_s'] * 1e3:.0f} ms;"
+                  f" other processes {res['foreign_pct']}%", flush=True)
+            out.append(res)
+    return out
+
+
+def _rebuild_table(results: list[dict], args: argparse.Namespace) -> list[str]:
+    """The rebuild rows: per tree and core count, medians (per-round min–max of the ratios)."""
+    first = results[0]
+    busy = ", ".join(f"{r['foreign_pct']}%" for r in results)
+    md = [f"Rebuilding one {first['size'] / 2**20:.0f} MiB object (32 bf16 tensors of 8 MiB) from its patch "
+          f"({first['patch_bytes'] / first['size'] * 100:.2f}% of it), {args.rebuild_changed * 100:g}% of the "
+          f"elements changed; {args.repeats} rounds each, medians (per-round min–max); each row a child process "
+          "pinned with `taskset`. *rebuild*: `delta.rebuild` called alone (a pre-faulted slab ready); its CPU "
+          "(every thread of the process) plus faulting anew the slab it took (`SlabPool.prepare`: in the "
+          "background on a rollout host, CPU all the same). *checkout*: `store.checkout(2)` with the object "
+          "missing (the Fetcher rebuilds it from the patch): wall time to the snapshot, and CPU until the "
+          "process is idle again (slabs it prepares for the next version included). Other processes used "
+          f"{busy} of the machine's CPU during the rows:", "",
+          "| code | cores | rebuild | its CPU + slab faulted for it | `decode_into` + `rehash` (two passes, "
+          "in memory) | bare copy | rebuild / (copy + rehash) | checkout | checkout CPU | "
+          "rebuild / baseline's | rebuild CPU + slab / baseline's | checkout CPU / baseline's |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m, rs = r["median"], r["rounds"]
+        base = next((b for b in results if b["code"] == "baseline" and b["cores"] == r["cores"]), None)
+        cpu = m["rebuild_cpu_s"] + m["prepare_cpu_s"]
+
+        def ratio(f: Any) -> str:
+            xs = [f(x) for x in rs]
+            return f"{f(m):.2f}× ({min(xs):.2f}–{max(xs):.2f})"
+
+        if base is not None and base is not r:
+            bm = base["median"]
+            vs = (f"{m['rebuild_s'] / bm['rebuild_s']:.2f}× | "
+                  f"{cpu / (bm['rebuild_cpu_s'] + bm['prepare_cpu_s']):.2f}× | "
+                  f"{m['checkout_cpu_s'] / bm['checkout_cpu_s']:.2f}×")
+        else:
+            vs = "— | — | —"
+        md.append(f"| {r['code']} (`{r['rev']}`) | {r['cores']} | {m['rebuild_s'] * 1e3:.0f} ms | "
+                  f"{m['rebuild_cpu_s'] * 1e3:.0f} + {m['prepare_cpu_s'] * 1e3:.0f} = {cpu * 1e3:.0f} ms | "
+                  f"{m['decode_s'] * 1e3:.0f} + {m['rehash_s'] * 1e3:.0f} ms | {m['copy_s'] * 1e3:.0f} ms | "
+                  f"{ratio(lambda x: x['rebuild_s'] / (x['copy_s'] + x['rehash_s']))} | "
+                  f"{m['checkout_s'] * 1e3:.0f} ms | {m['checkout_cpu_s'] * 1e3:.0f} ms | {vs} |")
+    return md
+
+
+def _rev(tree: str) -> str:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + (" (dirty)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def _frame(patch: bytes) -> tuple[memoryview, int]:
     """The frame a patch carries (its one tensor's bytes) and its gap width."""
     (n,) = struct.unpack_from("<Q", patch, 0)
@@ -166,14 +399,24 @@ def main() -> int:
     ap.add_argument("--tensor-mib", type=int, default=128, help="the large tensor's size (0: skip it)")
     ap.add_argument("--tensor-changed", type=float, default=0.02, help="the fraction of its elements that change")
     ap.add_argument("--repeats", type=int, default=7, help="rounds of the large tensor's timings")
+    ap.add_argument("--rebuild-mib", type=int, default=256, help="the rebuilt object's size (0: skip the rebuild)")
+    ap.add_argument("--rebuild-changed", type=float, default=0.01,
+                    help="the fraction of the rebuilt object's elements that change")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also time the rebuild with the code of this checkout (git worktree add build/old <rev>)")
+    ap.add_argument("--rebuild-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
+    if args.rebuild_child:
+        print(json.dumps(rebuild_child(args)))
+        return 0
     res = {"argv": ["tools/bench_patch.py", *sys.argv[1:]], "machine": machine()}
     t0 = time.monotonic()
-    rows = [r for lr in (float(x) for x in args.lrs.split(",")) for r in run(lr, args)]
+    rows = [r for lr in (float(x) for x in args.lrs.split(",")) for r in run(lr, args)] if args.steps else []
     big = run_tensor(args) if args.tensor_mib else None
-    res.update(rows=rows, tensor=big, total_seconds=time.monotonic() - t0)
+    rebuilt = run_rebuild(args) if args.rebuild_mib else []
+    res.update(rows=rows, tensor=big, rebuild=rebuilt, total_seconds=time.monotonic() - t0)
     md = [f"GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}), fp32 master weights, AdamW, "
           f"{args.steps} steps per learning rate, committed as bf16; medians over the steps (min–max):", "",
           "| lr | elements changed | patches / model bytes | patch time / bare copy |", "|---|---|---|---|"]
@@ -203,6 +446,8 @@ def main() -> int:
                f"| {big['patch_bytes'] / (big['mib'] << 20) * 100:.2f}% | {m['make_s'] * 1e3:.0f} ms | "
                f"{m['decode_s'] * 1e3:.0f} ms | {m['np_copy_s'] * 1e3:.0f} ms | {m['torch_copy_s'] * 1e3:.0f} ms | "
                f"{ratio('make_s', 'np_copy_s')} | {ratio('make_s', 'torch_copy_s')} | {ratio('decode_s', 'np_copy_s')} |"]
+    if rebuilt:
+        md += ["", *_rebuild_table(rebuilt, args)]
     write_outputs(args.json, res, args.markdown, "\n".join(md))
     print("\n".join(md))
     return 0
