@@ -132,3 +132,42 @@ def test_full_tmpfs_filled_by_another_file(tmp_path):
         "latest 3 3.0",
     ], proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+
+
+# -- a rebuild from a patch on a full filesystem: StorageFullError, nothing placed or left -------------
+REBUILD = textwrap.dedent("""
+    import os, sys, torch, paramstore
+    from paramstore.delta import rebuild
+    root = sys.argv[1]
+    with paramstore.ParamStore(root, patches=True, prepare_buffers=False) as store:
+        w = torch.randn(2 << 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 4 MiB
+        store.commit(1, {"w": w}).result()
+        w.view(torch.int16)[::100] += 1
+        store.commit(2, {"w": w}).result()
+        store.flush()
+        [pairs] = store._root.registry.patches().values()
+        [target] = [o for o in store.manifest(2).objects() if o in pairs]
+        size = store._root.registry.object_sizes([target])[target]
+        os.unlink(store._root.tier.object_path(target))
+        before = set(store._root.tier.leftovers())
+        st = os.statvfs(root)
+        filler = os.path.join(os.path.dirname(root), "filler")
+        with open(filler, "wb") as f:  # 1 MiB left: the rebuilt object does not fit
+            f.write(bytes(st.f_bavail * st.f_frsize - (1 << 20)))
+        try:
+            rebuild(store._root, store._pool, pairs[target], target, size)
+            print("placed")
+        except paramstore.StorageFullError as e:
+            print("ENOSPC" if e.errno == 28 and root in str(e) else repr(e).replace(" ", "_"))
+        print(sorted(set(store._root.tier.leftovers()) - before), store._root.tier.exists(target))
+        os.unlink(filler)
+        rebuild(store._root, store._pool, pairs[target], target, size)
+        with store.checkout(2) as snap:
+            print(torch.equal(snap["w"], w))
+""")
+
+
+def test_a_rebuild_on_a_full_filesystem_places_nothing_and_leaves_nothing(tmp_path):
+    proc = run_in_small_tmpfs(tmp_path, "32m", REBUILD)
+    assert proc.returncode == 0, f"exit {proc.returncode} (135 = SIGBUS): {proc.stderr}"
+    assert proc.stdout.split() == ["ENOSPC", "[]", "False", "True"], proc.stdout
