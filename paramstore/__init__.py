@@ -48,6 +48,7 @@ from .manifest import Chunk, Manifest, TensorEntry, Version
 
 if TYPE_CHECKING:
     from .commit import CommitHandle
+    from .following import FollowedCommit
     from .reports import FetchReport, LoadResult
     from .snapshot import Snapshot
     from .store import ParamStore
@@ -59,11 +60,12 @@ _LAZY = {
     "Snapshot": "snapshot",
     "LoadResult": "reports",
     "CommitHandle": "commit",
+    "FollowedCommit": "following",
     "FetchReport": "reports",
 }
 
 __all__ = [
-    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "FetchReport", "Version", "Manifest", "TensorEntry", "Chunk",
+    "ParamStore", "Snapshot", "LoadResult", "CommitHandle", "FollowedCommit", "FetchReport", "Version", "Manifest", "TensorEntry", "Chunk",
     # the error tree's roots (paramstore.errors)
     "ParamStoreError", "NotFoundError", "ConflictError", "CorruptionError", "UnavailableError",
     "InvalidArgumentError", "StorageError",

@@ -51,6 +51,7 @@ from .errors import (
     CommitGroupError, CorruptObjectError, InvalidArgumentError, ParamStoreError, StorageFullError, TornCommitError, UnregisteredObjectsError,
     WaitTimeoutError,
 )
+from .following import StagingJournal
 from .format import (
     ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, piece_digest, pieces, pieces_root,
     plan_shards,
@@ -198,6 +199,7 @@ class _Job:
     staged: bool = False  # staged on the caller's thread already (a streaming commit)
     layout_sizes: list[int] = field(default_factory=list)  # slab sizes the next commit of this layout takes
     watch: "_Watch | None" = None  # the sources' in-place versions at commit() (not for a streaming commit)
+    journal: StagingJournal | None = None  # a streaming commit's staged tensors, for same-host readers (following)
 
 
 class Committer:
@@ -263,6 +265,8 @@ class Committer:
                    staged=True)
         interrupt: BaseException | None = None
         try:
+            if group is None:  # readers on this host may follow it (paramstore.following)
+                job.journal = StagingJournal(self._tier.tmp_dir, step)
             self._stage_stream(job, pairs, taker, ranks)
             handle.staged.set_result(None)
         except BaseException as e:  # noqa: BLE001 - delivered through the futures (and to the group)
@@ -353,6 +357,8 @@ class Committer:
             slab.discard()
         job.slabs, job.plans, job.early, job.units = [], [], {}, []
         job.collected = job.collected.without_sources()
+        if job.journal is not None:
+            job.journal.end(e)
         if job.group is None:
             _fail(job.handle, e)
         else:
@@ -378,6 +384,8 @@ class Committer:
         extras: list[tuple[ShardPlan, Slab]] = []
         specs: list[TensorSpec] = []
         copier = _Copier({})
+        journal = job.journal
+        in_flight: list[tuple[Slab, Placement]] = []  # device copies, announced once synchronized
 
         def place(spec: TensorSpec, src: torch.Tensor) -> None:
             """Copy ``src`` to its place in the previous layout, or into an object of its own."""
@@ -400,6 +408,11 @@ class Committer:
             if job.device is not None and not slab.pinned:  # taken before the first device tensor came
                 self._pool.pin(slab)
             copier.copy(_slab_view(slab, p), src, follow=True, pinned=slab.pinned)
+            if journal is not None:
+                if accel.is_accelerator(src.device):
+                    in_flight.append((slab, p))
+                else:
+                    journal.staged(slab.path, p)
 
         try:
             for item in pairs:
@@ -416,10 +429,15 @@ class Committer:
                 place(spec, src)
         finally:
             copier.synchronize()
+        if journal is not None:
+            for slab, p in in_flight:
+                journal.staged(slab.path, p)
         job.plans, job.slabs = [], []
         for i in sorted(taken):
             plan, slab = plans[i], taken[i]
             keep = [p for p in plan.placements if p.spec.name in arrived[i]]
+            if journal is not None and len(keep) != len(plan.placements):
+                journal.seal("compact a shard that lost tensors")  # _compact moves announced bytes
             header, offsets = _compact(slab, plan, keep)
             job.plans.append(ShardPlan(header, tuple(Placement(p.spec, o, p.nbytes) for p, o in zip(keep, offsets))))
             job.slabs.append(slab)
@@ -480,8 +498,12 @@ class Committer:
                 slab.discard()
             for slab in job.published:
                 slab.close()
+            if job.journal is not None:
+                job.journal.end(e)
             _fail(job.handle, e)
             return
+        if job.journal is not None:
+            job.journal.end()
         job.handle.committed.set_result(version)
         try:
             for slab in job.published:  # unmap only now (or keep it mapped for recycling)
@@ -730,6 +752,8 @@ class Committer:
                     keep.append((p, d))
                     kept_here.add(d)
             slab = job.slabs.pop(0)  # from here on this shard's slab is handled below
+            if job.journal is not None and len(keep) != len(plan.placements):
+                job.journal.seal("deduplicate")  # the slab is compacted or pooled: announced bytes change
             if not keep:
                 self._pool.give_back(slab)
                 continue

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from . import derived, liveness, metrics
 from .errors import InvalidArgumentError
+from .following import journal_owner_dead
 from .manifest import Version
 from .reports import GcReport, PruneReport
 from .retention import Policy, decide, missing_metrics
@@ -234,7 +235,11 @@ def _recycled(pools: list[Any], path: str) -> bool:
 
 
 def _owner_dead(name: str) -> bool:
-    # Slabs are named slab-<pid>-<start time>-<n> (see backends/tiers/local.py).
+    # Slabs are named slab-<pid>-<start time>-<n> (see backends/tiers/local.py), commit journals
+    # journal-<pid>-<start time>-<step> (see paramstore.following).
+    journal = journal_owner_dead(name)
+    if journal is not None:
+        return journal
     parts = name.split("-")
     if len(parts) != 4 or parts[0] != "slab" or not (parts[1].isdigit() and parts[2].isdigit()):
         return False  # not ours to judge

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 from . import maintenance, ops
 from .assets import AssetsArg
 from .delta import patch_summary
+from .following import FollowedCommit
 from .errors import InvalidArgumentError
 from .export import DEFAULT_EXPORT_SHARD_BYTES, export
 from .manifest import Manifest, Version
@@ -328,6 +329,51 @@ class ParamStore:
         """
         self._open.check_open()
         return self._read.prefetch(version, min_step, timeout, recipe)
+
+    def follow_commit(self, step: int, *, timeout: float | None = None, holder: str | None = None) -> FollowedCommit:
+        """Read version ``step`` while it is being committed on this host: each tensor as soon as its
+        copy into shared memory is done, the rest once the version is published.
+
+        For a reader that installs the weights (a rollout engine copying them into its own) and
+        would otherwise wait for the whole commit: its copies then overlap the trainer's. A
+        streaming commit (``commit(step, iterable)``) on this host keeps a journal of what it has
+        staged (:mod:`paramstore.following`); any other commit (a state dict, a sharded commit, a
+        commit on another host, one already published) is read from its version once published,
+        fetched and verified as a checkout's. Bytes read from staging are exactly those the
+        version's digests cover: the commit never changes them while a reader holds them.
+
+        Iterating the result yields ``(name, tensor)`` (CPU, mapping shared memory copy-on-write),
+        each unchanging until the next pair is asked for (copy it before); it ends once the
+        version is published and every tensor of it was yielded, once. ``.version`` is then the
+        :class:`Version` and ``.snapshot`` its checkout (leased until ``close()``).
+
+        Args:
+            step: the step to read (exactly; a commit of another step is not followed).
+            timeout: seconds to wait, for the commit to start and for it to end (None: forever).
+            holder: a name for the lease on the version (see :meth:`checkout`).
+
+        Returns:
+            A :class:`~paramstore.following.FollowedCommit` (iterate it once; a context manager).
+
+        Raises (while iterating):
+            VersionNotFoundError: the commit failed or its writer died (the message says which;
+                ``.served`` lists the names already yielded), or a newer version was published
+                and not this step.
+            WaitTimeoutError: the version was not published within ``timeout``.
+
+        Example:
+            >>> import threading
+            >>> weights = [(n, p.detach() + 1) for n, p in model.named_parameters()]
+            >>> trainer = threading.Thread(target=lambda: store.commit(2, iter(weights)).result())
+            >>> trainer.start()
+            >>> with store.follow_commit(2, timeout=60) as followed:
+            ...     got = {name: tensor.clone() for name, tensor in followed}  # install each as it comes
+            >>> trainer.join()
+            >>> followed.version.step, all(torch.equal(got[n], t) for n, t in weights)
+            (2, True)
+        """
+        self._open.check_open()
+        return FollowedCommit(self, step, timeout=check_timeout(timeout), holder=holder)
 
     def versions(self) -> list[Version]:
         """Every version, in increasing step order.

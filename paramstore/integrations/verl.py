@@ -77,6 +77,16 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
   previous step) and returns at once. ``eta=0`` waits for the step itself (up to ``timeout``).
 - ``global_steps=None``: the trainer commits the store's latest step + 1 (0 for an empty store);
   a rollout takes the newest version there is (waiting up to ``timeout`` for one).
+- *The install overlaps the commit (one host).* In a ``CheckpointEngineManager`` sync the send and
+  the receive start together. When no version within the bound is there yet and the store is this
+  host's (no ``registry``), ``receive_weights`` follows the trainer's commit of ``global_steps``
+  (:meth:`paramstore.ParamStore.follow_commit`): it hands each tensor to the server as soon as the
+  trainer has copied it into shared memory, so the server's copies run alongside the trainer's, and
+  it ends only once the version is published (the rest of it, if any, from the published version).
+  Those bytes never leave the trainer's host and are the very bytes the version's digests cover.
+  If the commit fails part-way, the receive hands the tensors it already gave back as they are in
+  the installed version, then raises: the engine holds its previous version again, bit for bit
+  (with no version installed before, what it got stays, and the error says so).
 - *Prefetch: the pause is the install.* As soon as a rollout has handed over every tensor of step
   ``s``, it prefetches the next version (:meth:`paramstore.ParamStore.prefetch`): a background
   thread waits for the first version with step ``>= s + 1`` and brings its objects to this host
@@ -106,11 +116,18 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
   commit copies each into pinned shared memory on a side stream. The rollout's tensors are CPU views
   of shared memory; the server adapter moves them to its device (as it does with the other
   backends' received buckets).
+- *The trainer is held for the copy only.* ``send_weights`` returns once every tensor is staged
+  (copied into shared memory); hashing, deduplication and the publish run on paramstore's threads
+  meanwhile. The next call on the master (its ``finalize`` at the end of the sync, or the next
+  ``send_weights``) waits for that publish and raises its error, noting the step; a failed publish
+  published nothing, and the rollouts following it restore what they had installed.
 - *Metrics* (the master's dict from ``send_weights``, merged into the trainer's by verl; other
-  ranks return ``{}`` so as not to overwrite it): ``paramstore/step``, ``paramstore/written`` (1, or
-  0 for a re-send), ``paramstore/bytes`` (the version's logical size), ``paramstore/new_bytes``,
-  ``paramstore/tensors``, ``paramstore/send_s`` (the whole call), ``paramstore/publish_wait_s``
-  (from the last tensor copied to the version visible). ``new_bytes`` is the tensor bytes that lie in
+  ranks return ``{}`` so as not to overwrite it). Of this call: ``paramstore/step``,
+  ``paramstore/written`` (1, or 0 for a re-send), ``paramstore/tensors``, ``paramstore/send_s`` (the
+  whole call: the time the trainer was held). Of the version the previous call committed, published
+  since (absent on the first call): ``paramstore/published_step``, ``paramstore/bytes`` (its logical
+  size), ``paramstore/new_bytes``, ``paramstore/publish_s`` (from its send's return to the version
+  visible). ``new_bytes`` is the tensor bytes that lie in
   objects no version before this commit references: what the commit stored after deduplication. It
   is exact except when a tensor matches one of a version pruned but not yet garbage-collected (its
   bytes are then counted as new though the object is reused; retention runs prune and GC together,
@@ -145,6 +162,7 @@ from paramstore.errors import (
     VersionNotFoundError,
     WaitTimeoutError,
 )
+from paramstore.following import FollowedCommit
 from paramstore.integrations._compare import differs
 from paramstore.integrations._prefetch import NextVersion
 from paramstore.integrations._stores import close_stores, open_store
@@ -270,6 +288,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         #: bytes were here already, brought by the prefetch or committed on this host).
         self.last_fetch: Any = None
         self._objects: dict[int, frozenset[str]] = {}  # step -> objects its manifest references (immutable)
+        self._publishing: _Publishing | None = None  # the master's last commit, published in the background
         self.rank: int | None = None
 
     def __repr__(self) -> str:
@@ -337,10 +356,18 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         self.rank = rank
 
     def finalize(self) -> None:
-        """End of a sync: a rollout releases the version it holds (its lease). The store stays open."""
+        """End of a sync: a rollout releases the version it holds (its lease); the trainer's master
+        waits for its last commit to be published (raising its error). The store stays open."""
         snap, self._snapshot = self._snapshot, None
         if snap is not None:
             snap.close()
+        p = self._publishing
+        if p is not None:
+            try:
+                p.result()
+            except BaseException:
+                self._publishing = None  # raised here, not again at the next send
+                raise
 
     # -- trainer ----------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -349,9 +376,12 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
 
         Every trainer rank calls this with the same generator, which gathers one full tensor at a time
         collectively: every rank pulls it to the end, in order. The master streams it into one version
-        (each tensor copied into shared memory as it arrives) and returns once the version is visible to
-        every reader. ``global_steps=None`` commits the store's latest step + 1 (0 when empty). A step
-        already committed is not written again (the generator is still drained).
+        (each tensor copied into shared memory as it arrives) and returns once every tensor is staged:
+        the hash and the publish finish in the background (rollouts on this host install the tensors
+        as they are staged, and see the version once it is published). The first call after it (this
+        engine's :meth:`finalize`, or the next send) waits for that publish and raises its error.
+        ``global_steps=None`` commits the store's latest step + 1 (0 when empty). A step already
+        committed is not written again (the generator is still drained).
 
         Returns:
             On the master, metrics for verl's logger (see the module docstring); ``{}`` elsewhere.
@@ -359,7 +389,8 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         Raises:
             StepOrderError: ``global_steps`` is below the store's latest step and not in the store.
             The commit's errors (StorageFullError, WriterConflictError, InvalidTensorError...): nothing
-            was published for this step.
+            was published for this step; or for the previous step, whose publish failed after its send
+            returned (the error says so; these weights were then not committed either).
         """
         start = time.perf_counter()
         stream = _Drainable(weights)
@@ -367,6 +398,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             stream.drain()
             return {}
         try:
+            published = await asyncio.to_thread(self._published)
             store = self.store
             step = self._step_to_send(store, global_steps)
             done = self._committed(store, step)
@@ -376,7 +408,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                     warnings.warn(f"paramstore: step {step} is already in {self._where()}, but so is the newer step "
                                   f"{latest.step} (a run resumed from an older checkpoint?): rollouts will take "
                                   f"step {latest.step}", RuntimeWarning, stacklevel=2)
-                return self._metrics(done, start, written=False, new_bytes=0, tensors=stream.count)
+                return {**self._metrics(step, start, written=False, tensors=stream.count), **published}
             before = self._objects_before(store)
             try:
                 handle = store.commit(step, stream, dtype=self.dtype,
@@ -386,11 +418,21 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                                      "versions (an earlier run's?): give this run a fresh root") from e
         finally:
             stream.drain()  # whatever a failed commit left unread: the other ranks' gathers must complete
-        staged = time.perf_counter()
-        version = await asyncio.wrap_future(handle.committed)
-        new_bytes = self._new_bytes(store, version.step, before)
-        return self._metrics(version, start, written=True, new_bytes=new_bytes, tensors=stream.count,
-                             publish_wait=time.perf_counter() - staged)
+        handle.staged.result()  # a streaming commit is staged (or failed) when commit() returns
+        publishing = self._publishing = _Publishing(handle, time.perf_counter(), before)
+        handle.committed.add_done_callback(lambda _: setattr(publishing, "visible_at", time.perf_counter()))
+        return {**self._metrics(step, start, written=True, tensors=stream.count), **published}
+
+    def _published(self) -> dict[str, float]:
+        """Wait for the last commit's publish (if any is pending) and return its metrics; raise its
+        error, saying which step it was (nothing of that step was published)."""
+        p, self._publishing = self._publishing, None
+        if p is None:
+            return {}
+        version = p.result()
+        return {"paramstore/published_step": version.step, "paramstore/bytes": version.nbytes,
+                "paramstore/new_bytes": self._new_bytes(self.store, version.step, p.before),
+                "paramstore/publish_s": (p.visible_at or time.perf_counter()) - p.staged_at}
 
     def _step_to_send(self, store: Any, global_steps: int | None) -> int:
         if global_steps is not None:
@@ -440,16 +482,13 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                  if c.object not in before}
         return sum(n for _, _, n in where)
 
-    def _metrics(self, version: Any, start: float, *, written: bool, new_bytes: int, tensors: int,
-                 publish_wait: float = 0.0) -> dict[str, float]:
+    @staticmethod
+    def _metrics(step: int, start: float, *, written: bool, tensors: int) -> dict[str, float]:
         return {
-            "paramstore/step": version.step,
+            "paramstore/step": step,
             "paramstore/written": int(written),
-            "paramstore/bytes": version.nbytes if written else 0,
-            "paramstore/new_bytes": new_bytes,
             "paramstore/tensors": tensors,
             "paramstore/send_s": time.perf_counter() - start,
-            "paramstore/publish_wait_s": publish_wait,
         }
 
     # -- rollout ----------------------------------------------------------------------------------
@@ -458,20 +497,79 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         """Yield ``(name, tensor)`` of the newest version whose step is >= ``global_steps - eta``.
 
         Waits up to ``timeout`` for it (off the event loop). The tensors are zero-copy views of the
-        store's shared memory (CPU; read-only in spirit: a write copies the page, privately). The
-        version stays leased until :meth:`finalize` or the next receive. ``global_steps=None``: the
-        newest version there is.
+        store's shared memory (CPU; read-only in spirit: a write copies the page, privately), each
+        valid until the next is asked for (copy it before). When none is there yet and the store is
+        this host's, the tensors of ``global_steps`` come as the trainer stages them (see the module
+        docstring). The version stays leased until :meth:`finalize` or the next receive.
+        ``global_steps=None``: the newest version there is.
 
         Raises:
             WaitTimeoutError: no such version within ``timeout``; the message names the store, the step
                 waited for and the latest one there.
+            VersionNotFoundError: the commit being followed failed; the tensors already handed over
+                were handed over again as in the installed version first.
         """
         min_step = 0 if global_steps is None else max(0, int(global_steps) - self.eta)
+        followed = None if global_steps is None else await asyncio.to_thread(self._follow, min_step, int(global_steps))
+        if followed is not None:
+            async for item in self._install_followed(followed, min_step):
+                yield item
+            return
         snap = await asyncio.to_thread(self._checkout_min, min_step, global_steps)
         self._hold(snap)
         for name in snap:
             yield name, snap[name]
         self._installed(snap)
+
+    def _follow(self, min_step: int, step: int) -> FollowedCommit | None:
+        """The commit of ``step`` to install as the trainer stages it, when no version within the
+        bound is there yet and trainer and rollout share this host's store (None: check out)."""
+        if self.registry is not None or min_step != step:
+            # Across hosts the version is fetched and verified once published; with eta >= 1 the
+            # first version within the bound is taken, whichever step it is.
+            return None
+        try:
+            latest = self.store.latest()
+        except NotAStoreError:
+            latest = None  # the trainer has not created it yet
+        if latest is not None and latest.step >= min_step:
+            return None  # the staleness contract: the newest version within the bound, at once
+        return self.store.follow_commit(step, timeout=self.timeout, holder=self._holder())
+
+    async def _install_followed(self, followed: FollowedCommit, min_step: int) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Yield each tensor of ``followed`` as the trainer stages it; the version becomes the
+        installed one only once it is published and every tensor was handed over. A failed commit
+        hands the tensors already handed over back as they were in the installed version, then raises."""
+        try:
+            async for item in followed:  # waits yield to the event loop; nothing else blocks
+                yield item
+        except (WaitTimeoutError, VersionNotFoundError) as e:
+            if followed.served and self.installed_step is not None:
+                async for item in self._restore(followed.served):
+                    yield item
+            if isinstance(e, WaitTimeoutError):
+                raise self._timed_out(e, min_step, followed.step) from e
+            installed = "no version" if self.installed_step is None else f"step {self.installed_step}"
+            held = (f"{installed} still" if not followed.served else f"{installed} again" if self.installed_step
+                    is not None else f"{len(followed.served)} tensors of it over weights of no version")
+            raise VersionNotFoundError(f"paramstore verl backend: step {followed.step} was not installed: {e}; "
+                                       f"the engine holds {held}") from e
+        finally:
+            snap = followed.detach_snapshot()
+            followed.close()
+        self._hold(snap)
+        self._installed(snap)
+
+    async def _restore(self, names: list[str]) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """The installed version's tensors of ``names`` (those it has)."""
+        prev = await asyncio.to_thread(self.store.checkout, self.installed_step,
+                                       holder=f"{self._holder()} restore")
+        try:
+            for name in names:
+                if name in prev:
+                    yield name, prev[name]
+        finally:
+            prev.close()
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield ``(name, tensor)`` of the latest version this host holds (verl's cached-weights hook).
@@ -500,16 +598,20 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             self._next.settle(version.step, self.timeout)
             return store.checkout(min_step=min_step, timeout=self.timeout, holder=self._holder())
         except WaitTimeoutError as e:
-            try:
-                latest = store.latest()
-            except Exception:  # noqa: BLE001 - only for the message
-                latest = None
-            asked = "any version" if global_steps is None else (
-                f"step >= {min_step} (global_steps {global_steps} - eta {self.eta})")
-            raise WaitTimeoutError(
-                f"paramstore verl backend: no version with {asked} in {self._where()} within {self.timeout:.4g} s "
-                f"(latest: {None if latest is None else latest.step}): is the trainer sending weights to the same "
-                f"store, and did its send_weights succeed? ({e})") from e
+            raise self._timed_out(e, min_step, global_steps) from e
+
+    def _timed_out(self, e: WaitTimeoutError, min_step: int, global_steps: int | None) -> WaitTimeoutError:
+        """The error for a receive that waited ``timeout`` in vain: what it waited for, and the latest step."""
+        try:
+            latest = self.store.latest()
+        except Exception:  # noqa: BLE001 - only for the message
+            latest = None
+        asked = "any version" if global_steps is None else (
+            f"step >= {min_step} (global_steps {global_steps} - eta {self.eta})")
+        return WaitTimeoutError(
+            f"paramstore verl backend: no version with {asked} in {self._where()} within {self.timeout:.4g} s "
+            f"(latest: {None if latest is None else latest.step}): is the trainer sending weights to the same "
+            f"store, and did its send_weights succeed? ({e})")
 
     def _checkout_latest(self) -> Any:
         store = self.store
@@ -591,6 +693,25 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                 if differs(have, snap[name].to(device=have.device, dtype=have.dtype)):  # as a loader's copy_ casts
                     differ.append(name)
         return sorted(differ)
+
+
+@dataclasses.dataclass
+class _Publishing:
+    """A commit ``send_weights`` returned from once staged: its publish runs in the background."""
+
+    handle: Any  # its CommitHandle
+    staged_at: float  # time.perf_counter() when send_weights returned
+    before: set[str]  # the objects earlier versions referenced (for new_bytes)
+    visible_at: float | None = None  # when the version became visible
+
+    def result(self) -> Any:
+        """Wait for the version; raise the commit's error, saying which step it was."""
+        try:
+            return self.handle.committed.result()
+        except BaseException as e:
+            e.add_note(f"paramstore: step {self.handle.step} was staged, then its publish failed (send_weights "
+                       "returned once staged): nothing of that step was published")
+            raise
 
 
 class _Drainable:

@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -33,7 +34,7 @@ pytest.importorskip("verl", reason="verl is not installed: these tests run in ve
                                    "(.venv-verl: see the module docstring)")
 
 import torch
-from helpers import assert_state_equal, random_tensor
+from helpers import assert_state_equal, bits_equal, random_tensor
 from verl.checkpoint_engine import CheckpointEngineRegistry
 
 import paramstore
@@ -85,6 +86,14 @@ def _engines(root: str, **kwargs):
     trainer = CheckpointEngineRegistry.new("paramstore", is_master=True, bucket_size=1 << 20, root=root, **kwargs)
     rollout = CheckpointEngineRegistry.new("paramstore", bucket_size=1 << 20, root=root, **kwargs)
     return trainer, rollout
+
+
+def _sync_send(trainer, weights, step=None):
+    """The trainer's part of a verl sync: ``send_weights`` (which returns once the weights are staged),
+    then ``finalize`` (which waits for the version to be published)."""
+    metrics = asyncio.run(trainer.send_weights(weights, global_steps=step))
+    trainer.finalize()
+    return metrics
 
 
 async def _receive(engine, step):
@@ -139,8 +148,12 @@ def test_sync_through_verls_worker_code(worker_paths_report):
         step = int(step)
         assert s["names_equal"] and s["differ"] == [], s
         assert s["metrics"]["paramstore/step"] == step and s["metrics"]["paramstore/written"] == 1
-        assert s["metrics"]["paramstore/tensors"] == 27 and s["metrics"]["paramstore/bytes"] > 0
-        assert 0 < s["metrics"]["paramstore/new_bytes"] <= s["metrics"]["paramstore/bytes"]
+        assert s["metrics"]["paramstore/tensors"] == 27 and s["metrics"]["paramstore/send_s"] > 0
+        if step == 0:  # the first send: no version published before it
+            assert "paramstore/bytes" not in s["metrics"]
+        else:  # the previous send's version, published since (send_weights returns once staged)
+            assert s["metrics"]["paramstore/published_step"] == step - 1 and s["metrics"]["paramstore/publish_s"] > 0
+            assert 0 < s["metrics"]["paramstore/new_bytes"] <= s["metrics"]["paramstore/bytes"]
         assert s["rollout_global_steps"] == step and s["latest"] == step
         assert s["leased_during"] == [step] and s["leases_after"] == []
         assert s["installed_step"] == step and s["check_installed"] == []  # the adapter holds the version exactly
@@ -200,8 +213,10 @@ def test_manager_over_ray_two_trainer_ranks_two_replicas(shm_dir):
         for i, (step, metrics, want, received) in enumerate(results[:3]):
             total = sum(t.nbytes for t in want.values())
             assert metrics["paramstore/step"] == step and metrics["paramstore/written"] == 1
-            assert metrics["paramstore/bytes"] == total and metrics["paramstore/tensors"] == len(want)
-            if step > 1:  # everything changed but the frozen embedding, which is deduplicated
+            assert metrics["paramstore/tensors"] == len(want)
+            if step > 1:  # the previous step's version, published since its send returned
+                assert metrics["paramstore/published_step"] == step - 1 and metrics["paramstore/bytes"] == total
+            if step > 2:  # everything changed but the frozen embedding, which is deduplicated
                 assert metrics["paramstore/new_bytes"] == total - want[embed].nbytes
             assert len(received) == 2  # one per replica
             for global_steps, updates, got in received:
@@ -210,7 +225,8 @@ def test_manager_over_ray_two_trainer_ranks_two_replicas(shm_dir):
             with store.checkout(step) as snap:
                 assert_state_equal(snap, want)
         step, metrics, want, received = results[3]
-        assert (metrics["paramstore/step"], metrics["paramstore/written"], metrics["paramstore/new_bytes"]) == (3, 0, 0)
+        assert (metrics["paramstore/step"], metrics["paramstore/written"]) == (3, 0)
+        assert "paramstore/published_step" not in metrics  # step 4 failed in its send: nothing to publish
         for global_steps, updates, got in received:  # the failed sync gave the rollouts nothing new
             assert (global_steps, updates) == (3, 4)
             assert_state_equal(got, want)
@@ -223,7 +239,7 @@ def test_eta_1_returns_the_previous_step_at_once(shm_dir):
     root = os.path.join(shm_dir, "store")
     trainer, rollout = _engines(root, eta=1, timeout=30)
     w5 = _weights(5)
-    metrics = asyncio.run(trainer.send_weights(iter(w5.items()), global_steps=5))
+    metrics = _sync_send(trainer, iter(w5.items()), 5)
     assert metrics["paramstore/step"] == 5
 
     start = time.monotonic()
@@ -254,7 +270,7 @@ def test_eta_0_times_out_with_a_clear_error(shm_dir):
     assert root in msg and "step >= 1" in msg and "global_steps 1 - eta 0" in msg and "0.5 s" in msg, msg
 
     trainer, rollout = _engines(root, eta=0, timeout=0.5)  # now step 5 exists, the rollout needs 6
-    asyncio.run(trainer.send_weights(iter(_weights(5).items()), global_steps=5))
+    _sync_send(trainer, iter(_weights(5).items()), 5)
     with pytest.raises(WaitTimeoutError, match=r"step >= 6 .*latest: 5"):
         asyncio.run(_receive(rollout, 6))
     assert trainer.store.leases() == []
@@ -265,24 +281,24 @@ def test_resending_a_committed_step_is_a_noop(shm_dir):
     root = os.path.join(shm_dir, "store")
     trainer, rollout = _engines(root)
     first, other = _weights(1), _weights(2)
-    assert asyncio.run(trainer.send_weights(iter(first.items()), global_steps=3))["paramstore/written"] == 1
+    assert _sync_send(trainer, iter(first.items()), 3)["paramstore/written"] == 1
     before = trainer.store.get(3)
 
     again = Counted(other.items())
-    metrics = asyncio.run(trainer.send_weights(iter(again), global_steps=3))
+    metrics = _sync_send(trainer, iter(again), 3)
     assert again.pulled == len(other)  # drained all the same (each item is a collective in verl)
     assert metrics["paramstore/written"] == 0 and metrics["paramstore/step"] == 3
-    assert metrics["paramstore/bytes"] == 0 and metrics["paramstore/new_bytes"] == 0
+    assert metrics["paramstore/published_step"] == 3  # the first send's version, published since
     assert [v.step for v in trainer.store.versions()] == [3] and trainer.store.get(3) == before
     assert_state_equal(asyncio.run(_receive(rollout, 3)), first)
 
 
 def test_a_step_below_the_latest_is_refused_after_draining(shm_dir):
     trainer, _ = _engines(os.path.join(shm_dir, "store"))
-    asyncio.run(trainer.send_weights(iter(_weights(1).items()), global_steps=7))
+    _sync_send(trainer, iter(_weights(1).items()), 7)
     late = Counted(_weights(2).items())
     with pytest.raises(StepOrderError, match="fresh root"):
-        asyncio.run(trainer.send_weights(iter(late), global_steps=5))
+        _sync_send(trainer, iter(late), 5)
     assert late.pulled == len(late.items)
 
 
@@ -292,9 +308,9 @@ def test_a_failed_commit_still_drains_the_generator(shm_dir):
     w = _weights(1)
     items = Counted([("a", w["layers.0.weight"]), ("b", "not a tensor"), ("c", w["layers.1.weight"])])
     with pytest.raises(InvalidTensorError):
-        asyncio.run(trainer.send_weights(iter(items), global_steps=1))
+        _sync_send(trainer, iter(items), 1)
     assert items.pulled == 3
-    assert asyncio.run(trainer.send_weights(iter(w.items()), global_steps=1))["paramstore/written"] == 1
+    assert _sync_send(trainer, iter(w.items()), 1)["paramstore/written"] == 1
 
 
 def test_non_master_ranks_drain_and_return_nothing(shm_dir):
@@ -310,8 +326,8 @@ def test_global_steps_none_and_get_weights(shm_dir):
     root = os.path.join(shm_dir, "store")
     trainer, rollout = _engines(root)
     w0, w1 = _weights(0), _weights(1)
-    assert asyncio.run(trainer.send_weights(iter(w0.items())))["paramstore/step"] == 0  # empty store: step 0
-    assert asyncio.run(trainer.send_weights(iter(w1.items())))["paramstore/step"] == 1  # then latest + 1
+    assert _sync_send(trainer, iter(w0.items()))["paramstore/step"] == 0  # empty store: step 0
+    assert _sync_send(trainer, iter(w1.items()))["paramstore/step"] == 1  # then latest + 1
     assert_state_equal(asyncio.run(_receive(rollout, None)), w1)  # None: the newest there is
 
     async def cached():
@@ -326,10 +342,12 @@ def test_global_steps_none_and_get_weights(shm_dir):
 def test_new_bytes_counts_what_dedup_did_not_store(shm_dir):
     trainer, _ = _engines(os.path.join(shm_dir, "store"), keep_last=None)
     w = _weights(1)
-    first = asyncio.run(trainer.send_weights(iter(w.items()), global_steps=1))
-    assert first["paramstore/new_bytes"] == first["paramstore/bytes"] == sum(t.nbytes for t in w.values())
+    _sync_send(trainer, iter(w.items()), 1)
     w["layers.0.weight"] = w["layers.0.weight"] + 1  # one tensor changes
-    second = asyncio.run(trainer.send_weights(iter(w.items()), global_steps=2))
+    first = _sync_send(trainer, iter(w.items()), 2)  # reports step 1, published
+    second = _sync_send(trainer, iter(w.items()), 2)  # a re-send: reports step 2
+    assert first["paramstore/published_step"] == 1 and second["paramstore/published_step"] == 2
+    assert first["paramstore/new_bytes"] == first["paramstore/bytes"] == sum(t.nbytes for t in w.values())
     assert second["paramstore/bytes"] == first["paramstore/bytes"]
     assert second["paramstore/new_bytes"] == w["layers.0.weight"].nbytes
 
@@ -337,7 +355,7 @@ def test_new_bytes_counts_what_dedup_did_not_store(shm_dir):
 def test_dtype_option_casts_while_storing(shm_dir):
     trainer, rollout = _engines(os.path.join(shm_dir, "store"), dtype="bfloat16")
     w = {"w": torch.randn(8, 8), "ids": torch.arange(4)}
-    asyncio.run(trainer.send_weights(iter(w.items()), global_steps=1))
+    _sync_send(trainer, iter(w.items()), 1)
     got = asyncio.run(_receive(rollout, 1))
     assert_state_equal(got, {"w": w["w"].to(torch.bfloat16), "ids": w["ids"]})
 
@@ -388,7 +406,7 @@ def test_the_next_version_is_prefetched_and_the_next_receive_moves_nothing(redis
     rollout = CheckpointEngineRegistry.new("paramstore", bucket_size=1 << 20, root=os.path.join(shm_dir, "h2"),
                                            **common)
     wa, wb = _weights(1), _weights(2)
-    asyncio.run(trainer.send_weights(iter(wa.items()), global_steps=1))
+    _sync_send(trainer, iter(wa.items()), 1)
     trainer.store.wait_persisted(timeout=60)
 
     assert_state_equal(asyncio.run(_receive(rollout, 1)), wa)
@@ -398,7 +416,7 @@ def test_the_next_version_is_prefetched_and_the_next_receive_moves_nothing(redis
 
     # Step 2 is published before it reaches the remote (a commit uploads after it publishes): the
     # prefetch tries again until the remote holds it.
-    asyncio.run(trainer.send_weights(iter(wb.items()), global_steps=2))
+    _sync_send(trainer, iter(wb.items()), 2)
     assert rollout._next.future.result(60).step == 2  # brought here in the background
     assert all(rollout.store._root.tier.exists(o) for o in trainer.store.manifest(2).objects())
 
@@ -448,7 +466,7 @@ def test_check_installed_finds_corruption_and_one_update_restores_every_bit(shm_
     with pytest.raises(InvalidArgumentError, match="installed no version"):
         rollout.check_installed(model)
     w1 = _policy(1)
-    asyncio.run(trainer.send_weights(iter(w1.items()), global_steps=1))
+    _sync_send(trainer, iter(w1.items()), 1)
     asyncio.run(_install(rollout, model, 1))
     rollout.finalize()
     assert rollout.installed_step == 1
@@ -463,7 +481,7 @@ def test_check_installed_finds_corruption_and_one_update_restores_every_bit(shm_
 
     # Step 2 leaves the norm unchanged (deduplicated in the store): it is installed all the same.
     w2 = _policy(2, norm=w1["norm.weight"])
-    asyncio.run(trainer.send_weights(iter(w2.items()), global_steps=2))
+    _sync_send(trainer, iter(w2.items()), 2)
 
     async def partial():  # an install that stops after the first tensor
         gen = rollout.receive_weights(2)
@@ -482,3 +500,86 @@ def test_check_installed_finds_corruption_and_one_update_restores_every_bit(shm_
         assert torch.equal(have.detach().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
     assert rollout.check_installed(model, rename=LOADER_NAMES, step=1) == ["k.weight", "o.weight", "q.weight"]
     assert trainer.store.leases() == []
+
+
+# -- 6: the rollout installs the commit as the trainer stages it ---------------------------------
+def _send_in_thread(trainer, items, step):
+    """The trainer's send on a thread of its own (its streaming commit pulls on its loop's thread)."""
+    box = {}
+
+    def run():
+        try:
+            box["metrics"] = _sync_send(trainer, iter(items), step)
+        except Exception as e:  # noqa: BLE001 - examined by the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+async def _install_copies(engine, step, into):
+    """Install as an engine does: copy each received tensor into weights it keeps."""
+    async for name, t in engine.receive_weights(step):
+        into.setdefault(name, torch.zeros_like(t)).copy_(t)
+
+
+def _slowly(items, delay=0.05, fail_at=None):
+    for i, item in enumerate(items):
+        if i == fail_at:
+            yield ("broken", "not a tensor")  # the commit refuses it: it fails in the middle of the stream
+        time.sleep(delay)
+        yield item
+
+
+def test_the_rollout_installs_as_the_trainer_stages(shm_dir):
+    root = os.path.join(shm_dir, "store")
+    trainer, rollout = _engines(root, eta=0, timeout=60)
+    engine: dict[str, torch.Tensor] = {}
+    w1, w2 = _weights(1, n=6), _weights(2, n=6)
+    thread, box = _send_in_thread(trainer, w1.items(), 1)
+    asyncio.run(_install_copies(rollout, 1, engine))
+    thread.join()
+    assert box["metrics"]["paramstore/written"] == 1 and rollout.installed_step == 1
+    assert_state_equal(engine, w1)
+    rollout.finalize()
+
+    thread, box = _send_in_thread(trainer, list(_slowly(w2.items())), 2)  # staged one by one
+    thread.join(0)
+    asyncio.run(_install_copies(rollout, 2, engine))
+    thread.join()
+    assert_state_equal(engine, w2)
+    assert rollout.installed_step == 2 and rollout.check_installed(engine) == []
+    rollout.finalize()
+
+
+def test_a_failed_commit_leaves_the_engine_on_its_previous_version(shm_dir):
+    """The trainer's commit of step 2 fails after three tensors, which the rollout has installed
+    meanwhile: it hands those back as they are in step 1, then raises; the engine holds step 1
+    bit for bit and reports it."""
+    root = os.path.join(shm_dir, "store")
+    trainer, rollout = _engines(root, eta=0, timeout=60)
+    engine: dict[str, torch.Tensor] = {}
+    w1, w2 = _weights(1, n=6), _weights(2, n=6)
+    _sync_send(trainer, iter(w1.items()), 1)
+    asyncio.run(_install_copies(rollout, 1, engine))
+    rollout.finalize()
+
+    copies = []  # (name, whether the bytes copied were step 2's) in the order the engine copied them
+
+    async def install_logged():
+        async for name, t in rollout.receive_weights(2):
+            copies.append((name, bits_equal(t, w2[name])))
+            engine[name].copy_(t)
+
+    thread, box = _send_in_thread(trainer, _slowly(w2.items(), delay=0.1, fail_at=3), 2)
+    with pytest.raises(paramstore.errors.VersionNotFoundError, match="step 2 was not installed.*holds step 1 again"):
+        asyncio.run(install_logged())
+    thread.join()
+    assert isinstance(box["error"], InvalidTensorError)
+    # Installed from the trainer's staging (step 2's bytes), then the same names restored from step 1.
+    k = len(copies) // 2
+    assert 1 <= k <= 3 and copies == [(n, True) for n in list(w2)[:k]] + [(n, False) for n in list(w2)[:k]]
+    assert_state_equal(engine, w1)
+    assert rollout.installed_step == 1 and rollout.check_installed(engine) == []
+    assert trainer.store.latest().step == 1 and trainer.store.leases() == []
