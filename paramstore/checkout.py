@@ -78,8 +78,9 @@ class Fetcher:
             lazily: a store that never fetches from peers never starts a transfer engine).
         server: called to get this process's peer server, if it runs one (fetched objects are
             then served to other hosts at once).
-        prepare_buffers: after objects arrived from peers, prepare slabs for the next version of
-            the same layout (a rebuild from patches takes none).
+        prepare_buffers: after objects arrived from peers or patches, prepare slabs for the next
+            version of the same layout; without it, rebuilds from patches take no slab (they write
+            new files: the least CPU, see :func:`paramstore.delta.rebuild`).
         patches: first rebuild what patches can (:func:`paramstore.delta.fetch_by_patches`).
     """
 
@@ -115,10 +116,8 @@ class Fetcher:
             error = source(step, manifest, missing, report, excluded)
             errors += [error] if error is not None else []
             missing = [o for o in missing if not tier.exists(o)]
-        if self._prepare and report.from_peers:
-            # destinations for the next version (same layout), faulted in the background; not after
-            # rebuilds from patches, which write new files without a slab (paramstore.delta.rebuild):
-            # faulting ~0.5 CPU-s per GiB for slabs the next patch update would not use
+        if self._prepare and (report.from_peers or report.from_patches):
+            # destinations for the next version (same layout), faulted in the background
             self._pool.prepare(list(tier.sizes(objects).values()), purpose="fetch")
         report.seconds = time.monotonic() - t0
         if missing:
@@ -142,7 +141,9 @@ class Fetcher:
 
     def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                       excluded: set[str]) -> None:
-        fetch_by_patches(self._root, self._pool, step, manifest, report,
+        # with prepared slabs, rebuilds write into them (the fastest); without, into new files (the
+        # least CPU: no slab faulted, no page tables set up and torn down)
+        fetch_by_patches(self._root, self._pool if self._prepare else None, step, manifest, report,
                          functools.partial(self._get, report, excluded))
 
     def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,

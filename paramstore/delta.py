@@ -18,10 +18,10 @@ it drops the patch with its base.
 the remote are asked for whole objects): it looks for a chain of recorded patches from a version
 whose objects are all on this host (``base → target``, or ``v-2 → v-1 → v``, rebuilding the
 intermediate version here), fetches the patch objects (from peers, like any object), rebuilds
-each target object into a new file (never into an object someone may read; :func:`rebuild`: one
-pass, each piece read from its base, patched, hashed and written while in cache, pieces on a
-thread per core) and places it only if its object digest (every piece, the tensor digests over
-them, and the header) is the one the manifest names. A patch that is damaged, for the wrong base,
+each target object into a slab or a new file (never into an object someone may read;
+:func:`rebuild`: one pass, each piece read from its base, patched and hashed while in cache, pieces
+on a thread per core) and places it only if its object digest (every piece, the tensor digests
+over them, and the header) is the one the manifest names. A patch that is damaged, for the wrong base,
 or missing, leaves its object to be fetched whole. A chain is used only when its patch objects are
 smaller than the objects they rebuild.
 
@@ -228,22 +228,26 @@ def _span(s: Any) -> tuple[int, int, str, str, int, int, int]:
     return tuple(s)  # type: ignore[return-value]
 
 
-def rebuild(root: "StoreRoot", pool: "SlabPool", patch: str, target: str, size: int) -> int:
+def rebuild(root: "StoreRoot", pool: "SlabPool | None", patch: str, target: str, size: int) -> int:
     """Rebuild object ``target`` of ``size`` bytes (as the version's record says) from the patch
-    object ``patch`` (both named by digest; the patch and its base objects are on this host) into a
-    new file of the tier's ``tmp/``, check its digest, and place it.
+    object ``patch`` (both named by digest; the patch and its base objects are on this host), check
+    its digest, and place it.
 
-    One pass over the object (:func:`_apply`): each block is read from its base, patched, hashed and
-    written while it is in cache, pieces side by side on a thread per core this process may run on;
-    the digest of what was written (every piece, the tensor digests over them, the header) must be
-    ``target``. Nothing is mapped: the base is read and the new file written with ``pread``/
-    ``pwrite`` (a mapping would cost its page-table setup and teardown, ~50 ms per 256 MiB here, and
-    a pre-faulted slab from ``pool`` its faulting besides), so ``pool`` is not used.
+    One pass over the object (:func:`_apply`): each block is read from its base (``pread``: the
+    base is not mapped), patched, hashed and written while it is in cache, pieces side by side on a
+    thread per core this process may run on; the digest of what was written (every piece, the
+    tensor digests over them, the header) must be ``target``. Where it is written:
+
+    * ``pool`` given: into one of its slabs (a pre-faulted one when the pool has one ready: the
+      fastest rebuild, its pages faulted beforehand in the background), unmapped once placed;
+    * ``pool`` None: into a new file of the tier's ``tmp/``, with ``pwrite`` (no page tables set up
+      or torn down, no slab faulted: the least CPU in all, but the fresh pages are allocated on this
+      path, and one write at a time).
 
     Returns the target's size. Raises CorruptObjectError (nothing placed, nothing allocated) for a
     malformed patch, a patch for another object or of another size, or a result whose digest is not
     ``target`` (a damaged patch or base); FileNotFoundError if the patch or a base object is not here;
-    StorageFullError if the tier's filesystem is full (nothing placed either way: the file is removed).
+    StorageFullError if the tier's filesystem is full (nothing placed either way, nothing left).
     """
     tier = root.tier
     with _Maps(tier) as maps, _Bases(tier) as bases:
@@ -251,38 +255,60 @@ def rebuild(root: "StoreRoot", pool: "SlabPool", patch: str, target: str, size: 
         if got.target != target or got.size != size:
             raise CorruptObjectError(f"patch {patch[:12]}… rebuilds {got.target[:12]}… of {got.size} bytes, not "
                                      f"{target[:12]}… of {size}")
-        path = os.path.join(tier.tmp_dir, tmp_name())
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise storage_error(e, tier.tmp_dir, size, "an object rebuilt from a patch") from e
+        slab, fd, buf = None, -1, None
+        if pool is not None:
+            slab = pool.take(size)
+            path, buf = slab.path, memoryview(slab.map)
+        else:
+            path = os.path.join(tier.tmp_dir, tmp_name())
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise storage_error(e, tier.tmp_dir, size, "an object rebuilt from a patch") from e
         error, placed = None, False
         try:
             try:
-                digest = _apply(bases, got, fd)
+                digest = _apply(bases, got, buf if buf is not None else fd)
                 if digest != target:
                     error = f"rebuilt an object hashing to {digest[:12]}…, not {target[:12]}…: a damaged patch or base"
-            except CorruptObjectError as e:
+            except CorruptObjectError as e:  # (the exception's frames, which may view the slab, go here)
                 error = str(e)
             except FileNotFoundError:
                 raise
-            except OSError as e:  # writing: a full filesystem
+            except OSError as e:  # writing the file: a full filesystem
                 raise storage_error(e, tier.tmp_dir, size, "an object rebuilt from a patch") from e
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 error = f"does not apply: {e}"
-            os.close(fd)
-            fd = -1
             if error is not None:
                 raise CorruptObjectError(f"patch {patch[:12]}… {error}")
-            tier.put(target, path, move=True)
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+            tier.put(target, path, move=True)  # (a slab is unmapped after: the object is visible sooner)
             placed = True
         finally:
             if fd >= 0:
                 os.close(fd)
-            if not placed:
+            if slab is not None and placed:
+                buf.release()  # type: ignore[union-attr]
+                pool.retire(slab)  # type: ignore[union-attr]
+            elif slab is not None:
+                _drop(slab, buf)  # type: ignore[arg-type]
+            elif not placed:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
     return size
+
+
+def _drop(slab: Any, buf: memoryview) -> None:
+    """Delete a slab that did not become an object (its map is closed once nothing views it)."""
+    try:
+        buf.release()
+        slab.close()
+    except BufferError:
+        pass
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(slab.path)
 
 
 #: Bytes of a tensor stored whole in a patch that a rebuild hashes and writes at a time (a patched
@@ -305,18 +331,19 @@ class _Piece(NamedTuple):
     base_at: int  # and the tensor's offset there
 
 
-def _apply(bases: "_Bases", patch: _Patch, fd: int) -> str:
-    """Write the object ``patch`` rebuilds into the file ``fd`` (empty, writable) and return the
-    object digest of what was written, in one pass over its bytes: each piece of each tensor (the
-    rule its header names: :func:`paramstore.format.header_layout`) goes a block at a time (a frame
-    chunk read from its base, patched in place; or a block of a tensor the patch carries whole), and
-    each block is hashed then written while it is in cache; pieces side by side on the threads that
-    decode patches (:func:`paramstore.patch.run_all`).
+def _apply(bases: "_Bases", patch: _Patch, out: memoryview | int) -> str:
+    """Write the object ``patch`` rebuilds into ``out`` — a writable buffer of its size (a slab's
+    map), or a file descriptor (an empty file, written with ``pwrite``) — and return the object
+    digest of what was written, in one pass over its bytes: each piece of each tensor (the rule its
+    header names: :func:`paramstore.format.header_layout`) goes a block at a time (a frame chunk read
+    from its base into its place in ``out``, or into this thread's buffer for a file, and patched in
+    place; or a block of a tensor the patch carries whole), each block hashed while it is in cache;
+    pieces side by side on the threads that decode patches (:func:`paramstore.patch.run_all`).
 
     Raises ValueError (CorruptObjectError for a frame or a count of changes that is not right) for a
     patch that does not apply: a header that is not the object's, spans that are not its tensors, a
     base range outside its object; FileNotFoundError when a base object is not here; OSError when
-    writing fails. ``fd`` then holds no particular bytes, and no thread writes into it any more.
+    writing a file fails. ``out`` then holds no particular bytes, and no thread writes into it any more.
     """
     head = patch.views["head"]
     start, spans, piece_size = header_layout(head, patch.size)
@@ -346,9 +373,14 @@ def _apply(bases: "_Bases", patch: _Patch, fd: int) -> str:
             size = 0
         jobs[-1].append(u)
         size += u.end - u.begin
-    out = _Out(fd)
-    out.write(head, 0)
-    done = [r for rs in run_all(_write_pieces, [(out, job) for job in jobs]) for r in rs]
+    if isinstance(out, int):
+        into: _Slab | _File = _File(out)
+    elif len(out) != patch.size:
+        raise ValueError(f"a buffer of {len(out)} bytes for an object of {patch.size}")
+    else:
+        into = _Slab(out)
+    into.write(head, 0)
+    done = [r for rs in run_all(_write_pieces, [(into, job) for job in jobs]) for r in rs]
     for frame, first, last in frames:
         frame.check(sum(count for _, count in done[first:last]))
     digests, k = [], 0
@@ -362,7 +394,7 @@ def _apply(bases: "_Bases", patch: _Patch, fd: int) -> str:
 _SCRATCH = threading.local()
 
 
-def _write_pieces(out: "_Out", job: list[_Piece]) -> list[tuple[str, int]]:
+def _write_pieces(into: "_Slab | _File", job: list[_Piece]) -> list[tuple[str, int]]:
     """Write and hash the pieces of ``job`` (one thread): each ``(piece digest, changes decoded)``."""
     done = []
     for u in job:
@@ -372,19 +404,37 @@ def _write_pieces(out: "_Out", job: list[_Piece]) -> list[tuple[str, int]]:
             for lo in range(u.begin, u.end, _BLOCK):
                 block = u.blob[lo : min(lo + _BLOCK, u.end)]
                 h.update(block)
-                out.write(block, u.at + lo)
+                into.write(block, u.at + lo)
         else:
             step = u.frame.chunk_bytes
-            scratch = _scratch(step)
             for lo in range(u.begin, u.end, step):
-                block = scratch[: min(lo + step, u.end) - lo]
-                if os.preadv(u.base, [block], u.base_at + lo) != len(block):
-                    raise ValueError(f"its base object ends before byte {u.base_at + lo + len(block)}")
+                n = min(lo + step, u.end) - lo
+                block = into.block(u.at + lo, n)
+                if os.preadv(u.base, [block], u.base_at + lo) != n:
+                    raise ValueError(f"its base object ends before byte {u.base_at + lo + n}")
                 count += u.frame.decode_chunk(lo // step, block)
                 h.update(block)
-                out.write(block, u.at + lo)
+                into.finish(block, u.at + lo)
         done.append((h.hexdigest(), count))
     return done
+
+
+class _Slab:
+    """A rebuild's destination in memory (a slab's map): blocks are built in place."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+
+    def block(self, at: int, n: int) -> memoryview:
+        """Where to build bytes ``[at, at + n)``: in place."""
+        return self._buf[at : at + n]
+
+    def finish(self, block: memoryview, at: int) -> None:
+        """``block`` (from :meth:`block`) holds its final bytes: nothing to do, they are in place."""
+
+    def write(self, data: memoryview | bytes, offset: int) -> None:
+        """Copy ``data`` to ``offset``."""
+        self._buf[offset : offset + len(data)] = data
 
 
 def _scratch(size: int) -> memoryview:
@@ -395,14 +445,22 @@ def _scratch(size: int) -> memoryview:
     return buf
 
 
-class _Out:
-    """The file a rebuild writes, one ``pwrite`` at a time: tmpfs takes a file's lock for every write,
-    and threads writing one file at once spun on it (a 256 MiB rebuild on 2 threads: 0.8 CPU-s and
-    1.8 s instead of ~0.14 and ~0.15); they wait here instead, asleep, while the others read, patch
-    and hash."""
+class _File:
+    """A rebuild's destination file, written one ``pwrite`` at a time: blocks are built in this
+    thread's buffer. (tmpfs takes a file's lock for every write, and threads writing one file at
+    once spun on it: a 256 MiB rebuild on 2 threads took 0.8 CPU-s and 1.8 s instead of ~0.15 and
+    ~0.15; they wait here instead, asleep, while the others read, patch and hash.)"""
 
     def __init__(self, fd: int) -> None:
         self._fd, self._lock = fd, threading.Lock()
+
+    def block(self, at: int, n: int) -> memoryview:
+        """Where to build bytes ``[at, at + n)``: this thread's buffer."""
+        return _scratch(n)[:n]
+
+    def finish(self, block: memoryview, at: int) -> None:
+        """``block`` (from :meth:`block`) holds its final bytes: write them at ``at``."""
+        self.write(block, at)
 
     def write(self, data: memoryview | bytes, offset: int) -> None:
         """All of ``data`` at ``offset`` (OSError if the file cannot take it: a full filesystem)."""
@@ -462,11 +520,12 @@ def plan_chain(root: "StoreRoot", step: int, missing: set[str], *, depth: int = 
     return chain
 
 
-def fetch_by_patches(root: "StoreRoot", pool: "SlabPool", step: int, manifest: "Manifest", report: "FetchReport",
-                     get: Callable[[Mapping[str, int]], int]) -> None:
+def fetch_by_patches(root: "StoreRoot", pool: "SlabPool | None", step: int, manifest: "Manifest",
+                     report: "FetchReport", get: Callable[[Mapping[str, int]], int]) -> None:
     """Rebuild the objects of ``step`` this host lacks from patches where a chain exists
     (:func:`plan_chain`); ``get(sizes)`` moves patch objects here (from peers) and returns the
-    bytes it moved. What was rebuilt goes into ``report`` (``from_patches``, ``patch_bytes``,
+    bytes it moved. ``pool``: where the rebuilds write (:func:`rebuild`: its slabs, or new files
+    when None). What was rebuilt goes into ``report`` (``from_patches``, ``patch_bytes``,
     ``rejected["patch"]``); what was not is left for whole-object fetches."""
     tier, reg = root.tier, root.registry
     missing = {o for o in manifest.objects() if not tier.exists(o)}

@@ -391,7 +391,7 @@ def patch_objects(draw: Any) -> dict[str, Any]:
         obj = plan.header + b"".join(blobs)
     except Exception:  # noqa: BLE001 - metadata the writer cannot lay out: hostile bytes instead
         obj = to_json_bytes(meta)
-    return {"object": draw(mutated_bytes(obj)), "bases": {bobj: base_obj}}
+    return {"object": draw(mutated_bytes(obj)), "bases": {bobj: base_obj}, "into_file": draw(st.booleans())}
 
 
 class _BaseFiles:
@@ -422,15 +422,15 @@ def _feed_patch_object(i: dict[str, Any]) -> None:
 
     got = _read_patch(memoryview(i["object"]))
     _expect(isinstance(got.size, int) and got.size >= 0 and isinstance(got.target, str), "bad size or target")
-    if got.size <= 1 << 20:  # what rebuild() does next, into a new file
-        bases, out = _BaseFiles(i["bases"]), os.memfd_create("rebuilt")
+    if got.size <= 1 << 20:  # what rebuild() does next, into a new file or a slab of the size its record names
+        bases, fd = _BaseFiles(i["bases"]), os.memfd_create("rebuilt")
         try:
-            _apply(bases, got, out)
+            _apply(bases, got, fd if i["into_file"] else memoryview(bytearray(got.size)))
         except (ValueError, FileNotFoundError) as e:  # documented by rebuild(): a malformed patch, a base not here
             raise _Documented(str(e)) from None
         finally:
             bases.close()
-            os.close(out)
+            os.close(fd)
 
 
 def _patch_object_bound(i: dict[str, Any]) -> int:

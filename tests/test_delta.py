@@ -8,6 +8,7 @@ processes with a redis-server and Mooncake over TCP (see test_peers.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -398,18 +399,20 @@ def test_an_object_of_many_pieces_is_rebuilt_bit_exact_with_every_piece_checked(
         size = len(committed)
         drop(store, [target])
         before = set(store._root.tier.leftovers())
-        assert rebuild(store._root, store._pool, pairs[target], target, size) == size
-        with open(path, "rb") as f:
-            assert f.read() == committed
-        drop(store, [target])
+        for pool in (store._pool, None):  # into a slab, into a new file
+            assert rebuild(store._root, pool, pairs[target], target, size) == size
+            with open(path, "rb") as f:
+                assert f.read() == committed
+            drop(store, [target])
         entry = store.manifest(1).tensors["big"]
         with open(store._root.tier.object_path(base), "r+b") as f:  # a byte of "big"'s second piece
             f.seek(entry.offset + (8 << 20) + 12345)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x01]))
-        with pytest.raises(CorruptObjectError, match="damaged patch or base"):
-            rebuild(store._root, store._pool, pairs[target], target, size)
+        for pool in (store._pool, None):
+            with pytest.raises(CorruptObjectError, match="damaged patch or base"):
+                rebuild(store._root, pool, pairs[target], target, size)
         assert not store._root.tier.exists(target)
         assert set(store._root.tier.leftovers()) <= before
 
@@ -432,8 +435,9 @@ def test_a_truncated_base_or_spans_not_the_header_are_refused(store_root):
         with open(base_path, "rb") as f:
             good = f.read()
         os.truncate(base_path, len(good) - 100)
-        with pytest.raises(CorruptObjectError, match="does not apply"):
-            rebuild(store._root, store._pool, pairs[target], target, size)
+        for pool in (store._pool, None):
+            with pytest.raises(CorruptObjectError, match="does not apply"):
+                rebuild(store._root, pool, pairs[target], target, size)
         with open(base_path, "wb") as f:
             f.write(good)
 
@@ -451,19 +455,22 @@ def test_a_truncated_base_or_spans_not_the_header_are_refused(store_root):
         assert not store._root.tier.exists(target)
 
 
-def test_a_checkout_by_patches_prepares_no_slab(store_root):
-    """A rebuild writes a new file (no slab), so a checkout whose objects all came from patches does
-    not fault slabs for the next version (before: 256 MiB faulted per 256 MiB update, ~0.5 CPU-s per
-    GiB, for slabs the next patch update did not use)."""
-    with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20) as store:
-        store.commit(1, weights(1))
-        store.commit(2, weights(2))
-        store.flush()
-        targets = new_objects(store, 2, 1)
-        drop(store, targets)
-        store._pool.wait_prepared(60)
-        created = store._pool.stats["created"]
-        with store.checkout(2) as snap:
-            assert sorted(snap.fetch.from_patches) == targets
-        store._pool.wait_prepared(60)
-        assert store._pool.stats["created"] == created
+def test_without_prepared_buffers_a_checkout_by_patches_takes_and_faults_no_slab(store_root):
+    """With ``prepare_buffers=False`` a rebuild writes a new file (pwrite): no slab is made, neither on
+    the spot for the rebuild nor for the next version (before: each rebuild faulted a slab of the
+    object's size on the checkout's path, ~0.5 CPU-s per GiB, then unmapped it). The weights are the
+    committed ones, with both destinations."""
+    for prepare in (False, True):
+        with ParamStore(store_root, patches=True, shard_size_bytes=1 << 20, prepare_buffers=prepare) as store:
+            store.commit(1, weights(1))
+            store.commit(2, weights(2))
+            store.flush()
+            targets = new_objects(store, 2, 1)
+            drop(store, targets)
+            store._pool.wait_prepared(60)
+            created = store._pool.stats["created"]
+            with store.checkout(2) as snap:
+                assert sorted(snap.fetch.from_patches) == targets and equal(snap, weights(2))
+            store._pool.wait_prepared(60)
+            assert (store._pool.stats["created"] > created) is prepare, (prepare, store._pool.stats)
+        shutil.rmtree(store_root)

@@ -155,7 +155,7 @@ REBUILD = textwrap.dedent("""
         with open(filler, "wb") as f:  # 1 MiB left: the rebuilt object does not fit
             f.write(bytes(st.f_bavail * st.f_frsize - (1 << 20)))
         try:
-            rebuild(store._root, store._pool, pairs[target], target, size)
+            rebuild(store._root, None, pairs[target], target, size)  # into a new file (no slab: pwrite)
             print("placed")
         except paramstore.StorageFullError as e:
             print("ENOSPC" if e.errno == 28 and root in str(e) else repr(e).replace(" ", "_"))

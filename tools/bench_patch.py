@@ -43,7 +43,6 @@ import statistics
 import struct
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -185,6 +184,7 @@ def run_tensor(args: argparse.Namespace) -> dict:
 def rebuild_child(args: argparse.Namespace) -> dict:
     """In a child process (pinned by its parent with taskset; its paramstore maybe another
     revision's): time rebuild and its parts, round by round (see the module docstring)."""
+    import inspect
     import shutil
     import tempfile
 
@@ -208,7 +208,8 @@ def rebuild_child(args: argparse.Namespace) -> dict:
         target[name].view(torch.int16)[where] += step
     root = tempfile.mkdtemp(prefix="bench-rebuild-", dir="/dev/shm")
     try:
-        with ParamStore(root, patches=True, shard_size_bytes=(args.rebuild_mib << 20) + (1 << 20)) as store:
+        with ParamStore(root, patches=True, shard_size_bytes=(args.rebuild_mib << 20) + (1 << 20)) as store, \
+                ParamStore(root, patches=True, prepare_buffers=False) as lean:
             store.commit(1, base).result()
             store.commit(2, target).result()
             store.flush()
@@ -220,6 +221,7 @@ def rebuild_child(args: argparse.Namespace) -> dict:
             with open(tier.object_path(obj), "rb") as f:
                 want = blake3.blake3(f.read()).hexdigest()  # to check each rebuild's bytes
             spans = _patch_spans(tier.object_path(patch))
+            into_file = "None" in str(inspect.signature(rebuild).parameters["pool"].annotation)
             dest = np.empty(size, dtype=np.uint8)
             dest.fill(1)  # faulted
             rounds = []
@@ -237,6 +239,12 @@ def rebuild_child(args: argparse.Namespace) -> dict:
                 pool.prepare([size], purpose="fetch")  # the slab the rebuild took (if it took one), faulted anew
                 pool.wait_prepared(60)
                 row["prepare_cpu_s"] = time.process_time() - c0
+                if into_file:  # (a revision whose rebuild can write a new file instead of a slab)
+                    os.unlink(tier.object_path(obj))
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    rebuild(store._root, None, patch, obj, size)
+                    row["rebuild_file_s"] = time.perf_counter() - t0
+                    row["rebuild_file_cpu_s"] = time.process_time() - c0
                 with open(tier.object_path(obj), "rb") as f:
                     data = f.read()
                 assert blake3.blake3(data).hexdigest() == want
@@ -259,15 +267,17 @@ def rebuild_child(args: argparse.Namespace) -> dict:
                 assert tensor_spans(memoryview(dest))[0] > 0
                 del mv, data, bmap
                 # the whole path: a checkout that finds the object missing (Fetcher: patches first),
-                # then whatever it leaves running in the background (slabs faulted for the next one)
-                os.unlink(tier.object_path(obj))
-                pool.wait_prepared(60)
-                c0, t0 = time.process_time(), time.perf_counter()
-                with store.checkout(2) as snap:
-                    row["checkout_s"] = time.perf_counter() - t0
-                    assert snap.fetch.from_patches == [obj], snap.fetch
-                pool.wait_prepared(60)
-                row["checkout_cpu_s"] = time.process_time() - c0
+                # then whatever it leaves running in the background (slabs faulted for the next one);
+                # by the store (prepare_buffers on), then by a reader of the same root with it off
+                for key, reader in (("checkout", store), ("checkout_noprep", lean)):
+                    os.unlink(tier.object_path(obj))
+                    pool.wait_prepared(60)
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    with reader.checkout(2) as snap:
+                        row[f"{key}_s"] = time.perf_counter() - t0
+                        assert snap.fetch.from_patches == [obj], snap.fetch
+                    pool.wait_prepared(60)
+                    row[f"{key}_cpu_s"] = time.process_time() - c0
                 if r:
                     rounds.append(row)
             noise = meter.stop()
@@ -317,8 +327,10 @@ def run_rebuild(args: argparse.Namespace) -> list[dict]:
             m = res["median"]
             print(f"rebuild {args.rebuild_mib} MiB, {args.rebuild_changed * 100:g}% changed, {label} ({res['rev']}), "
                   f"{res['cores']} core(s): rebuild {m['rebuild_s'] * 1e3:.0f} ms (CPU {m['rebuild_cpu_s'] * 1e3:.0f} "
-                  f"+ slab {m['prepare_cpu_s'] * 1e3:.0f} ms); checkout {m['checkout_s'] * 1e3:.0f} ms (CPU "
-                  f"{m['checkout_cpu_s'] * 1e3:.0f} ms); decode_into "
+                  f"+ slab {m['prepare_cpu_s'] * 1e3:.0f} ms); into a file {m.get('rebuild_file_s', 0) * 1e3:.0f} ms; "
+                  f"checkout {m['checkout_s'] * 1e3:.0f} ms (CPU {m['checkout_cpu_s'] * 1e3:.0f} ms), without "
+                  f"prepared buffers {m['checkout_noprep_s'] * 1e3:.0f} ms (CPU {m['checkout_noprep_cpu_s'] * 1e3:.0f} "
+                  "ms); decode_into "
                   f"{m['decode_s'] * 1e3:.0f} + rehash {m['rehash_s'] * 1e3:.0f} ms; bare copy {m['copy_s'] * 1e3:.0f} ms;"
                   f" other processes {res['foreign_pct']}%", flush=True)
             out.append(res)
@@ -331,38 +343,36 @@ def _rebuild_table(results: list[dict], args: argparse.Namespace) -> list[str]:
     busy = ", ".join(f"{r['foreign_pct']}%" for r in results)
     md = [f"Rebuilding one {first['size'] / 2**20:.0f} MiB object (32 bf16 tensors of 8 MiB) from its patch "
           f"({first['patch_bytes'] / first['size'] * 100:.2f}% of it), {args.rebuild_changed * 100:g}% of the "
-          f"elements changed; {args.repeats} rounds each, medians (per-round min–max); each row a child process "
-          "pinned with `taskset`. *rebuild*: `delta.rebuild` called alone (a pre-faulted slab ready); its CPU "
-          "(every thread of the process) plus faulting anew the slab it took (`SlabPool.prepare`: in the "
-          "background on a rollout host, CPU all the same). *checkout*: `store.checkout(2)` with the object "
-          "missing (the Fetcher rebuilds it from the patch): wall time to the snapshot, and CPU until the "
-          "process is idle again (slabs it prepares for the next version included). Other processes used "
+          f"elements changed; {args.repeats} rounds each, medians; each row a child process pinned with "
+          "`taskset`; CPU: the process's CPU time, every thread. *Into a slab*: `delta.rebuild` called alone, a "
+          "pre-faulted slab ready; its CPU + faulting anew the slab it took (`SlabPool.prepare`: in the "
+          "background on a rollout host, CPU all the same). *Into a file*: the same into a new file (`pool=None`: "
+          "`pwrite`, no slab; this tree only). *Checkout*: `checkout(2)` with the object missing (the Fetcher "
+          "rebuilds it from the patch), by the store (`prepare_buffers` on: slabs) and by a reader of the same "
+          "root with `prepare_buffers=False`: wall time to the snapshot / CPU until the process is idle again "
+          "(slabs faulted for the next version included). Other processes used "
           f"{busy} of the machine's CPU during the rows:", "",
-          "| code | cores | rebuild | its CPU + slab faulted for it | `decode_into` + `rehash` (two passes, "
-          "in memory) | bare copy | rebuild / (copy + rehash) | checkout | checkout CPU | "
-          "rebuild / baseline's | rebuild CPU + slab / baseline's | checkout CPU / baseline's |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| code | cores | into a slab: wall | its CPU + slab faulted | into a file: wall / CPU | `decode_into` + "
+          "`rehash` (two passes, in memory) | bare copy | checkout, prepare on: wall / CPU | checkout, "
+          "prepare off: wall / CPU | into a slab, wall / baseline's | checkout CPU / baseline's: on, off |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        m, rs = r["median"], r["rounds"]
+        m = r["median"]
         base = next((b for b in results if b["code"] == "baseline" and b["cores"] == r["cores"]), None)
         cpu = m["rebuild_cpu_s"] + m["prepare_cpu_s"]
-
-        def ratio(f: Any) -> str:
-            xs = [f(x) for x in rs]
-            return f"{f(m):.2f}× ({min(xs):.2f}–{max(xs):.2f})"
-
+        ms = lambda key: f"{m[key] * 1e3:.0f} ms"  # noqa: E731
+        into_file = f"{ms('rebuild_file_s')} / {ms('rebuild_file_cpu_s')}" if "rebuild_file_s" in m else "—"
         if base is not None and base is not r:
             bm = base["median"]
-            vs = (f"{m['rebuild_s'] / bm['rebuild_s']:.2f}× | "
-                  f"{cpu / (bm['rebuild_cpu_s'] + bm['prepare_cpu_s']):.2f}× | "
-                  f"{m['checkout_cpu_s'] / bm['checkout_cpu_s']:.2f}×")
+            vs = (f"{m['rebuild_s'] / bm['rebuild_s']:.2f}× | {m['checkout_cpu_s'] / bm['checkout_cpu_s']:.2f}×, "
+                  f"{m['checkout_noprep_cpu_s'] / bm['checkout_noprep_cpu_s']:.2f}×")
         else:
-            vs = "— | — | —"
-        md.append(f"| {r['code']} (`{r['rev']}`) | {r['cores']} | {m['rebuild_s'] * 1e3:.0f} ms | "
+            vs = "— | —"
+        md.append(f"| {r['code']} (`{r['rev']}`) | {r['cores']} | {ms('rebuild_s')} | "
                   f"{m['rebuild_cpu_s'] * 1e3:.0f} + {m['prepare_cpu_s'] * 1e3:.0f} = {cpu * 1e3:.0f} ms | "
-                  f"{m['decode_s'] * 1e3:.0f} + {m['rehash_s'] * 1e3:.0f} ms | {m['copy_s'] * 1e3:.0f} ms | "
-                  f"{ratio(lambda x: x['rebuild_s'] / (x['copy_s'] + x['rehash_s']))} | "
-                  f"{m['checkout_s'] * 1e3:.0f} ms | {m['checkout_cpu_s'] * 1e3:.0f} ms | {vs} |")
+                  f"{into_file} | {m['decode_s'] * 1e3:.0f} + {m['rehash_s'] * 1e3:.0f} ms | {ms('copy_s')} | "
+                  f"{ms('checkout_s')} / {ms('checkout_cpu_s')} | {ms('checkout_noprep_s')} / "
+                  f"{ms('checkout_noprep_cpu_s')} | {vs} |")
     return md
 
 
