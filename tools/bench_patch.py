@@ -21,17 +21,23 @@ Then a patch rebuild (``--rebuild-mib``, 0 to skip): a store on /dev/shm commits
 many MiB of bf16 in 8 MiB tensors (one object), then the same with a fraction
 (``--rebuild-changed``) of the elements moved by a unit or two in the last place, and makes the
 patch; each round removes the new object and times :func:`paramstore.delta.rebuild` into a
-pre-faulted slab (as a rollout host's pool has one), next to its two passes as separate calls
-(``decode_into`` of every tensor, then ``format.rehash`` of the object: what rebuild did before
-it decoded and hashed each piece in one pass), a bare copy of the object's bytes (``np.copyto``
-into a buffer already faulted) and that copy + the rehash (the floor of any rebuild that writes
-and checks every byte). Each runs in a child process on 1 core, then on 2 (``taskset``); with
-``--baseline DIR`` (a checkout of another revision: ``git worktree add build/old <rev>``) the same
-children run that revision's code too (``PYTHONPATH=DIR``), interleaved with this tree's, so the
-two are compared in one run on one machine load.
+pre-faulted slab (as a rollout host's pool has one; plus the CPU of faulting the slab it took
+anew) and into a new file (``pool=None``, where the revision has it), next to its two passes as
+separate calls (``decode_into`` of every tensor, then ``format.rehash`` of the object: what rebuild
+did before it decoded and hashed each piece in one pass) and a bare copy of the object's bytes
+(``np.copyto`` into a buffer already faulted); then the whole path, ``checkout(2)`` with the object
+missing, by the store (``prepare_buffers`` on) and by a reader with ``prepare_buffers=False``,
+until the process is idle again. Each runs in a child process on 1 core, then on 2 (``taskset``);
+with ``--baseline DIR`` (a checkout of another revision: ``git worktree add build/old <rev>``) the
+same children run that revision's code too (``PYTHONPATH=DIR``), interleaved with this tree's, so
+the two are compared in one run on one machine load.
 
     .venv/bin/python tools/bench_patch.py --json out/bench_patch.json --markdown out/bench_patch.md
     .venv/bin/python tools/docgen.py patch out/bench_patch.md --json out/bench_patch.json
+    git worktree add build/old <rev>   # the rebuild rows alone, against <rev>:
+    .venv/bin/python tools/bench_patch.py --steps 0 --tensor-mib 0 --baseline build/old \
+        --json out/bench_rebuild.json --markdown out/bench_rebuild.md
+    .venv/bin/python tools/docgen.py patch-rebuild out/bench_rebuild.md --json out/bench_rebuild.json
 """
 
 from __future__ import annotations
@@ -429,7 +435,7 @@ def main() -> int:
     res.update(rows=rows, tensor=big, rebuild=rebuilt, total_seconds=time.monotonic() - t0)
     md = [f"GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}), fp32 master weights, AdamW, "
           f"{args.steps} steps per learning rate, committed as bf16; medians over the steps (min–max):", "",
-          "| lr | elements changed | patches / model bytes | patch time / bare copy |", "|---|---|---|---|"]
+          "| lr | elements changed | patches / model bytes | patch time / bare copy |", "|---|---|---|---|"] if rows else []
     for lr in sorted({r["lr"] for r in rows}):
         rs = [r for r in rows if r["lr"] == lr]
 
@@ -447,7 +453,7 @@ def main() -> int:
             xs = [x[key] / x[copy] for x in r]
             return f"{m[key] / m[copy]:.2f}× ({min(xs):.2f}–{max(xs):.2f})"
 
-        md += ["", f"One {big['mib']} MiB bf16 tensor, {big['changed_frac'] * 100:.2f}% of its elements changed by one or "
+        md += [*([""] if md else []), f"One {big['mib']} MiB bf16 tensor, {big['changed_frac'] * 100:.2f}% of its elements changed by one or "
                f"two units in the last place; {len(r)} rounds, medians (per-round min–max); other processes used "
                f"{big['foreign_pct']}% of the machine's CPU meanwhile:", "",
                "| patch / tensor bytes | make_patch | decode_into | bare copy (`np.copyto` into `np.empty_like`) | "
@@ -457,7 +463,7 @@ def main() -> int:
                f"{m['decode_s'] * 1e3:.0f} ms | {m['np_copy_s'] * 1e3:.0f} ms | {m['torch_copy_s'] * 1e3:.0f} ms | "
                f"{ratio('make_s', 'np_copy_s')} | {ratio('make_s', 'torch_copy_s')} | {ratio('decode_s', 'np_copy_s')} |"]
     if rebuilt:
-        md += ["", *_rebuild_table(rebuilt, args)]
+        md += [*([""] if md else []), *_rebuild_table(rebuilt, args)]
     write_outputs(args.json, res, args.markdown, "\n".join(md))
     print("\n".join(md))
     return 0
