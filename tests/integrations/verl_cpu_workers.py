@@ -270,22 +270,27 @@ class RolloutWorker(CheckpointEngineWorker):
 
 class InstallingRollout(RecordingRollout):
     """A server adapter that installs as an inference engine does: every tensor copied into weights
-    it keeps (made and faulted at the first update), and how long each update took (``time.monotonic``)."""
+    it keeps (made and faulted at the first update), how long each update took and, of that, how
+    long after its last copy the received weights ended (``time.monotonic``)."""
 
     def __init__(self, config: Any, model_config: Any) -> None:
         super().__init__(config, model_config)
         self.durations: list[float] = []
+        self.tails: list[float] = []
 
     async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
         import time
 
         assert wire_format == "named_tensors", wire_format
-        start = time.monotonic()
+        start = last = time.monotonic()
         async for name, tensor in weights:
             if name not in self.received:
                 self.received[name] = torch.zeros_like(tensor)
             self.received[name].copy_(tensor)
-        self.durations.append(time.monotonic() - start)
+            last = time.monotonic()
+        end = time.monotonic()
+        self.durations.append(end - start)
+        self.tails.append(end - last)
         self.global_steps = kwargs.get("global_steps")
         self.updates += 1
 
@@ -299,6 +304,11 @@ class InstallingRolloutWorker(RolloutWorker):
     def durations(self) -> list[float]:
         """Seconds each update took in the adapter (the install)."""
         return list(self.server_adapter.durations)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tails(self) -> list[float]:
+        """Seconds of each update after its last copy (waiting for the weights to end)."""
+        return list(self.server_adapter.tails)
 
 
 class LocalReplica(RolloutReplica):
