@@ -66,8 +66,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CorruptObjectError, VersionNotFoundError
-from .format import (PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header, piece_hasher, pieces,
-                     pieces_root, read_header, tensor_digest, tensor_spans)
+from .format import (PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
+                     piece_hasher, pieces, pieces_root, read_header, tensor_digest, tensor_spans)
 from .patch import Frame, encode, open_frame, run_all
 from .reports import FetchReport, PatchReport
 from .staging import storage_error, tmp_name
@@ -270,7 +270,8 @@ def rebuild(root: "StoreRoot", pool: "SlabPool | None", patch: str, target: str,
             try:
                 digest = _apply(bases, got, buf if buf is not None else fd)
                 if digest != target:
-                    error = f"rebuilt an object hashing to {digest[:12]}…, not {target[:12]}…: a damaged patch or base"
+                    error = (f"rebuilt an object hashing to {digest[:12]}…, not {target[:12]}…: a damaged patch "
+                             "or base")
             except CorruptObjectError as e:  # (the exception's frames, which may view the slab, go here)
                 error = str(e)
             except FileNotFoundError:
