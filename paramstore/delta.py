@@ -57,6 +57,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -276,8 +277,10 @@ def rebuild(root: "StoreRoot", pool: "SlabPool | None", patch: str, target: str,
                 error = str(e)
             except FileNotFoundError:
                 raise
-            except OSError as e:  # writing the file: a full filesystem
-                raise storage_error(e, tier.tmp_dir, size, "an object rebuilt from a patch") from e
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # writing the file: a full filesystem
+                    raise storage_error(e, tier.tmp_dir, size, "an object rebuilt from a patch") from e
+                raise
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 error = f"does not apply: {e}"
             if error is not None:
