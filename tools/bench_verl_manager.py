@@ -16,8 +16,9 @@ together, finalizes both and resumes generation. That whole call is the rollout'
 Reported per sync: the pause, how long the trainer's ``send_weights`` took (``paramstore/send_s``:
 it returns once the weights are staged), how long the publish took after it (``paramstore/publish_s``,
 reported by the next sync's send; none for the last), and the rollout adapter's ``update_weights``
-(its copies, each as soon as the trainer staged the tensor, then the wait for the version to be
-published: it starts with the trainer's send), and of that, the time after its last copy. Baselines in the same run, in this process: verl's ``naive`` in-process handoff of a
+(it starts with the trainer's send: the wait for the published version, then its copies; with
+``--follow``, its copies each as soon as the trainer staged the tensor, then the wait for the
+version to be published), and of that, the time after its last copy. Baselines in the same run, in this process: verl's ``naive`` in-process handoff of a
 state dict of the same size (the generator handed over, each tensor copied), and a bare copy of it.
 Issue 28's goals over syncs 2..N: pause ≤ 1.5× naive, trainer held ≤ 1.3× the bare copy, slowest
 sync ≤ 1.5× the median.
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=10)
     ap.add_argument("--pause", type=float, default=2.0, help="seconds between syncs (the training step)")
     ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument("--follow", action="store_true",
+                    help="the backend's follow option: the rollout installs each tensor as the trainer stages it")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args()
@@ -96,7 +99,8 @@ def main() -> None:
     steps = list(range(1, args.syncs + 1))
     try:
         make_tiny_model(model_dir, hidden=HIDDEN, layers=_layers(args.gib))
-        cfg = compose_config(model_dir, backend_overrides(root, eta=0, timeout=600))
+        cfg = compose_config(model_dir, backend_overrides(root, eta=0, timeout=600,
+                                                          **({"follow": True} if args.follow else {})))
         start_ray(num_cpus=4)
         try:
             actor_wg, rollout_wg, (replica,), ce_config = start_workers(cfg, trainers=1, replicas=1,
@@ -148,7 +152,8 @@ def main() -> None:
     for name, (got, goal) in goals.items():
         print(f"  {name}: {got:.2f}x (goal <= {goal}x: {'met' if got <= goal else 'missed'})")
     md = [f"verl's `CheckpointEngineManager.update_weights` over Ray, a {res['gib']} GiB fp32 Qwen2 "
-          f"({args.pause} s between syncs; one trainer rank, one rollout replica):", "",
+          f"({args.pause} s between syncs; one trainer rank, one rollout replica"
+          f"{'; the rollout follows the commit (`follow: true`)' if args.follow else ''}):", "",
           "| sync | rollout paused (s) | adapter's update: copies + wait (s) | of which after its last copy (s) "
           "| trainer send (s) | then its publish (s) | naive handoff (s) | bare copy (s) |",
           "|---:|---:|---:|---:|---:|---:|---:|---:|"]

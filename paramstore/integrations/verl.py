@@ -26,6 +26,7 @@ worker before the backend is built, which registers it)::
               # keep_last: 1               # versions retention keeps (None: keep every one)
               # dtype: bfloat16            # store floating-point weights in this dtype
               # prefetch: true             # fetch the next version while the rollout generates
+              # follow: false              # install as the trainer stages (one host; see below)
 
 or on the command line::
 
@@ -44,7 +45,7 @@ rank and ``receive_weights`` on every rollout worker, then ``finalize`` on all.
 **Arguments** (:class:`ParamStoreCheckpointEngine`): verl passes ``bucket_size`` (unused: nothing is
 bucketed, each tensor goes to shared memory whole) and, on trainer ranks, ``is_master`` (rank 0);
 the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``name``, ``eta``,
-``timeout``, ``keep_last``, ``dtype``, ``prefetch``, and any other keyword argument of
+``timeout``, ``keep_last``, ``dtype``, ``prefetch``, ``follow``, and any other keyword argument of
 :class:`paramstore.ParamStore` (``shard_size_bytes``, ``remote``, ``storage_options``, ``run_id``,
 ...), passed on to it. An unknown key is refused at once with the list of accepted ones.
 
@@ -77,16 +78,23 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
   previous step) and returns at once. ``eta=0`` waits for the step itself (up to ``timeout``).
 - ``global_steps=None``: the trainer commits the store's latest step + 1 (0 for an empty store);
   a rollout takes the newest version there is (waiting up to ``timeout`` for one).
-- *The install overlaps the commit (one host).* In a ``CheckpointEngineManager`` sync the send and
-  the receive start together. When no version within the bound is there yet and the store is this
-  host's (no ``registry``), ``receive_weights`` follows the trainer's commit of ``global_steps``
+- *The install overlaps the commit (one host; ``follow: true``).* In a ``CheckpointEngineManager``
+  sync the send and the receive start together. With ``follow``, when no version within the bound
+  is there yet (``eta`` 0) and the store is this host's (no ``registry``), ``receive_weights``
+  follows the trainer's commit of ``global_steps``
   (:meth:`paramstore.ParamStore.follow_commit`): it hands each tensor to the server as soon as the
   trainer has copied it into shared memory, so the server's copies run alongside the trainer's, and
   it ends only once the version is published (the rest of it, if any, from the published version).
   Those bytes never leave the trainer's host and are the very bytes the version's digests cover.
   If the commit fails part-way, the receive hands the tensors it already gave back as they are in
   the installed version, then raises: the engine holds its previous version again, bit for bit
-  (with no version installed before, what it got stays, and the error says so).
+  (with no version installed before, what it got stays, and the error says so). Off by default:
+  the overlap pays only where one copy does not use the host's whole memory bandwidth. On the
+  2-core VM of docs/benchmarks.md two concurrent 1 GiB copies take 0.124 s each against 0.058 s for
+  one alone, so the trainer's staging doubled under the rollout's copies and the pause grew from
+  0.32–0.34 s to 0.42 s (the verl-manager block's prose); on a host with bandwidth to spare the
+  rollout's copies hide behind the trainer's. Without it the rollout waits for the published
+  version, then copies.
 - *Prefetch: the pause is the install.* As soon as a rollout has handed over every tensor of step
   ``s``, it prefetches the next version (:meth:`paramstore.ParamStore.prefetch`): a background
   thread waits for the first version with step ``>= s + 1`` and brings its objects to this host
@@ -179,7 +187,7 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Default number of versions retention keeps (besides those rollouts hold).
 DEFAULT_KEEP_LAST = 1
 
-_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype", "prefetch")
+_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype", "prefetch", "follow")
 
 
 
@@ -233,6 +241,9 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         prefetch: a rollout prefetches the next version (step + 1) as soon as a receive completes, so
             the next receive only installs (default True; False: the whole fetch happens inside
             ``receive_weights``).
+        follow: a rollout (with ``eta`` 0, the single-host registry) installs each tensor of the step
+            being sent as soon as the trainer has staged it, instead of once the version is
+            published (default False: see the module docstring).
         **store_options: other :class:`paramstore.ParamStore` keyword arguments.
 
     Raises:
@@ -243,7 +254,8 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     def __init__(self, bucket_size: int = 0, is_master: bool = False, *, root: str | None = None,
                  registry: str | None = None, name: str | None = None, eta: int = 0,
                  timeout: float | None = DEFAULT_TIMEOUT_S, keep_last: int | None = DEFAULT_KEEP_LAST,
-                 dtype: str | torch.dtype | None = None, prefetch: bool = True, **store_options: Any) -> None:
+                 dtype: str | torch.dtype | None = None, prefetch: bool = True, follow: bool = False,
+                 **store_options: Any) -> None:
         if not root:
             raise InvalidArgumentError(
                 "the paramstore checkpoint engine needs a store root: set "
@@ -262,6 +274,8 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             raise InvalidArgumentError(f"keep_last must be an int >= 1 or None (keep every version), got {keep_last!r}")
         if not isinstance(prefetch, bool):
             raise InvalidArgumentError(f"prefetch must be true or false, got {prefetch!r}")
+        if not isinstance(follow, bool):
+            raise InvalidArgumentError(f"follow must be true or false, got {follow!r}")
         if registry and not name:
             raise InvalidArgumentError("a shared registry needs engine_kwargs.paramstore.name: the store's name there, "
                                        "the same on every worker")
@@ -278,6 +292,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         if "retention" not in self._options and keep_last is not None:
             self._options["retention"] = KeepLast(keep_last)
         self.prefetch = prefetch
+        self.follow = follow
         self._snapshot: Any = None  # the rollout's leased version, held until finalize
         self._next = NextVersion()  # the rollout's prefetch of the version after the one it installed
         #: The step of the version this rollout last handed to the inference server *completely*
@@ -498,15 +513,15 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
 
         Waits up to ``timeout`` for it (off the event loop). The tensors are zero-copy views of the
         store's shared memory (CPU; read-only in spirit: a write copies the page, privately), each
-        valid until the next is asked for (copy it before). When none is there yet and the store is
-        this host's, the tensors of ``global_steps`` come as the trainer stages them (see the module
-        docstring). The version stays leased until :meth:`finalize` or the next receive.
+        valid until the next is asked for (copy it before). With ``follow``, when none is there yet
+        and the store is this host's, the tensors of ``global_steps`` come as the trainer stages them
+        (see the module docstring). The version stays leased until :meth:`finalize` or the next receive.
         ``global_steps=None``: the newest version there is.
 
         Raises:
             WaitTimeoutError: no such version within ``timeout``; the message names the store, the step
                 waited for and the latest one there.
-            VersionNotFoundError: the commit being followed failed; the tensors already handed over
+            VersionNotFoundError: (``follow``) the commit being followed failed; the tensors already handed over
                 were handed over again as in the installed version first.
         """
         min_step = 0 if global_steps is None else max(0, int(global_steps) - self.eta)
@@ -524,7 +539,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     def _follow(self, min_step: int, step: int) -> FollowedCommit | None:
         """The commit of ``step`` to install as the trainer stages it, when no version within the
         bound is there yet and trainer and rollout share this host's store (None: check out)."""
-        if self.registry is not None or min_step != step:
+        if not self.follow or self.registry is not None or min_step != step:
             # Across hosts the version is fetched and verified once published; with eta >= 1 the
             # first version within the bound is taken, whichever step it is.
             return None

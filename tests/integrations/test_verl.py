@@ -171,7 +171,7 @@ def test_manager_over_ray_two_trainer_ranks_two_replicas(shm_dir):
 
     model, root = os.path.join(shm_dir, "model"), os.path.join(shm_dir, "store")
     make_tiny_model(model)
-    cfg = compose_config(model, backend_overrides(root, eta=0, timeout=30, keep_last=None))
+    cfg = compose_config(model, backend_overrides(root, eta=0, timeout=30, keep_last=None, follow=True))
     start_ray(num_cpus=8)
     try:
         actor_wg, rollout_wg, replicas, ce_config = start_workers(cfg, trainers=2, replicas=2)
@@ -366,7 +366,7 @@ def test_bad_arguments_are_refused_clearly(shm_dir):
         CheckpointEngineRegistry.new("paramstore", bucket_size=1, root=root, bogus=1)
     with pytest.raises(InvalidArgumentError, match="needs a store root"):
         CheckpointEngineRegistry.new("paramstore", bucket_size=1)
-    for bad in ({"eta": -1}, {"eta": 1.5}, {"timeout": "soon"}, {"keep_last": 0}, {"dtype": "int8"},
+    for bad in ({"eta": -1}, {"eta": 1.5}, {"timeout": "soon"}, {"keep_last": 0}, {"dtype": "int8"}, {"follow": "yes"},
                 {"registry": "redis://127.0.0.1:1/0"}):
         with pytest.raises(InvalidArgumentError):
             CheckpointEngineRegistry.new("paramstore", bucket_size=1, root=root, **bad)
@@ -534,7 +534,7 @@ def _slowly(items, delay=0.05, fail_at=None):
 
 def test_the_rollout_installs_as_the_trainer_stages(shm_dir):
     root = os.path.join(shm_dir, "store")
-    trainer, rollout = _engines(root, eta=0, timeout=60)
+    trainer, rollout = _engines(root, eta=0, timeout=60, follow=True)
     engine: dict[str, torch.Tensor] = {}
     w1, w2 = _weights(1, n=6), _weights(2, n=6)
     thread, box = _send_in_thread(trainer, w1.items(), 1)
@@ -558,7 +558,7 @@ def test_a_failed_commit_leaves_the_engine_on_its_previous_version(shm_dir):
     meanwhile: it hands those back as they are in step 1, then raises; the engine holds step 1
     bit for bit and reports it."""
     root = os.path.join(shm_dir, "store")
-    trainer, rollout = _engines(root, eta=0, timeout=60)
+    trainer, rollout = _engines(root, eta=0, timeout=60, follow=True)
     engine: dict[str, torch.Tensor] = {}
     w1, w2 = _weights(1, n=6), _weights(2, n=6)
     _sync_send(trainer, iter(w1.items()), 1)
