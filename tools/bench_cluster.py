@@ -297,7 +297,8 @@ def goals(res: dict[str, Any]) -> list[Goal]:
     full, patch = s.get(f"full@{f1}"), s.get(f"patches@{f1}")
     if patch:
         ratio = patch["time_all_s"] / full["time_all_s"]
-        rows.append((f"patches: time to all / whole objects, {f1 * 100:g}% changed", f"{ratio:.3f}×", "≤ 0.1×",
+        rows.append((f"patches: time to all / whole objects, {f1 * 100:g}% changed, {n} host{'s' if n > 1 else ''} at "
+                     f"{res['rate']}", f"{ratio:.3f}×", "≤ 0.1×",
                      f"{patch['cpu_per_gib']:.2f}", ratio <= 0.1))
     else:
         rows.append((f"patches at {f1 * 100:g}% changed", "not run: store has no patches option", "≤ 0.1×", "", None))
