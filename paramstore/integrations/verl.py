@@ -91,10 +91,11 @@ the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``
   (with no version installed before, what it got stays, and the error says so). Off by default:
   the overlap pays only where one copy does not use the host's whole memory bandwidth. On the
   2-core VM of docs/benchmarks.md two concurrent 1 GiB copies take 0.124 s each against 0.058 s for
-  one alone, so the trainer's staging doubled under the rollout's copies and the pause grew from
-  0.32–0.34 s to 0.42 s (the verl-manager block's prose); on a host with bandwidth to spare the
-  rollout's copies hide behind the trainer's. Without it the rollout waits for the published
-  version, then copies.
+  one alone, so the trainer's staging doubled under the rollout's copies (0.17–0.22 s against
+  0.10 s) and the pause was not shorter (0.27–0.51 s, median of 7 runs 0.42 s, against 0.32–0.51 s
+  for the published-version path: the verl-manager block's prose). On a host with bandwidth to
+  spare the rollout's copies would hide behind the trainer's (not measured). Without it the
+  rollout waits for the published version, then copies.
 - *Prefetch: the pause is the install.* As soon as a rollout has handed over every tensor of step
   ``s``, it prefetches the next version (:meth:`paramstore.ParamStore.prefetch`): a background
   thread waits for the first version with step ``>= s + 1`` and brings its objects to this host
