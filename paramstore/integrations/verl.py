@@ -27,6 +27,8 @@ worker before the backend is built, which registers it)::
               # dtype: bfloat16            # store floating-point weights in this dtype
               # prefetch: true             # fetch the next version while the rollout generates
               # follow: false              # install as the trainer stages (one host; see below)
+              # recipe: fp8-block128       # rollouts receive each version in this form (FP8 servers)
+              # derive: [fp8-block128]     # ...which the trainer makes as it commits (a ParamStore option)
 
 or on the command line::
 
@@ -45,7 +47,7 @@ rank and ``receive_weights`` on every rollout worker, then ``finalize`` on all.
 **Arguments** (:class:`ParamStoreCheckpointEngine`): verl passes ``bucket_size`` (unused: nothing is
 bucketed, each tensor goes to shared memory whole) and, on trainer ranks, ``is_master`` (rank 0);
 the rest are ``engine_kwargs.paramstore``: ``root`` (required), ``registry``, ``name``, ``eta``,
-``timeout``, ``keep_last``, ``dtype``, ``prefetch``, ``follow``, and any other keyword argument of
+``timeout``, ``keep_last``, ``dtype``, ``prefetch``, ``follow``, ``recipe``, and any other keyword argument of
 :class:`paramstore.ParamStore` (``shard_size_bytes``, ``remote``, ``storage_options``, ``run_id``,
 ...), passed on to it. An unknown key is refused at once with the list of accepted ones.
 
@@ -188,7 +190,7 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Default number of versions retention keeps (besides those rollouts hold).
 DEFAULT_KEEP_LAST = 1
 
-_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype", "prefetch", "follow")
+_OWN_KEYS = ("root", "registry", "name", "eta", "timeout", "keep_last", "dtype", "prefetch", "follow", "recipe")
 
 
 
@@ -245,6 +247,10 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         follow: a rollout (with ``eta`` 0, the single-host registry) installs each tensor of the step
             being sent as soon as the trainer has staged it, instead of once the version is
             published (default False: see the module docstring).
+        recipe: a rollout receives each version as this recipe derives it (:mod:`paramstore.recipes`,
+            e.g. ``"fp8-block128"`` for an FP8 inference server) and prefetches the next one in that
+            form (its derived objects made, or fetched from the host that made them); None: as
+            committed. Not with ``follow`` (which installs the tensors as the trainer stages them).
         **store_options: other :class:`paramstore.ParamStore` keyword arguments.
 
     Raises:
@@ -256,7 +262,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                  registry: str | None = None, name: str | None = None, eta: int = 0,
                  timeout: float | None = DEFAULT_TIMEOUT_S, keep_last: int | None = DEFAULT_KEEP_LAST,
                  dtype: str | torch.dtype | None = None, prefetch: bool = True, follow: bool = False,
-                 **store_options: Any) -> None:
+                 recipe: str | None = None, **store_options: Any) -> None:
         if not root:
             raise InvalidArgumentError(
                 "the paramstore checkpoint engine needs a store root: set "
@@ -277,6 +283,13 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             raise InvalidArgumentError(f"prefetch must be true or false, got {prefetch!r}")
         if not isinstance(follow, bool):
             raise InvalidArgumentError(f"follow must be true or false, got {follow!r}")
+        if recipe is not None:
+            from paramstore.derived import resolve_recipe
+
+            recipe = resolve_recipe(recipe).name  # an unknown name lists the known ones
+            if follow:
+                raise InvalidArgumentError("recipe and follow do not go together: follow installs the tensors as the "
+                                           "trainer stages them, before any recipe could derive them")
         if registry and not name:
             raise InvalidArgumentError("a shared registry needs engine_kwargs.paramstore.name: the store's name there, "
                                        "the same on every worker")
@@ -294,6 +307,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             self._options["retention"] = KeepLast(keep_last)
         self.prefetch = prefetch
         self.follow = follow
+        self.recipe: str | None = recipe
         self._snapshot: Any = None  # the rollout's leased version, held until finalize
         self._next = NextVersion()  # the rollout's prefetch of the version after the one it installed
         #: The step of the version this rollout last handed to the inference server *completely*
@@ -579,7 +593,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     async def _restore(self, names: list[str]) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The installed version's tensors of ``names`` (those it has)."""
         prev = await asyncio.to_thread(self.store.checkout, self.installed_step,
-                                       holder=f"{self._holder()} restore")
+                                       holder=f"{self._holder()} restore", recipe=self.recipe)
         try:
             for name in names:
                 if name in prev:
@@ -612,7 +626,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
             # arriving): the checkout below maps them and moves nothing.
             version = store.wait_for(min_step, timeout=self.timeout)
             self._next.settle(version.step, self.timeout)
-            return store.checkout(min_step=min_step, timeout=self.timeout, holder=self._holder())
+            return store.checkout(min_step=min_step, timeout=self.timeout, holder=self._holder(), recipe=self.recipe)
         except WaitTimeoutError as e:
             raise self._timed_out(e, min_step, global_steps) from e
 
@@ -632,7 +646,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
     def _checkout_latest(self) -> Any:
         store = self.store
         try:
-            return store.checkout("latest", holder=self._holder())
+            return store.checkout("latest", holder=self._holder(), recipe=self.recipe)
         except VersionNotFoundError as e:
             raise VersionNotFoundError(f"paramstore verl backend: {self._where()} holds no version yet: "
                                        f"nothing cached to load ({e})") from e
@@ -648,7 +662,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         is prefetched while the server generates."""
         self.installed_step = snap.step
         if self.prefetch:
-            self._next.start(self.store, snap.step + 1)
+            self._next.start(self.store, snap.step + 1, recipe=self.recipe)
 
     # -- installed equals committed ---------------------------------------------------------------
     def check_installed(self, installed: Any, *, rename: Mapping[str, Any] | Callable[[str], Any] | None = None,
@@ -667,7 +681,8 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
                 index)`` for a tensor the loader placed inside a fused one (``installed[name][index]``
                 holds its bytes, e.g. ``("qkv_proj.weight", slice(0, 64))``); or to None for a tensor
                 not to compare. None: the same names.
-            step: the version to compare with (default :attr:`installed_step`).
+            step: the version to compare with (default :attr:`installed_step`), in the form the
+                rollout receives (its ``recipe``, if any).
 
         Returns:
             The version's names whose installed tensor is missing or differs (shape, or any byte
@@ -693,7 +708,7 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         else:
             name_of = rename
         differ = []
-        with self.store.checkout(step, holder=f"{self._holder()} check_installed") as snap:
+        with self.store.checkout(step, holder=f"{self._holder()} check_installed", recipe=self.recipe) as snap:
             for name in snap:
                 target = name_of(name)
                 if target is None:

@@ -259,6 +259,35 @@ def test_eta_1_returns_the_previous_step_at_once(shm_dir):
     rollout.finalize()
 
 
+def test_a_rollout_receives_each_version_in_its_recipes_form(shm_dir):
+    """``recipe``: the rollout receives the version as the recipe derives it (what an FP8 server
+    loads), made by the trainer as it commits (the ParamStore option ``derive``), so the rollout
+    derives nothing; the check compares with that form; ``recipe`` with ``follow`` is refused."""
+    from paramstore import recipes
+
+    root = os.path.join(shm_dir, "store")
+    trainer, rollout = _engines(root, recipe="fp8-block128", derive=["fp8-block128"], timeout=30)  # verl: the same
+    g = torch.Generator().manual_seed(4)
+    w = {"model.layers.0.mlp.up_proj.weight": torch.randn(256, 384, generator=g).bfloat16(),
+         "model.norm.weight": torch.ones(384).bfloat16()}
+    _sync_send(trainer, iter(w.items()), 3)
+    trainer.store.flush(timeout=60)  # ... its derivations done
+    got = asyncio.run(_receive(rollout, 3))
+    want = recipes.derive("fp8-block128", w)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert rollout._snapshot.derived.derived == 0  # the trainer made it
+    assert rollout.check_installed(got) == []  # compared with the recipe's form
+    got[next(iter(want))].view(torch.uint8)[0] ^= 1
+    assert rollout.check_installed(got) == [next(iter(want))]
+    rollout.finalize()
+    with pytest.raises(InvalidArgumentError, match="recipe and follow"):
+        CheckpointEngineRegistry.new("paramstore", bucket_size=1 << 20, root=root, recipe="fp8-block128", follow=True)
+    with pytest.raises(InvalidArgumentError, match="unknown recipe"):
+        CheckpointEngineRegistry.new("paramstore", bucket_size=1 << 20, root=root, recipe="fp3")
+
+
 def test_eta_0_times_out_with_a_clear_error(shm_dir):
     root = os.path.join(shm_dir, "store")
     _, rollout = _engines(root, eta=0, timeout=0.5)  # nothing committed: not even a store yet
