@@ -53,7 +53,7 @@ from .errors import (
 )
 from .following import StagingJournal
 from .format import (
-    ITEMSIZE, Placement, ShardPlan, TensorSpec, layout, object_digest, piece_digest, pieces, pieces_root,
+    ITEMSIZE, Placement, ShardPlan, TensorSpec, cores, layout, object_digest, piece_digest, pieces, pieces_root,
     plan_shards,
 )
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
@@ -232,7 +232,7 @@ class Committer:
         # Bounded: staging may run at most one commit ahead of publishing, so slabs cannot pile up
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
         self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
-        self._hash_threads = _cores()
+        self._hash_threads = cores()
         # One hash thread per core; while the stager copies, only _staging_hashers() of them run.
         self._hashers = _HashQueue(self._hash_threads, _staging_hashers(self._hash_threads))
         self._serial_copy = self._hash_threads < OVERLAP_HASH_MIN_CPUS
@@ -1146,14 +1146,6 @@ def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, Any]:
         if dev not in events and accel.is_accelerator(dev):
             events[dev] = accel.record_event(accel.current_stream(dev))
     return events
-
-
-def _cores() -> int:
-    """The cores this process may run on (``taskset`` and cgroup CPU sets count; at least 1)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 2
 
 
 def _staging_hashers(cores: int) -> int:

@@ -408,7 +408,7 @@ def test_mappings_of_objects_deleted_by_another_gc_are_released(store_root):
 
 @pytest.mark.parametrize("cores", [1, 2, 4])
 def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch, cores):
-    monkeypatch.setattr(commit_mod, "_cores", lambda: cores)
+    monkeypatch.setattr(commit_mod, "cores", lambda: cores)
     with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
         hashers = store._write._get_committer()._hashers
         assert (hashers.threads, hashers.while_staging) == (cores, {1: 0, 2: 1, 4: 2}[cores])
@@ -429,7 +429,7 @@ def _overlap_commit(store_root: str, monkeypatch: pytest.MonkeyPatch, cores: int
     """A store and a model whose first tensor is three pieces (17 MiB); the copy of its last tensor
     waits (up to 60 s) until a hash thread has taken a unit, if one may run while staging.
     Returns the store, the model, the committer's hash queue and {"overlapped": whether one had}."""
-    monkeypatch.setattr(commit_mod, "_cores", lambda: cores)
+    monkeypatch.setattr(commit_mod, "cores", lambda: cores)
     m = {"first": random_tensor(torch.float32, ((17 << 20) // 4,), 1)}  # 3 pieces of 8 MiB
     m.update({f"w{i}": random_tensor(torch.float32, (4096,), 10 + i) for i in range(8)})
     m["last"] = random_tensor(torch.float32, (1 << 18,), 2)
