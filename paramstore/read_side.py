@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 import queue
+import sys
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -318,9 +319,9 @@ class ReadSide:
         for part in (self.devices, self.peer, self.transport):
             if part is not None:
                 part.close()
-        from .snapshot import release_mappings  # loads torch: `paramstore` alone (the CLI) must not
-
-        release_mappings(timeout=60)
+        snapshot = sys.modules.get("paramstore.snapshot")  # never imported here: no snapshot was made, and
+        if snapshot is not None:  # importing it would load torch at the close of every metadata command
+            snapshot.release_mappings(timeout=60)
 
 
 def _check_fetch(fetch: Any, *, verify: bool, device: Any, group: Any, recipe: Any) -> bool:
