@@ -166,6 +166,7 @@ except ImportError as e:  # an optional extra: say how to get it
     raise ImportError(f"paramstore.integrations.verl needs verl>=0.9.1: pip install 'paramstore[verl]' ({e})",
                       name=e.name) from e
 
+from paramstore.derived import resolve_recipe
 from paramstore.errors import (
     InvalidArgumentError,
     NotAStoreError,
@@ -284,8 +285,6 @@ class ParamStoreCheckpointEngine(CheckpointEngineWithCache):
         if not isinstance(follow, bool):
             raise InvalidArgumentError(f"follow must be true or false, got {follow!r}")
         if recipe is not None:
-            from paramstore.derived import resolve_recipe
-
             recipe = resolve_recipe(recipe).name  # an unknown name lists the known ones
             if follow:
                 raise InvalidArgumentError("recipe and follow do not go together: follow installs the tensors as the "
