@@ -379,6 +379,18 @@ def big_weights(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_big_patch(store: ParamStore) -> tuple[dict[str, str], str, str]:
+    """Commit :func:`big_weights` 1 and 2 (patches made): the patch record, step 2's new object and
+    step 1's object (its base)."""
+    store.commit(1, big_weights(1))
+    store.commit(2, big_weights(2))
+    store.flush()
+    [pairs] = store._root.registry.patches().values()
+    [target] = new_objects(store, 2, 1)
+    [base] = store.manifest(1).objects()
+    return pairs, target, base
+
+
 def test_an_object_of_many_pieces_is_rebuilt_bit_exact_with_every_piece_checked(store_root):
     """Pieces of a tensor over 8 MiB are decoded and hashed one by one (on the threads): the rebuilt
     object is the committed one, byte for byte; a byte flipped in the base inside the second piece of
@@ -387,12 +399,7 @@ def test_an_object_of_many_pieces_is_rebuilt_bit_exact_with_every_piece_checked(
     from paramstore.delta import rebuild
 
     with ParamStore(store_root, patches=True) as store:
-        store.commit(1, big_weights(1))
-        store.commit(2, big_weights(2))
-        store.flush()
-        [pairs] = store._root.registry.patches().values()
-        [target] = new_objects(store, 2, 1)
-        [base] = store.manifest(1).objects()
+        pairs, target, base = _one_big_patch(store)
         path = store._root.tier.object_path(target)
         with open(path, "rb") as f:
             committed = f.read()
@@ -423,12 +430,7 @@ def test_a_truncated_base_or_spans_not_the_header_are_refused(store_root):
     from paramstore.delta import rebuild
 
     with ParamStore(store_root, patches=True) as store:
-        store.commit(1, big_weights(1))
-        store.commit(2, big_weights(2))
-        store.flush()
-        [pairs] = store._root.registry.patches().values()
-        [target] = new_objects(store, 2, 1)
-        [base] = store.manifest(1).objects()
+        pairs, target, base = _one_big_patch(store)
         size = store._root.registry.object_sizes([target])[target]
         drop(store, [target])
         base_path = store._root.tier.object_path(base)
