@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple, TypeVar
 
@@ -118,7 +118,7 @@ def encode(base: Any, target: Any, dtype: str, *, max_bytes: int | None = None) 
         return None
     segments: list[bytes] = []
     changed = 0
-    for seg, count in _map(_encode_chunk, [(a, b, lo, hi) for lo, hi in bounds]):
+    for seg, count in run_all(_encode_chunk, [(a, b, lo, hi) for lo, hi in bounds]):
         size += len(seg)
         if max_bytes is not None and size > max_bytes:
             return None  # (chunks already started finish on the pool, unused)
@@ -389,15 +389,8 @@ def _unshuffle(planes: np.ndarray, n: int, width: int) -> np.ndarray:
     return out
 
 
-def _map(fn: Callable[..., _T], jobs: list[tuple]) -> Iterator[_T]:
-    """``fn(*job)`` for each job, in order: on the pool's threads when there are several."""
-    if len(jobs) < 2:
-        return (fn(*job) for job in jobs)
-    return _pool().map(lambda job: fn(*job), jobs)
-
-
 def run_all(fn: Callable[..., _T], jobs: list[tuple]) -> list[_T]:
-    """``[fn(*job) for job in jobs]``, the jobs side by side on the threads that decode chunks (one
+    """``[fn(*job) for job in jobs]``, the jobs side by side on the threads that encode and decode chunks (one
     per core this process may run on: :func:`paramstore.format.cores`). Returns or raises (the first
     job's error, in order) only once no job runs any more: jobs not started when one failed are
     cancelled, started ones finish, so nothing still writes into a caller's buffer afterwards.

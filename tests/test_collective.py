@@ -141,6 +141,16 @@ def _store(base: str, rank: int) -> Any:
     return paramstore.ParamStore(f"{base}/host{rank}", create=True)
 
 
+def _closed_with_state(store: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with what a member's store holds at the end (objects, versions, files in ``tmp/``),
+    the store closed."""
+    out["objects"] = sorted(store._root.tier.list())
+    out["versions"] = [v.step for v in store.versions()]
+    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
+    store.close()
+    return out
+
+
 # -- the contract ------------------------------------------------------------------------------
 class TestTorchCollectiveOverGloo(CollectiveTests):
     """The collective contract's shipped suite, on TorchCollective over a gloo group of 3."""
@@ -269,11 +279,7 @@ def _corrupt_source(rank: int, world: int, base: str) -> dict[str, Any]:
         out["raised"] = None
     except BroadcastError as e:
         out["raised"], out["rank"] = str(e), e.rank
-    out["objects"] = sorted(store._root.tier.list())
-    out["versions"] = [v.step for v in store.versions()]
-    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
-    store.close()
-    return out
+    return _closed_with_state(store, out)
 
 
 def test_a_corrupt_object_on_the_source_fails_every_member_and_is_placed_nowhere(shm_dir):
@@ -337,11 +343,7 @@ def _killed_member(rank: int, world: int, base: str, victim: int) -> dict[str, A
     except BroadcastError as e:
         out["raised"] = str(e)
     out["seconds"] = time.monotonic() - t0
-    out["objects"] = sorted(store._root.tier.list())
-    out["versions"] = [v.step for v in store.versions()]
-    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
-    store.close()
-    return out
+    return _closed_with_state(store, out)
 
 
 def test_a_member_killed_mid_broadcast_fails_the_others_quickly_and_nothing_is_placed(shm_dir):
@@ -558,11 +560,7 @@ def _big_version(rank: int, world: int, base: str, corrupt_at: int | None) -> di
     if collective._retiring is not None:  # wait for the helper thread (placed slabs are unmapped there)
         collective._retiring[1].submit(lambda: None).result()
     out["retired"] = retired
-    out["objects"] = sorted(store._root.tier.list())
-    out["versions"] = [v.step for v in store.versions()]
-    out["tmp"] = sorted(os.listdir(store._root.tier.tmp_dir))
-    store.close()
-    return out
+    return _closed_with_state(store, out)
 
 
 def test_a_version_of_several_mib_moves_in_halved_buckets_and_its_slabs_are_unmapped(shm_dir):

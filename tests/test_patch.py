@@ -203,7 +203,7 @@ def test_encode_is_deterministic_and_independent_of_threads(monkeypatch):
         out = bytearray(len(base))
         decode_into(out, base, first.frame, "BF16", first.changed, first.gap_width)
         assert out == target
-    monkeypatch.setattr(patch_module, "_map", lambda fn, jobs: (fn(*job) for job in jobs))  # no pool at all
+    monkeypatch.setattr(patch_module, "run_all", lambda fn, jobs: [fn(*job) for job in jobs])  # no pool at all
     assert encode(base, target, "BF16") == first
     # the same bytes on any machine: what a frame of fixed inputs holds is pinned (a change here is a format
     # change); its zstd bytes are left out, as another libzstd may compress the same content otherwise
