@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed
 
 # Debian packages the tests and the multi-host parts need: redis-server (the Redis registry's
 # tests start their own), libibverbs1 (Mooncake's wheels link it even for TCP) and iproute2
-# (`ip netns`, `tc`: the simulated cluster of tools/netcluster.py).
+# (`ip netns`, `tc`: the simulated cluster of tools/netcluster.py) and gcc (paramstore.kernels compiles
+# the FP8 recipes' conversion with it; without one the recipes take torch's slower path, same bytes).
 SYSDEPS := redis-server:/usr/bin/redis-server libibverbs1:/usr/lib/x86_64-linux-gnu/libibverbs.so.1 \
-           iproute2:/usr/sbin/tc
+           iproute2:/usr/sbin/tc gcc:/usr/bin/cc
 
 # torch is installed first, pinned to the CPU wheel these hosts carry (any other version pulls
 # several GB of CUDA packages); the package's own range is then already satisfied.

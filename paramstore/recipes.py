@@ -65,8 +65,11 @@ output does not depend on the thread count or the host. There is no Python loop 
 deriving never holds a float32 copy of a whole weight: the block maxima are taken on the input's own
 bits with the sign cleared, compared as integers (the order of the magnitudes, infinity above every
 finite value and NaN above infinity: the amax is exact, and a non-finite element still leaves a
-non-finite scale), over stripes of whole block rows; the division and the rounding (torch's cast to
-``float8_e4m3fn``) work on float32 copies of at most :data:`STRIPE_BYTES`.
+non-finite scale). On CPU, for bfloat16 and float32 input, the whole quantizer runs in the compiled
+loops of :mod:`paramstore.kernels` (block rows split between ``torch.get_num_threads()`` threads);
+elsewhere (float16, another device, no C compiler) it is torch operations over stripes of whole
+block rows, the division and the rounding (torch's cast to ``float8_e4m3fn``) on float32 copies of
+at most :data:`STRIPE_BYTES`. The two paths give the same bytes.
 
 Which tensors (:func:`default_eligible`, each recipe's default): 2-D bfloat16, float16 or float32
 tensors, not empty, named ``*.weight``, except embeddings (``embed`` in the name), norms (``norm``),
@@ -100,6 +103,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from . import kernels
 from .errors import InvalidArgumentError, InvalidTensorError
 
 __all__ = [
@@ -124,6 +128,10 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: Each input dtype's integer view and the mask clearing its sign bit.
 _MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
                    torch.float32: (torch.int32, 0x7FFFFFFF)}
+#: The input dtypes the compiled kernels take (:mod:`paramstore.kernels`); float16 takes torch's path.
+_KERNEL_KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
+#: Fewer elements than this are converted on the calling thread alone.
+_PARALLEL_ELEMENTS = 1 << 18
 _NAME = re.compile(r"[a-z0-9][a-z0-9._+-]*\Z")
 
 
@@ -368,6 +376,51 @@ def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
     scale = torch.empty((gn, gk), dtype=torch.float32, device=x.device)
     if n == 0 or k == 0:
         return q, scale
+    kernel, kind = _kernel_for(x)
+    if kernel is not None and (x.stride(1) == 1 or k == 1):
+        _block_kernel(kernel.block[kind], x, (bn, bk), amax_floor, q, scale)
+    else:
+        _block_torch(x, (bn, bk), amax_floor, q, scale)
+    _check_scales(scale, "block FP8")
+    return q, scale
+
+
+def _kernel_for(x: torch.Tensor) -> tuple[Any, str]:
+    """The compiled FP8 kernels and ``x``'s kind for them, or ``(None, "")`` (torch's path)."""
+    kind = _KERNEL_KINDS.get(x.dtype, "")
+    if not kind or x.device.type != "cpu":
+        return None, ""
+    return kernels.fp8(), kind
+
+
+def _chunks(count: int, elements: int) -> list[tuple[int, int]]:
+    """``range(count)`` in as many equal parts as torch has threads (one for fewer than
+    :data:`_PARALLEL_ELEMENTS` elements in all)."""
+    parts = max(1, min(count, torch.get_num_threads() if elements >= _PARALLEL_ELEMENTS else 1))
+    return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
+
+
+def _block_kernel(fn: Callable[..., int], x: torch.Tensor, block: tuple[int, int], amax_floor: float,
+                  q: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`quantize_block` by the compiled kernel: block rows split between threads."""
+    (n, k), (bn, bk) = x.shape, block
+    ld = x.stride(0) if n > 1 else k
+    args = (x.data_ptr(), n, k, ld, bn, bk, amax_floor)
+    failed: list[int] = []
+
+    def run(b0: int, b1: int) -> None:
+        if fn(*args, b0, b1, q.data_ptr(), k, scale.data_ptr()) != 0:
+            failed.append(b0)
+
+    kernels.parallel([lambda b=b: run(*b) for b in _chunks(scale.shape[0], n * k)], torch.get_num_threads())
+    if failed:
+        raise MemoryError("block FP8: the kernel could not allocate its block maxima")
+
+
+def _block_torch(x: torch.Tensor, block: tuple[int, int], amax_floor: float,
+                 q: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`quantize_block` by torch operations (no compiler; another device): the same bytes."""
+    (n, k), (bn, bk), (gn, gk) = x.shape, block, scale.shape
     width = gk * bk  # a row padded to whole blocks; the padding stays zero (the right edge's, for the maxima)
     group = max(1, STRIPE_BYTES // (4 * bn * width))  # block rows per stripe of maxima
     fit = max(1, STRIPE_BYTES // (4 * width))  # rows per conversion step
@@ -393,8 +446,6 @@ def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
             f[:r, :k].copy_(x[r0 + i:r0 + i + r])  # the conversion to float32
             f.view(gb, -1, gk, bk).div_(s[:, None, :, None])
             q[r0 + i:r0 + i + r].copy_(f[:r, :k])  # round to nearest even
-    _check_scales(scale, "block FP8")
-    return q, scale
 
 
 def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,6 +462,9 @@ def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[to
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     if x.numel() == 0:
         return q, torch.tensor(amax_floor / FP8_MAX, dtype=torch.float32, device=x.device)
+    kernel, kind = _kernel_for(x)
+    if kernel is not None:
+        return _tensor_kernel(kernel, kind, x.contiguous().view(-1), amax_floor, q)
     flat = x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)
     low, high = torch.aminmax(flat)  # one pass
     amax = torch.maximum(high, low.neg()).float()
@@ -424,6 +478,30 @@ def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[to
         out[r0:r0 + step].copy_(f.copy_(flat[r0:r0 + step]).div_(s))  # a copy: never divide the input
     return q, s
 
+
+def _tensor_kernel(kernel: Any, kind: str, flat: torch.Tensor, amax_floor: float,
+                   q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensor` by the compiled kernels, on contiguous ``flat``: the maxima, then the
+    conversion, each over ranges of elements split between threads (no torch operation between
+    them: its idle OpenMP workers would spin on the cores the kernels' threads need)."""
+    size, width, out = flat.numel(), flat.element_size(), q.view(-1)
+    spans = _chunks(size, size)
+    maxima = [0] * len(spans)
+
+    def amax(i: int, a: int, b: int) -> None:
+        maxima[i] = kernel.absmax[kind](flat.data_ptr() + a * width, b - a)
+
+    def convert(a: int, b: int) -> None:
+        kernel.scaled[kind](flat.data_ptr() + a * width, 1, b - a, b - a, b - a, s.data_ptr(), out.data_ptr() + a, b - a)
+
+    threads = torch.get_num_threads()
+    kernels.parallel([lambda i=i, p=p: amax(i, *p) for i, p in enumerate(spans)], threads)
+    bits, _ = _MAGNITUDE_BITS[flat.dtype]
+    top = torch.tensor([max(maxima)], dtype=torch.int32).to(bits).view(flat.dtype).float()[0]
+    s = top.clamp(min=amax_floor).div_(FP8_MAX)
+    _check_scales(s, "per-tensor FP8")
+    kernels.parallel([lambda p=p: convert(*p) for p in spans], threads)
+    return q, s
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The float32 weight a block-FP8 loader computes: ``q[i, j] * scale_inv[i // bn, j // bk]``.

@@ -1,6 +1,8 @@
 """The FP8 quantizers as rewritten for speed (block maxima on the input's bits, L2-sized conversion
-steps) against the implementation they replaced, kept here verbatim in substance: the same bytes
-for every input, stripe size, block shape and thread count, and the same refusals.
+steps, and the compiled kernels of ``paramstore.kernels``) against the implementation they
+replaced, kept here verbatim in substance: the same bytes for every input, stripe size, block shape
+and thread count, and the same refusals. Every test runs twice: through the compiled kernels
+(skipped where none can be built) and through torch's path.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from paramstore import recipes
+from paramstore import kernels, recipes
 from paramstore.errors import InvalidTensorError
 from paramstore.recipes import AMAX_FLOOR, FP8_MAX
 
@@ -57,6 +59,17 @@ def previous_tensor(x):
 def same_bytes(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                     b.reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(scope="module", params=["kernel", "torch"], autouse=True)
+def conversion(request):
+    """Which path converts: the compiled kernels, or torch's (``kernels.fp8`` made to say none)."""
+    if request.param == "kernel" and kernels.fp8() is None:
+        pytest.skip("no compiled FP8 kernel here (no C compiler?)")
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "torch":
+            mp.setattr(kernels, "fp8", lambda: None)
+        yield request.param
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ def _median_s(f, repeats: int) -> float:
 def _breakdown(w: torch.Tensor, repeats: int) -> list[dict]:
     """Each step of the quantizers alone over ``w`` (one weight), in stripes of
     ``recipes.STRIPE_BYTES`` of float32 as the recipes take them, in ns per element."""
-    from paramstore import recipes
+    from paramstore import kernels, recipes
 
     n, k = w.shape
     rows = max(1, recipes.STRIPE_BYTES // (4 * k))
@@ -68,6 +68,13 @@ def _breakdown(w: torch.Tensor, repeats: int) -> list[dict]:
                 op(r0, min(rows, n - r0))
         return run
 
+    fp8 = kernels.fp8()
+
+    def kernel():
+        recipes._block_kernel(fp8.block["bf16"], w, (128, 128), recipes.AMAX_FLOOR, q, scale2)
+
+    scale2 = torch.empty((-(-n // 128), -(-k // 128)))
+
     def fresh():
         torch.empty((n, k), dtype=torch.float8_e4m3fn).view(torch.uint8).fill_(0)
 
@@ -78,9 +85,12 @@ def _breakdown(w: torch.Tensor, repeats: int) -> list[dict]:
             w[r0:r0 + r].view(torch.int16), 0x7FFF, out=mags[:r]).view(r, -1, 128).amax(dim=2)),
         "division by the block scales": striped(lambda r0, r: f32[:r].view(r, -1, 128).div_(scale[:, None])),
         "float32 -> float8_e4m3fn (torch's cast)": striped(lambda r0, r: q[r0:r0 + r].copy_(f32[:r])),
+        "the compiled kernel, whole (output faulted in already)": kernel,
         "a fresh output, filled (page faults)": fresh,
         "the same fill of an output faulted in already": lambda: q.view(torch.uint8).fill_(0),
     }
+    if fp8 is None:
+        del steps["the compiled kernel, whole (output faulted in already)"]
     out = []
     copy_s = None
     for name, f in steps.items():
@@ -125,6 +135,11 @@ def main() -> None:
     from paramstore import recipes
 
     before = _baseline(args.baseline) if args.baseline else None
+    from paramstore import kernels
+
+    fp8 = kernels.fp8()
+    conversion = f"the compiled kernel (`paramstore.kernels`, {fp8.path.rsplit('/', 1)[-1]})" if fp8 else \
+        "torch's (no compiled kernel)"
     t_start = time.monotonic()
     state = _state(args.gib)
     nbytes = sum(t.nbytes for t in state.values())
@@ -137,7 +152,8 @@ def main() -> None:
     for nthreads in sorted({threads, 1}, reverse=True):
         torch.set_num_threads(nthreads)
         for name in ("fp8-block128", "fp8-tensor"):
-            timed = {"copy_s": None, "derive_s": lambda: recipes.derive(name, state)}
+            timed = {"copy_s": None, "clone_s": lambda: {n: x.clone() for n, x in state.items()},
+                     "derive_s": lambda: recipes.derive(name, state)}
             if before is not None:
                 timed["before_s"] = lambda: before.derive(name, state)
             got: dict[str, list[float]] = {key: [] for key in timed}
@@ -157,13 +173,14 @@ def main() -> None:
                         got[key].append(took)
             row = {"recipe": name, "threads": nthreads, **{key: statistics.median(v) for key, v in got.items()}}
             row["ratio"] = row["derive_s"] / row["copy_s"]
+            row["clone_ratio"] = row["derive_s"] / row["clone_s"]
             if before is not None:
                 row["before_ratio"] = row["before_s"] / row["copy_s"]
             row["foreign_cpu_pct"] = meter.stop()["foreign_pct"]  # the machine's other work meanwhile
             row["waited_quiet_s"] = quiet.get("waited_s")
             rows.append(row)
             print(f"{name:14s} {nthreads} thread(s): derive {row['derive_s']:.3f} s, copy {row['copy_s']:.3f} s, "
-                  f"{row['ratio']:.2f}x, others' CPU {row['foreign_cpu_pct']}%" + (f" (before: {row['before_s']:.3f} s, {row['before_ratio']:.2f}x)"
+                  f"{row['ratio']:.2f}x, clone {row['clone_s']:.3f} s, {row['clone_ratio']:.2f}x, others' CPU {row['foreign_cpu_pct']}%" + (f" (before: {row['before_s']:.3f} s, {row['before_ratio']:.2f}x)"
                                             if before is not None else ""), flush=True)
         if args.breakdown:
             largest = max((t for n, t in state.items() if recipes.default_eligible(n, t)), key=lambda t: t.numel())
@@ -174,17 +191,19 @@ def main() -> None:
     torch.set_num_threads(threads)
     res = {"argv": ["tools/bench_recipes.py", *sys.argv[1:]], "machine": machine(), "gib": round(nbytes / (1 << 30), 3),
            "tensors": len(state), "rows": rows, "breakdown": breakdown, "total_seconds": time.monotonic() - t_start}
+    res["conversion"] = conversion
     md = [f"Deriving a {res['gib']} GiB bf16 Llama-shaped state dict ({len(state)} tensors), medians of "
-          f"{args.repeats} rounds, each next to a copy of the same bytes:", ""]
-    if before is None:
-        md += ["| recipe | torch threads | derive (s) | copy (s) | derive / copy | goal |", "|---|---:|---:|---:|---:|---|"]
-        md += [f"| `{r['recipe']}` | {r['threads']} | {r['derive_s']:.3f} | {r['copy_s']:.3f} | {r['ratio']:.2f}× "
-               f"| ≤ 2× |" for r in rows]
-    else:
-        md += ["| recipe | torch threads | derive (s) | before (s) | copy (s) | derive / copy | before / copy | goal |",
-               "|---|---:|---:|---:|---:|---:|---:|---|"]
-        md += [f"| `{r['recipe']}` | {r['threads']} | {r['derive_s']:.3f} | {r['before_s']:.3f} | {r['copy_s']:.3f} "
-               f"| {r['ratio']:.2f}× | {r['before_ratio']:.2f}× | ≤ 2× |" for r in rows]
+          f"{args.repeats} rounds, each next to a copy of the same bytes into fresh memory (`clone`, as a "
+          f"derivation makes its outputs) and into buffers faulted in beforehand (`copy`); the FP8 "
+          f"conversion: {conversion}:", ""]
+    was = " before (s) |" if before is not None else ""
+    md += [f"| recipe | torch threads | derive (s) |{was} clone (s) | copy (s) | derive / clone | derive / copy |"
+           + (" before / copy |" if before is not None else "") + " goal |",
+           "|---|---:|---:|" + "---:|" * (4 + 2 * (before is not None)) + "---|"]
+    for r in rows:
+        old = (f" {r['before_s']:.3f} |", f" {r['before_ratio']:.2f}× |") if before is not None else ("", "")
+        md.append(f"| `{r['recipe']}` | {r['threads']} | {r['derive_s']:.3f} |{old[0]} {r['clone_s']:.3f} | "
+                  f"{r['copy_s']:.3f} | {r['clone_ratio']:.2f}× | {r['ratio']:.2f}× |{old[1]} ≤ 2× |")
     if breakdown:
         md += ["", "Each step alone on the largest weight, in ns per element and against a copy of that weight:", "",
                "| step | " + " | ".join(f"{t} thread(s): ns/element | × copy" for t in breakdown) + " |",
