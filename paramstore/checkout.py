@@ -40,7 +40,7 @@ from .errors import (
     TransferError,
     VersionNotFoundError,
 )
-from .delta import fetch_by_patches
+from .delta import fetch_by_patches, rebuild_all
 from .lazy import LazyReads
 from .manifest import Manifest
 from .objects import quarantine, read_manifest
@@ -81,7 +81,8 @@ class Fetcher:
         prepare_buffers: after objects arrived from peers or patches, prepare slabs for the next
             version of the same layout; without it, rebuilds from patches take no slab (they write
             new files: the least CPU, see :func:`paramstore.delta.rebuild`).
-        patches: first rebuild what patches can (:func:`paramstore.delta.fetch_by_patches`).
+        patches: first rebuild what patches can (:func:`paramstore.delta.fetch_by_patches`; the
+            derived objects of a recipe too, :meth:`elsewhere`).
     """
 
     def __init__(self, root: StoreRoot, pool: "SlabPool", *, remote: "Remote | None",
@@ -89,6 +90,7 @@ class Fetcher:
                  prepare_buffers: bool = True, patches: bool = False) -> None:
         self._root, self._pool, self._remote = root, pool, remote
         self._transport, self._server, self._prepare = transport, server, prepare_buffers
+        self._patches = patches
         #: Where objects come from, in order: ``source(step, manifest, missing, report, excluded)``
         #: places what it can (asking no peer whose id is in ``excluded``, and adding those it
         #: catches serving bad bytes) and returns an error worth naming if nothing more comes, else None.
@@ -204,6 +206,13 @@ class _Elsewhere:
     def record(self, key: str) -> bytes | None:
         remote = self._fetcher._remote
         return None if remote is None else remote.derived_record(key)
+
+    def patches(self, todo: "dict[str, tuple[str, int]]", wanted: "dict[str, int]") -> None:
+        f = self._fetcher
+        if not f._patches:
+            return  # this store moves whole objects
+        rebuild_all(f._root, f._pool if f._prepare else None, todo, wanted, self._report,
+                    functools.partial(f._get, self._report, set()))
 
     def objects(self, sizes: "dict[str, int]") -> None:
         f, tier = self._fetcher, self._fetcher._root.tier

@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from .root import StoreRoot
     from .staging import SlabPool
 
-__all__ = ["Patcher", "make_patches", "rebuild", "fetch_by_patches", "plan_chain", "patch_summary",
+__all__ = ["Patcher", "make_patches", "encode_patches", "write_patches", "rebuild", "rebuild_all", "fetch_by_patches", "plan_chain", "patch_summary",
            "PATCH_OBJECT_FORMAT", "DEFAULT_MAX_RATIO", "MAX_CHAIN"]
 
 #: The patch-object format this paramstore writes and reads.
@@ -108,12 +108,33 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
     called with the patch objects before the record is written (a peer server serves them: readers
     the record wakes find them announced).
     """
-    reg, tier = root.registry, root.tier
-    base_m, target_m = reg.get_manifest(base), reg.get_manifest(target)
+    reg = root.registry
+    made = encode_patches(root, reg.get_manifest(base), reg.get_manifest(target), base, max_ratio)
+    if not made:
+        reg.add_patches(base, target, {})  # made, none worth keeping: readers waiting for them go on
+        return {}
+    with (root.gc_lock() if lock else contextlib.nullcontext()):
+        out = write_patches(root, made)
+        if announce is not None:
+            announce(sorted({p for p, _ in out.values()}))
+        return out if reg.add_patches(base, target, out) else {}
+
+
+_Encoded = tuple[bytes, list[bytes], dict[str, str]]  # a patch object's header, blobs and metadata
+
+
+def encode_patches(root: "StoreRoot", base_m: "Manifest", target_m: "Manifest", base: int,
+                   max_ratio: float = DEFAULT_MAX_RATIO) -> dict[str, _Encoded]:
+    """The patch objects (not yet written: :func:`write_patches`) rebuilding the objects of
+    ``target_m`` that ``base_m`` does not reference and this host holds, each from the objects of
+    ``base_m`` (version ``base``) holding the same tensor (name, block) in the same dtype and
+    length; only those at most ``max_ratio`` of their object. Works on any two manifests: a
+    version's, or its derived form's (:func:`paramstore.derived.make_patches`)."""
+    tier = root.tier
     bases = {(name, c.offsets): (e.dtype, c) for name, e in base_m.stored() for c in e.pieces()}
     where = {(c.object, c.offset): (name, c.offsets) for name, e in target_m.stored() for c in e.pieces()}
     todo = sorted(o for o in target_m.objects() - base_m.objects() if tier.exists(o))
-    made: dict[str, tuple[bytes, list[bytes], dict[str, str]]] = {}
+    made: dict[str, _Encoded] = {}
     with _Maps(tier) as maps:
         for obj in todo:
             try:
@@ -122,14 +143,13 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
                 continue
             if patch is not None:
                 made[obj] = patch
-    if not made:
-        reg.add_patches(base, target, {})  # made, none worth keeping: readers waiting for them go on
-        return {}
-    with (root.gc_lock() if lock else contextlib.nullcontext()):
-        out = {obj: _write(root, *patch) for obj, patch in made.items()}
-        if announce is not None:
-            announce(sorted({p for p, _ in out.values()}))
-        return out if reg.add_patches(base, target, out) else {}
+    return made
+
+
+def write_patches(root: "StoreRoot", made: Mapping[str, _Encoded]) -> dict[str, tuple[str, int]]:
+    """Place the patch objects of :func:`encode_patches` in the tier: ``{object: (patch, size)}``.
+    The caller holds the GC lock (shared) until a record names them."""
+    return {obj: _write(root, *patch) for obj, patch in made.items()}
 
 
 def _make_one(maps: "_Maps", obj: str, base: int, where: Mapping[tuple[str, int], _Key],
@@ -546,20 +566,30 @@ def fetch_by_patches(root: "StoreRoot", pool: "SlabPool | None", step: int, mani
         todo = sorted(o for o in objects if o in pairs and not tier.exists(o))
         sizes = reg.object_sizes(todo)
         wanted = reg.object_sizes({pairs[o] for o in todo if not tier.exists(pairs[o])})
-        if wanted:
-            report.patch_bytes += get(wanted)
-        for obj in todo:
-            try:
-                rebuild(root, pool, pairs[obj], obj, sizes[obj])
-            except FileNotFoundError:
-                continue  # the patch did not come, or a base was collected: moved whole instead
-            except CorruptObjectError as e:
-                report.rejected["patch"] += 1
-                warnings.warn(f"paramstore: {e}; the object is fetched whole", RuntimeWarning, stacklevel=2)
-                continue
-            report.from_patches.append(obj)
+        rebuild_all(root, pool, {o: (pairs[o], sizes[o]) for o in todo}, wanted, report, get)
         if target != step and not all(tier.exists(o) for o in objects):
             return  # an intermediate version is incomplete: the rest moves whole
+
+
+def rebuild_all(root: "StoreRoot", pool: "SlabPool | None", todo: Mapping[str, tuple[str, int]],
+                wanted: Mapping[str, int], report: "FetchReport", get: Callable[[Mapping[str, int]], int]) -> None:
+    """Rebuild each ``object: (patch, object size)`` of ``todo`` (:func:`rebuild`), after moving
+    the patch objects this host lacks (``wanted``: their sizes) with ``get``. Rebuilt objects go
+    to ``report.from_patches``, the patch bytes moved to ``patch_bytes``, a patch that does not
+    rebuild its object to ``rejected["patch"]`` (with a warning); every object not rebuilt is left
+    to be fetched whole."""
+    if wanted:
+        report.patch_bytes += get(wanted)
+    for obj, (patch, size) in todo.items():
+        try:
+            rebuild(root, pool, patch, obj, size)
+        except FileNotFoundError:
+            continue  # the patch did not come, or a base was collected: moved whole instead
+        except CorruptObjectError as e:
+            report.rejected["patch"] += 1
+            warnings.warn(f"paramstore: {e}; the object is fetched whole", RuntimeWarning, stacklevel=3)
+            continue
+        report.from_patches.append(obj)
 
 
 #: (store root, writer run id) of the writers a wait for patches ran out on: not waited for again

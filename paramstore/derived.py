@@ -29,7 +29,10 @@ remote, each verified against its digest as it arrives), and derives the unit it
 nobody can deliver them; a record the registry lacks is looked for in the remote too (where
 :meth:`Remote.push <paramstore.remote.Remote.push>` puts the records of the versions it pushes);
 derived objects are ordinary objects of the tier, so every peer server serves them. So a recipe's
-work is done once per changed object in the whole cluster, by the first host that asks.
+work is done once per changed object in the whole cluster, by the first host that asks. With
+patches (a trainer with ``derive=`` and ``patches=``: :func:`make_patches`), a record also names a
+patch for each of its derived objects against the previous version's derived objects; a host that
+holds those moves the patch and rebuilds the object (verified) instead of moving it whole.
 
 A tensor that the version names otherwise than its object does (its bytes deduplicated against
 another tensor's, a chunked tensor of a sharded commit, a tied name) is a unit of its own, keyed
@@ -74,7 +77,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 __all__ = ["RECORD_FORMAT", "Elsewhere", "record_objects", "DeriveReport", "recipe_key", "derive_manifest", "checkout", "mark",
-           "records"]
+           "records", "make_patches"]
 
 class Elsewhere(Protocol):
     """Where a derivation looks for what another host made: the checkout's fetcher
@@ -86,6 +89,11 @@ class Elsewhere(Protocol):
     def objects(self, sizes: dict[str, int]) -> None:
         """Bring these derived objects here (peers, the remote), each verified against its digest;
         what nobody delivers stays absent (then it is derived here)."""
+
+    def patches(self, todo: dict[str, tuple[str, int]], wanted: dict[str, int]) -> None:
+        """Rebuild derived objects from patches (``object: (patch, object size)``), after bringing
+        the patch objects this host lacks (``wanted``: their sizes) from peers
+        (:func:`paramstore.delta.rebuild_all`); what is not rebuilt stays absent."""
 #: The records' format (a record of another format is derived again).
 RECORD_FORMAT = 1
 _UNIT_DOMAIN = b"paramstore/derived-unit/v1\0"
@@ -117,6 +125,8 @@ class _Record:
     sources: tuple[str, ...]
     objects: dict[str, int]
     outputs: dict[tuple[tuple[int, int] | None, str], dict[str, TensorEntry]] = field(default_factory=dict)
+    #: derived object -> a patch rebuilding it: (patch object, its size, the objects it reads)
+    patches: dict[str, tuple[str, int, tuple[str, ...]]] = field(default_factory=dict)
 
 
 def recipe_key(recipe: "Recipe") -> str:
@@ -151,16 +161,18 @@ def _encode(recipe: "Recipe", record: _Record) -> bytes:
     tensors = [{"span": None if span is None else list(span), "name": name,
                 "outputs": {n: e.to_json() for n, e in sorted(outs.items())}}
                for (span, name), outs in sorted(record.outputs.items(), key=lambda kv: (kv[0][0] or (-1, -1), kv[0][1]))]
-    return json.dumps({"format": RECORD_FORMAT, "recipe": recipe.name, "recipe_version": recipe.version,
-                       "sources": list(record.sources), "objects": dict(sorted(record.objects.items())),
-                       "tensors": tensors}, sort_keys=True, separators=(",", ":")).encode()
+    d = {"format": RECORD_FORMAT, "recipe": recipe.name, "recipe_version": recipe.version,
+         "sources": list(record.sources), "objects": dict(sorted(record.objects.items())), "tensors": tensors}
+    if record.patches:
+        d["patches"] = {o: [p, n, list(b)] for o, (p, n, b) in sorted(record.patches.items())}
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _decode(raw: bytes, recipe: "Recipe | None" = None) -> _Record:
     """Parse and check a record (ValueError, CorruptObjectError or ParamStoreError when it is not one)."""
     d = loads(raw, dict, "derived record")
-    if d.get("format") != RECORD_FORMAT or set(d) != {"format", "recipe", "recipe_version", "sources", "objects",
-                                                      "tensors"}:
+    if d.get("format") != RECORD_FORMAT or set(d) - {"patches"} != {"format", "recipe", "recipe_version", "sources",
+                                                                     "objects", "tensors"}:
         raise ValueError("not a derived record of format 1")
     if recipe is not None and (d["recipe"], d["recipe_version"]) != (recipe.name, recipe.version):
         raise ValueError("a record of another recipe")
@@ -188,7 +200,13 @@ def _decode(raw: bytes, recipe: "Recipe | None" = None) -> _Record:
                 raise ValueError(f"output {name!r} lies in no object of the record")
             outs[name] = entry
         outputs[(None if span is None else (span[0], span[1]), t["name"])] = outs
-    return _Record(sources, objects, outputs)
+    patches = {}
+    for o, entry in d.get("patches", {}).items():
+        if o not in objects or not isinstance(entry, list) or len(entry) != 3 or type(entry[1]) is not int \
+                or entry[1] < 0 or not isinstance(entry[2], list):
+            raise ValueError(f"bad patch entry for {str(o)[:12]}")
+        patches[o] = (check_digest(entry[0]), entry[1], tuple(check_digest(b) for b in entry[2]))
+    return _Record(sources, objects, outputs, patches)
 
 
 def _parse(raw: bytes | None, recipe: "Recipe") -> _Record | None:
@@ -218,6 +236,14 @@ def _here(root: StoreRoot, record: _Record, elsewhere: Elsewhere | None) -> bool
 
     try:
         missing = absent()
+        if missing and elsewhere is not None:
+            tier = root.tier
+            todo = {o: record.patches[o] for o in missing if o in record.patches
+                    and all(tier.exists(b) for b in record.patches[o][2])}  # its bases here: worth moving
+            if todo:
+                elsewhere.patches({o: (p, missing[o]) for o, (p, _, _) in todo.items()},
+                                  {p: n for p, n, _ in todo.values() if not tier.exists(p)})
+                missing = absent()
         if missing and elsewhere is not None:
             elsewhere.objects(missing)
             missing = absent()
@@ -260,6 +286,7 @@ def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set
     for key, record in records(root):
         if record is not None and record.sources and all(s in referenced for s in record.sources):
             live.update(record.objects)
+            live.update(p for p, _, _ in record.patches.values())
         else:
             dead.append(key)
     if dead and not dry_run:
@@ -456,8 +483,8 @@ def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Cal
 
 
 def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
-                    report: DeriveReport | None = None, *,
-                    elsewhere: Elsewhere | None = None) -> tuple[Manifest, DeriveReport]:
+                    report: DeriveReport | None = None, *, elsewhere: Elsewhere | None = None,
+                    units: "dict[str, _Record] | None" = None) -> tuple[Manifest, DeriveReport]:
     """The manifest of a version (whose objects are all here, and leased by the caller) as
     ``recipe`` derives it: converted tensors point into derived objects (derived now unless a
     record says where they are and they are here, or ``elsewhere`` brings them), every other one as
@@ -469,12 +496,14 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
         InvalidTensorError: a tensor the recipe cannot convert (an infinite element, say).
         UnsafeStoreError: derived objects are needed and this process may not write them (a member
             of a group store).
+
+    ``units``: a dict filled with the record of each unit looked up (unit -> record).
     """
     recipe = resolve_recipe(recipe)
     t0 = time.monotonic()
     report = report if report is not None else DeriveReport(recipe.name)
     src = _Sources(root)
-    cache: dict[str, _Record] = {}
+    cache: dict[str, _Record] = units if units is not None else {}  # unit -> its record
     tensors: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
     made_by: dict[str, str] = {}  # output name -> the input name it came from
@@ -524,6 +553,50 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
                 put(new, entry, alias)
     report.seconds += time.monotonic() - t0
     return Manifest(tensors, aliases, dict(manifest.assets)), report
+
+
+def make_patches(root: StoreRoot, recipe: "str | Recipe", base: int, target: int, *,
+                 max_ratio: float | None = None, announce: Callable[[list[str]], None] | None = None) -> dict[str, str]:
+    """Patches for the derived objects of version ``target`` in ``recipe``'s form, against those of
+    version ``base`` (both derived on this host, as a trainer with ``derive=`` and ``patches=``
+    does): made like a version's patches (:func:`paramstore.delta.encode_patches`, on the two derived
+    manifests), and named in the records of ``target``'s units (``patches``: each derived object's
+    patch, its size and the objects it reads). A host that holds ``base``'s derived objects then
+    moves a patch instead of a derived object (:func:`_here`). Returns ``{derived object: patch}``.
+    Raises VersionNotFoundError if a version is gone."""
+    from . import delta
+
+    recipe = resolve_recipe(recipe)
+    reg = root.registry
+    base_m, _ = derive_manifest(root, reg.get_manifest(base), recipe)
+    units: dict[str, _Record] = {}
+    target_m, _ = derive_manifest(root, reg.get_manifest(target), recipe, units=units)
+    made = delta.encode_patches(root, base_m, target_m, base,
+                                delta.DEFAULT_MAX_RATIO if max_ratio is None else max_ratio)
+    made = {o: p for o, p in made.items() if any(o in r.objects for r in units.values())}  # derived ones only
+    if not made:
+        return {}
+    out: dict[str, str] = {}
+    with root.gc_lock():  # shared: no GC between the patches' rename and the records naming them
+        written = delta.write_patches(root, made)
+        if announce is not None:
+            announce(sorted({p for p, _ in written.values()}))
+        for unit, record in units.items():
+            mine = {o: written[o] for o in record.objects if o in written}
+            if not mine:
+                continue
+            key = _key(recipe, unit)
+            raw = reg.derived([key]).get(key)
+            now = _parse(raw, recipe)
+            if now is None or now.objects != record.objects:
+                continue  # replaced meanwhile: its objects are not these
+            for o, (p, n) in mine.items():
+                reads = sorted({sp[3] for sp in json.loads(made[o][2]["spans"]) if sp[3]})
+                now.patches[o] = (p, n, tuple(reads))
+            mine_raw = _encode(recipe, now)
+            if reg.swap_derived(key, raw, mine_raw) == mine_raw:
+                out.update({o: p for o, (p, _) in mine.items()})
+    return out
 
 
 def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe", *,

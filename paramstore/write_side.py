@@ -71,6 +71,7 @@ class WriteSide:
         self._deriving: Future[Any] | None = None  # the derivations of one version in flight
         self._derive_next: int | None = None  # the newest step committed meanwhile (derived next)
         self._derived_up_to = -1  # derivations of every step up to this one are done (or failed)
+        self._derived_last: dict[str, int] = {}  # recipe -> the last step derived here (patches' base)
         self._derive_done = threading.Condition()
         self.run_id = new_run_id() if self._opts.run_id is None else check_run_id(self._opts.run_id)
         self._lock = threading.Lock()
@@ -392,12 +393,28 @@ class WriteSide:
             if error is not None and not isinstance(error, (VersionNotFoundError, StoreClosedError)):
                 warnings.warn(f"paramstore: deriving step {step} with recipe {recipe!r} failed: "
                               f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+            if error is None and self._opts.use_patches:
+                self._derived_patches(recipe, step)
         with self._derive_done:
             self._derived_up_to = max(self._derived_up_to, step)
             nxt, self._derive_next = self._derive_next, None
             self._derive_done.notify_all()
         if nxt is not None:
             self._derive(nxt)
+
+    def _derived_patches(self, recipe: str, step: int) -> None:
+        """Patches for ``step``'s derived objects against the last step derived here
+        (:func:`paramstore.derived.make_patches`), so hosts holding that one move patches."""
+        base, self._derived_last[recipe] = self._derived_last.get(recipe), step
+        if base is None or base >= step:
+            return
+        try:
+            derived.make_patches(self._open.opened, recipe, base, step, announce=self._announce)
+        except (VersionNotFoundError, StoreClosedError):
+            pass  # pruned meanwhile: its hosts move whole objects
+        except Exception as e:  # noqa: BLE001 - a patch is never needed; the thread goes on
+            warnings.warn(f"paramstore: the patches of step {step} in recipe {recipe!r} were not made: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=1)
 
     def wait_derived(self, step: int, timeout: float | None) -> bool:
         """Block until the derivations of ``step`` (or of a newer version) are done; False on timeout."""

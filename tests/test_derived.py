@@ -386,3 +386,90 @@ def test_derived_forms_go_to_the_remote_with_their_version(shm_dir, s3_remote):
     remote.remove([1])  # the version goes: its derived objects are garbage too
     assert not made & remote.referenced()
     assert made <= set(maintenance.gc_remote(remote, grace=0).objects)
+
+
+def nudged(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` after a small training step: 1% of each tensor's elements halved."""
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for k, v in sd.items():
+        w = v.float().clone()
+        w[torch.rand(w.shape, generator=g) < 0.01] *= 0.5
+        out[k] = w.to(v.dtype)
+    return out
+
+
+def test_derived_objects_are_patched_kept_and_rebuilt(shm_dir):
+    """A trainer with ``derive=`` and ``patches=`` patches each derived version against the one it
+    derived before (named in the records, kept with them); a host lacking a derived object but
+    holding the previous one rebuilds it from its patch, verified; a damaged patch is refused,
+    counted, and the object made another way (here: derived again), bit for bit the same."""
+    root = os.path.join(shm_dir, "trainer")
+    a = model_state(0)
+    b = nudged(a)
+    with paramstore.ParamStore(root, derive=["fp8-block128"], patches=True) as store:
+        store.commit(1, a).result()
+        store.flush(timeout=60)
+        store.commit(2, b).result()
+        store.flush(timeout=60)
+        tier = store._root.tier
+        with store.checkout(1, recipe="fp8-block128") as snap:
+            old = set(snap.manifest.objects()) - set(store.manifest(1).objects())
+        with store.checkout(2, recipe="fp8-block128") as snap:
+            new = set(snap.manifest.objects()) - set(store.manifest(2).objects())
+        patched = {o: r.patches[o] for _, r in derived.records(store._root) if r is not None for o in r.patches}
+        assert set(patched) == new and len(new) == 1, patched  # step 2's derived object, and only it
+        (obj, (patch, size, reads)), = patched.items()
+        assert set(reads) <= old and size < 0.25 * tier.size(obj)  # read from step 1's derived object: small
+        want = recipes.derive("fp8-block128", b)
+
+        os.unlink(tier.object_path(obj))  # this host now lacks step 2's derived object
+        with store.checkout(2, recipe="fp8-block128") as snap:
+            assert obj in snap.fetch.from_patches and snap.derived.derived == 0
+            assert all(same(snap[k], v) for k, v in want.items())
+
+        report = store.verify()  # the patch is kept by its record: no orphan, and GC keeps it
+        assert report["orphans"] == [] and report["derived_objects"] == 3, report  # 2 derived objects + a patch
+        store.gc()
+        assert patch in set(tier.list())
+
+        os.unlink(tier.object_path(obj))
+        path = tier.object_path(patch)
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:  # one byte of the patch's changes flipped
+            f.seek(os.path.getsize(path) - 5)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.warns(RuntimeWarning, match="fetched whole"):
+            with store.checkout(2, recipe="fp8-block128") as snap:
+                assert snap.fetch.rejected["patch"] == 1 and obj not in snap.fetch.from_patches
+                assert snap.derived.derived == 1  # nobody else has it: derived again, the same bytes
+                assert all(same(snap[k], v) for k, v in want.items())
+        # the record made again names no patch: the damaged one is garbage now, and swept
+        assert not any(r.patches for _, r in derived.records(store._root) if r is not None)
+        assert patch in store.gc().objects
+        store.commit(3, model_state(3)).result()  # shares nothing with step 2
+        store.flush(timeout=60)
+        assert store.prune(KeepLast(1)).removed == [1, 2]
+        store.gc()
+        assert obj not in set(tier.list())
+
+
+def test_a_record_naming_a_bad_patch_is_not_a_record(store):
+    """A record's ``patches`` are checked like the rest of it: each names one of its derived
+    objects, a digest, a size and the digests it reads; anything else makes it a damaged record
+    (derived again), never a path read."""
+    store.commit(1, model_state(0)).result()
+    with store.checkout(1, recipe="fp8-block128"):
+        pass
+    (key, record), = [(k, r) for k, r in derived.records(store._root) if r is not None]
+    raw = json.loads(store._root.registry.derived([key])[key])
+    obj = next(iter(record.objects))
+    good = "ab" * 32
+    assert derived._decode(json.dumps(raw | {"patches": {obj: [good, 10, [good]]}}).encode()).patches == {
+        obj: (good, 10, (good,))}
+    for bad in ({obj: ["../etc/passwd", 10, []]}, {obj: [good, -1, []]}, {obj: [good, 10, ["x"]]},
+                {good: [good, 10, []]}, {obj: [good, True, []]}, {obj: [good, 10]}):
+        with pytest.raises((ValueError, paramstore.ParamStoreError)):
+            derived._decode(json.dumps(raw | {"patches": bad}).encode())

@@ -4,10 +4,13 @@ Two host processes with their own store roots share a redis registry and talk th
 over TCP (see tests/derived_host.py). The first derives a version in FP8 and serves its objects;
 the second checks the same version out with the same recipe: it reads the record the first one
 wrote, fetches the derived objects from it (verified as any fetched object) and derives nothing.
+With patches on both sides, the next version's derived objects move as patches against the
+derived objects the reader holds, as committed objects do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -55,3 +58,37 @@ def test_a_host_reads_what_another_derived_from_it_instead_of_deriving(redis_url
     # (an object read whole, as the derived one is, first has its header probed: PROBE_BYTES more)
     want = got["committed_bytes"] + got["derived_bytes"]
     assert want <= sum(got["bytes_from"].values()) <= want + PROBE_BYTES, got
+
+
+def _say(proc: subprocess.Popen, line: str = "go") -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_the_next_versions_derived_objects_move_as_patches(redis_url, shm_dir):
+    name = f"derived-patch-{uuid.uuid4().hex[:8]}"
+    maker = _start(os.path.join(shm_dir, "maker"), redis_url, name, "patch-maker")
+    reader = None
+    try:
+        assert _line(maker) == {"ready": 1}
+        reader = _start(os.path.join(shm_dir, "reader"), redis_url, name, "patch-reader")
+        first = _line(reader)
+        _say(maker)
+        assert _line(maker) == {"ready": 2}  # step 2 committed, derived, and its derived objects patched
+        _say(reader)
+        second = _line(reader)
+        assert reader.wait(60) == 0
+    finally:
+        for p in (maker, reader):
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(OSError):
+                    _say(p, "quit")
+                p.wait(30)
+    assert first["ok"] and first["derived"] == 0 and first["patched"] == 0, first  # step 1 moved whole
+    assert second["ok"], second  # bit for bit as recipes.derive makes step 2
+    assert second["derived"] == 0, second  # found, not made
+    assert second["patched_derived"] == 1 and second["patched"] == 2, second  # the committed and the derived object
+    whole = second["committed_bytes"] + second["derived_bytes"]
+    moved = sum(second["bytes_from"].values())
+    assert second["patch_bytes"] == moved, second  # nothing moved whole
+    assert moved < 0.25 * whole, second
