@@ -39,7 +39,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import blake3
 
@@ -547,10 +547,67 @@ RELOOK_S = 1.0
 #: Seconds a fetcher that finished keeps its fetch key and verified blocks announced (its slab is
 #: then the object itself): a host that joins late, or whose upstream just finished, chains from it.
 LINGER_S = 10.0
+#: Fetchers of one object up to which they relay it along one chain (fan-out 1: each reads from the
+#: nearest fetcher ahead); with more, along a tree of fan-out :data:`TREE_FANOUT` (:func:`relay_fanout`).
+#: 8 hosts: the chain, whose fill (hosts x one block's time) is small there and every host uploads
+#: each block at most once.
+CHAIN_HOSTS = 16
+#: Fan-out of the relay tree beyond :data:`CHAIN_HOSTS` fetchers. A fetcher ``d`` hops below the
+#: first gets the first block after ``d`` hops, and an interior node sends each block to ``f``
+#: children over one uplink, so a hop takes ``f`` blocks' time: the fill is about
+#: ``f * log_f(n)`` blocks' time, against ``n`` for the chain. 256 hosts (8 MiB blocks, 1 Gbit/s,
+#: 67 ms a block): chain 256 x 67 ms = 17 s; f=2 depth 8, 16 x 67 ms = 1.1 s; f=3 depth 5,
+#: 15 x 67 ms = 1.0 s (the same at 64: 12 blocks' time either way). 2, not 3: the fill is within a
+#: block's time or two of 3's, and where one object's tree is all that moves, an interior node's
+#: uplink gives each child half of it, not a third (and half the hosts are interior, not a third,
+#: so the upload is spread more evenly). Each host fetches a version's objects in random order,
+#: so its join time, hence its place (interior or leaf), differs per object: the uploads spread
+#: over every host's link when many objects move at once.
+TREE_FANOUT = 2
+#: Environment variable that fixes the fan-out whatever the number of fetchers (an int >= 1;
+#: benchmarks: ``tools/bench_cluster.py --fanout``); read each time a relay chooses its upstream.
+FANOUT_ENV = "PARAMSTORE_RELAY_FANOUT"
 #: Peer ids seen fetching (rollout hosts, not the origin): preferred to other holders of a whole
 #: object, so the origin serves each block about once even after the chain is gone.
 _RELAYERS: dict[str, None] = {}
+_T = TypeVar("_T")
 _TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
+
+
+def relay_fanout(fetchers: int) -> int:
+    """The relay tree's fan-out for an object ``fetchers`` hosts fetch (this one included): 1 (a
+    chain) up to :data:`CHAIN_HOSTS`, then :data:`TREE_FANOUT`; :data:`FANOUT_ENV`, where set to
+    an int >= 1, whatever the number (another value is ignored)."""
+    env = os.environ.get(FANOUT_ENV, "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return 1 if fetchers <= CHAIN_HOSTS else TREE_FANOUT
+
+
+def relay_depth(index: int, fanout: int) -> int:
+    """Hops from the first fetcher (index 0) down to the ``index``-th in a tree of ``fanout``
+    (the parent of ``i`` is ``(i - 1) // fanout``; fan-out 1: a chain, ``index`` hops)."""
+    if fanout <= 1:
+        return index
+    hops = 0
+    while index > 0:
+        index = (index - 1) // fanout
+        hops += 1
+    return hops
+
+
+def relay_order(ahead: Sequence[_T], fanout: int) -> list[_T]:
+    """The upstreams a fetcher prefers, given the fetchers ahead of it in ascending ``(join time,
+    peer id)`` order (its index in the tree: ``len(ahead)``): its parent in a tree of ``fanout``
+    (``(i - 1) // fanout``), then the parent's ancestors up to the first fetcher, then the others
+    ahead, nearest first. Fan-out 1: the nearest first, all of them (the chain)."""
+    ancestors = []
+    k = len(ahead)
+    while k > 0:
+        k = (k - 1) // max(1, fanout)
+        ancestors.append(k)
+    seen = set(ancestors)
+    return [ahead[j] for j in ancestors] + [ahead[j] for j in range(len(ahead) - 1, -1, -1) if j not in seen]
 
 
 class _Relay:
@@ -564,15 +621,18 @@ class _Relay:
     also proves the layout). Once every block verified, the object did: no byte is hashed twice,
     and a block that fails names exactly the peer that served it.
 
-    *Plan: a chain in order of arrival.* Each fetcher announces the object's fetch key with its
-    join time (µs) as the "address", and its *progress word* (16 registered bytes: its slab's
-    address and how many blocks, from the first on, it verified); fetchers in ``(join time, peer
-    id)`` order form a chain. A fetcher reads the progress word of the nearest fetcher ahead of it
-    straight from that host (no registry round trip) and the blocks below its mark from its slab;
-    the mark moves only past verified blocks. When the upstream has not got further it waits for
-    it (the chain's discipline: every host sends each block about once, the first fetcher alone
-    reads the origin) unless its word cannot be read (passed over at once) or its mark does not
-    move for :data:`STALL_S`. With no fetcher ahead, it reads from a holder of the whole object,
+    *Plan: a chain, or a tree, in order of arrival.* Each fetcher announces the object's fetch key
+    with its join time (µs) as the "address", and its *progress word* (16 registered bytes: its
+    slab's address and how many blocks, from the first on, it verified); fetchers in ``(join time,
+    peer id)`` order form a tree of fan-out :func:`relay_fanout` (1, a chain, up to
+    :data:`CHAIN_HOSTS` fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
+    (:func:`relay_order`; its ancestors, then the others ahead nearest first, where that one is put
+    aside). A fetcher reads its upstream's progress word straight from that host (no registry
+    round trip) and the blocks below its mark from its slab; the mark moves only past verified
+    blocks. When the upstream has not got further it waits for it (every host sends each block
+    about once to each child, the first fetcher alone reads the origin) unless its word cannot be
+    read (passed over at once) or its mark does not move for :data:`STALL_S` (plus a block's time
+    per hop). With no fetcher ahead, it reads from a holder of the whole object,
     preferring hosts seen fetching (:data:`_RELAYERS`) to the others (the origin). A finished
     fetcher keeps its announcements for :data:`LINGER_S`, so late
     joiners and the tail of the chain read from it, not from the origin.
@@ -771,16 +831,19 @@ class _Relay:
         skip = self.bad | self.excluded
         mine = (self.stamp, self.me or "")
         words = {p.id: a for p, a in found.get(self.progress_key, [])}
-        ahead = []
+        ahead = []  # every fetcher ahead, also those put aside here: the tree is the same on every host
         for peer, stamp in found.get(self.fetch_key, []):
             _RELAYERS[peer.id] = None
-            if (stamp, peer.id) < mine and peer.id not in skip and peer.id in words:
+            if (stamp, peer.id) < mine and peer.id in words:
                 ahead.append(((stamp, peer.id), peer))
         crowd = bool(found.get(self.fetch_key))
         if len(_RELAYERS) > 4096:
             for k in list(_RELAYERS)[:2048]:
                 del _RELAYERS[k]
-        for _, up in sorted(ahead, key=lambda x: x[0], reverse=True):  # the nearest first
+        fanout = relay_fanout(len(found.get(self.fetch_key, [])) + 1)
+        ups = [up for up in relay_order([p for _, p in sorted(ahead, key=lambda x: x[0])], fanout) if up.id not in skip]
+        hops = relay_depth(len(ups), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
+        for up in ups:  # the parent, its ancestors, then the others nearest first
             try:  # its progress word, straight from it: (slab address, blocks verified from the first)
                 self.transport.read(up.session, [(self.saddr, words[up.id], 16)])
                 base, mark = struct.unpack_from("<QQ", self.scratch, 0)
@@ -796,7 +859,7 @@ class _Relay:
                 self.waiting = ((up.id, mark), now)  # (upstream, its progress) waited on, since
             # the fill: a host k hops down sees its upstream's mark move only every block, once the
             # first block came down k hops: never a stall (measured: 2 s passed over hosts at 100 Mbit/s)
-            if now - self.waiting[1] < STALL_S + (len(ahead) + 4) * self.block_s:
+            if now - self.waiting[1] < STALL_S + (hops + 4) * self.block_s:
                 return None, crowd
             self._put_aside(up)  # it answers but makes no progress: the next one up
         whole = [(p, a) for p, a in found.get(self.digest, []) if p.id not in skip]

@@ -9,6 +9,7 @@ on loopback (which is far faster than any link) as they do on a real network."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import textwrap
@@ -17,11 +18,21 @@ import time
 import pytest
 
 from helpers import run_in_small_tmpfs
+from paramstore.peer import CHAIN_HOSTS, FANOUT_ENV, TREE_FANOUT, relay_depth, relay_fanout, relay_order
 from test_peers import Host, hosts, stored_bytes  # noqa: F401 - the fixture is used by name
 
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
+
+def _has_mooncake() -> bool:
+    try:
+        return importlib.util.find_spec("mooncake.engine") is not None
+    except ImportError:
+        return False
 
 
+needs_mooncake = pytest.mark.skipif(not _has_mooncake(), reason="needs mooncake-transfer-engine-non-cuda and libibverbs1")
+
+
+@needs_mooncake
 def test_a_chain_of_three_hosts_sends_each_block_from_the_trainer_once(hosts):
     """Three hosts join one after another while the first still fetches: the trainer sends the
     model once (egress 1.00x: only the first host reads from it), each host reads every byte once,
@@ -45,6 +56,7 @@ def test_a_chain_of_three_hosts_sends_each_block_from_the_trainer_once(hosts):
     assert from_rollouts[1] > 0.9 * v1 and from_rollouts[2] > 0.9 * v1, replies
 
 
+@needs_mooncake
 def test_a_corrupt_origin_is_blamed_and_nothing_it_served_is_relayed(hosts, redis_url):
     """The trainer's served memory is corrupted after a good host took a copy. The next host reads
     blocks from both; each block of the trainer's fails its piece digest as it lands, so the trainer
@@ -76,6 +88,7 @@ def test_a_corrupt_origin_is_blamed_and_nothing_it_served_is_relayed(hosts, redi
     good.close()
 
 
+@needs_mooncake
 def test_an_upstream_killed_mid_relay_the_downstream_finishes_from_the_next_one_up(hosts):
     """A (slow) relays to B; A is killed mid-fetch: B's next read from A fails, B re-attaches to
     the next one up (the trainer) and finishes from its own progress, every byte verified."""
@@ -112,6 +125,7 @@ FULL_CHILD = textwrap.dedent("""
 """)
 
 
+@needs_mooncake
 def test_a_relay_into_a_full_tmpfs_fails_the_checkout_not_the_process(hosts, redis_url, tmp_path):
     """A relay's destination is reserved block by block, just ahead of the bytes that arrive (not
     all before the first read): a tmpfs too small for the version fails the checkout with
@@ -150,3 +164,92 @@ def test_the_reservation_stays_ahead_of_the_reads(shm_dir):
         space.close()
         slab.discard()
         pool.close()
+
+
+# -- the plan: a chain up to CHAIN_HOSTS fetchers, a tree beyond ----------------------------------
+@pytest.mark.parametrize("n", range(301))
+def test_the_relay_order_of_a_chain_is_the_nearest_first(n):
+    """Fan-out 1 (up to CHAIN_HOSTS fetchers): exactly the chain, the nearest fetcher ahead first."""
+    assert relay_order(list(range(n)), 1) == list(range(n - 1, -1, -1))
+
+
+@pytest.mark.parametrize("fanout", [2, 3])
+def test_the_relay_order_of_a_tree_is_parent_ancestors_then_nearest(fanout):
+    """Fan-out 2 and 3, 1 to 300 fetchers ahead: the parent ``(i - 1) // f`` first, then its
+    ancestors up to the first fetcher, then every other fetcher ahead, nearest first, each once."""
+    for i in range(1, 301):
+        order = relay_order([f"p{j}" for j in range(i)], fanout)
+        idx = [int(p[1:]) for p in order]
+        assert sorted(idx) == list(range(i)), (fanout, i)  # every fetcher ahead, once: a fallback for each
+        want, k = [], i
+        while k:
+            k = (k - 1) // fanout
+            want.append(k)
+        assert idx[: len(want)] == want and want[-1] == 0, (fanout, i, idx)
+        rest = idx[len(want):]
+        assert rest == sorted(rest, reverse=True), (fanout, i, idx)  # the others: nearest first
+        assert len(want) == relay_depth(i, fanout)
+    # concrete: the 5th fetcher (4 ahead) of a binary tree reads from the 2nd, then the 1st
+    assert relay_order(["a", "b", "c", "d"], 2) == ["b", "a", "d", "c"]
+    assert relay_order(list("abcdefghij"), 3) == list("da") + list("jihgfecb")
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_a_relay_tree_gives_each_fetcher_at_most_fanout_children_and_log_depth(fanout):
+    """All n fetchers' first choices form a tree: one root (reads the origin), at most ``fanout``
+    children each, depth ceil(log_f) (the chain: n - 1)."""
+    for n in (1, 2, 8, 16, 17, 64, 256, 300):
+        parents = [relay_order(list(range(i)), fanout)[0] for i in range(1, n)]
+        assert all(p < i + 1 for i, p in enumerate(parents))  # always someone ahead
+        assert max((parents.count(p) for p in set(parents)), default=0) <= fanout
+        depth = max(relay_depth(i, fanout) for i in range(n))
+        if fanout == 1:
+            assert depth == n - 1
+        else:
+            full, levels = 1, 0  # the levels a complete tree of n nodes has below its root
+            while full < n:
+                levels += 1
+                full += fanout ** levels
+            assert depth == levels, (fanout, n, depth)
+    assert relay_depth(255, 2) == 8 and relay_depth(255, 3) == 5
+
+
+def test_the_fanout_is_a_chain_up_to_chain_hosts_then_a_tree(monkeypatch):
+    """1 (the chain, as at 8 hosts) up to CHAIN_HOSTS fetchers, TREE_FANOUT beyond; the environment
+    fixes it whatever the number; a value that is not an int >= 1 is ignored."""
+    monkeypatch.delenv(FANOUT_ENV, raising=False)
+    assert [relay_fanout(n) for n in (1, 8, CHAIN_HOSTS)] == [1, 1, 1]
+    assert relay_fanout(CHAIN_HOSTS + 1) == relay_fanout(300) == TREE_FANOUT > 1
+    monkeypatch.setenv(FANOUT_ENV, "3")
+    assert relay_fanout(2) == relay_fanout(300) == 3
+    for bad in ("0", "x", "-2", ""):
+        monkeypatch.setenv(FANOUT_ENV, bad)
+        assert relay_fanout(4) == 1 and relay_fanout(300) == TREE_FANOUT
+
+
+@needs_mooncake
+def test_five_hosts_relay_along_a_binary_tree(hosts, monkeypatch):
+    """PARAMSTORE_RELAY_FANOUT=2, five (slow) hosts joining one after another: the tree 0 <- 1, 2
+    and 1 <- 3, 4. Every host gets the bytes right (each compares every tensor) and reads each byte
+    once; the trainer serves the model about once (only host 0 reads it); hosts 2 and 4 read from
+    their parents (0 and 1), not from the nearest fetcher ahead (1 and 3): the tree, not the chain."""
+    monkeypatch.setenv(FANOUT_ENV, "2")  # the hosts' processes inherit it
+    trainer = hosts("trainer")
+    rollouts = [hosts("rollout", block_delay=0.05) for _ in range(5)]
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    v1 = stored_bytes(trainer.root)
+    for r in rollouts:  # 0.25 s apart: the join order is the order sent, also on a busy machine
+        r.send("checkout 1 1 16")  # (a fetcher that finished lingers: the later ones still read from it)
+        time.sleep(0.25)
+    replies = [r.expect() for r in rollouts]
+    for rep in replies:
+        assert rep["ok"] and rep["rejected"] == {} and rep["fetched"] == 2, rep
+        assert sum(rep["bytes_from"].values()) == v1, rep  # every byte once
+    frm = [{s: n / v1 for s, n in rep["bytes_from"].items()} for rep in replies]
+    names = {trainer.session: "trainer", **{r.session: f"r{k}" for k, r in enumerate(rollouts)}}
+    print("tree of 5:", [{names[s]: round(x, 2) for s, x in f.items()} for f in frm])
+    egress = sum(f.get(trainer.session, 0) for f in frm)
+    assert egress <= 1.05, egress  # the origin served each block about once
+    for child, parent in ((1, 0), (2, 0), (3, 1), (4, 1)):
+        assert frm[child].get(rollouts[parent].session, 0) > 0.9, (child, parent, frm[child])
+    assert frm[2].get(rollouts[1].session, 0) < 0.1 and frm[4].get(rollouts[3].session, 0) < 0.1, frm
