@@ -335,7 +335,7 @@ class Committer:
                 # hashed by the publisher. Without a spare core, nothing is hashed while copying.
                 early = None
                 if not job.ready_events and self._hashers.while_staging:
-                    early = _EarlyHash(job, self._hashers)
+                    early = _EarlyHash(job, self._hashers, job.early)
                 with self._hashers.staging():
                     _copy_into_slabs(job, sources, lambda size: self._take(job, size), early=early,
                                      serial=self._serial_copy)
@@ -383,9 +383,13 @@ class Committer:
         taken: dict[int, Slab] = {}
         extras: list[tuple[ShardPlan, Slab]] = []
         specs: list[TensorSpec] = []
-        copier = _Copier({})
+        copier = _Copier({}, serial=self._serial_copy)
         journal = job.journal
         in_flight: list[tuple[Slab, Placement]] = []  # device copies, announced once synchronized
+        # CPU tensors go to the hash threads as they are copied (device copies are still in flight:
+        # the publisher hashes those); keyed by name until the shards are final
+        hashed: dict[str, _Hashed] = {}
+        early = _EarlyHash(job, self._hashers, hashed) if self._hashers.while_staging else None
 
         def place(spec: TensorSpec, src: torch.Tensor) -> None:
             """Copy ``src`` to its place in the previous layout, or into an object of its own."""
@@ -408,6 +412,8 @@ class Committer:
             if job.device is not None and not slab.pinned:  # taken before the first device tensor came
                 self._pool.pin(slab)
             copier.copy(_slab_view(slab, p), src, follow=True, pinned=slab.pinned)
+            if early is not None and not accel.is_accelerator(src.device):
+                early.copied(spec.name, p, slab)
             if journal is not None:
                 if accel.is_accelerator(src.device):
                     in_flight.append((slab, p))
@@ -415,18 +421,21 @@ class Committer:
                     journal.staged(slab.path, p)
 
         try:
-            for item in pairs:
-                name, value = check_pair(item)
-                del item
-                got = taker.take(name, value)
-                del value
-                if got is not None:  # None: another rank stores it
-                    place(*got)
-                del got
-            if not taker.names:
-                raise InvalidArgumentError("the commit's iterable yielded no tensors")
-            for spec, src in taker.take_assets():
-                place(spec, src)
+            with self._hashers.staging():
+                for item in pairs:
+                    name, value = check_pair(item)
+                    del item
+                    got = taker.take(name, value)
+                    del value
+                    if got is not None:  # None: another rank stores it
+                        place(*got)
+                    del got
+                if not taker.names:
+                    raise InvalidArgumentError("the commit's iterable yielded no tensors")
+                for spec, src in taker.take_assets():
+                    place(spec, src)
+                if early is not None:
+                    early.flush()
         finally:
             copier.synchronize()
         if journal is not None:
@@ -438,12 +447,17 @@ class Committer:
             keep = [p for p in plan.placements if p.spec.name in arrived[i]]
             if journal is not None and len(keep) != len(plan.placements):
                 journal.seal("compact a shard that lost tensors")  # _compact moves announced bytes
+            if len(keep) != len(plan.placements):
+                futures.wait([u.future for u in job.units])  # no hash thread reads what _compact moves
             header, offsets = _compact(slab, plan, keep)
             job.plans.append(ShardPlan(header, tuple(Placement(p.spec, o, p.nbytes) for p, o in zip(keep, offsets))))
             job.slabs.append(slab)
         for plan, slab in extras:
             job.plans.append(plan)
             job.slabs.append(slab)
+        # a tensor's digest is of its bytes, wherever _compact moved them
+        job.early = {(i, j): hashed[p.spec.name] for i, plan in enumerate(job.plans)
+                     for j, p in enumerate(plan.placements) if p.spec.name in hashed}
         job.collected = Collected(specs, [], {}, dict(taker.names) if taker.sharded else {}, dict(taker.blocks),
                                   ranks if taker.sharded else ())
         job.layout_sizes = [p.size for p in self._plan(specs)]  # the next commit's layout, prepared after this one
@@ -680,14 +694,12 @@ class Committer:
         hashed piece by piece, each piece a unit of work of its own, so all the hash threads share
         even one large tensor and no byte is hashed twice. Tensors under 1 MiB are hashed right
         here, meanwhile: handing them to a thread would cost more than hashing them. Tensors handed
-        to the hash threads as they were staged (``job.early``) are only waited for.
+        to the hash threads as they were staged (``job.early``: all of a CPU commit's, a streaming
+        commit's CPU tensors) are only waited for.
         """
-        if job.early:
-            return [[self._digest_of(job, job.early[(i, j)].result()) for j in range(len(plan.placements))]
-                    for i, plan in enumerate(job.plans)]
         work = [(i, j, k, slab, p.offset + b, e - b)
                 for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
-                for j, p in enumerate(plan.placements)
+                for j, p in enumerate(plan.placements) if (i, j) not in job.early
                 for k, (b, e) in enumerate(pieces(p.nbytes))]
         work.sort(key=lambda w: -w[5])
         large = [w for w in work if w[5] >= _INLINE_HASH_BYTES]
@@ -703,7 +715,8 @@ class Committer:
         got: list[list[list[str]]] = [[[""] * len(pieces(p.nbytes)) for p in plan.placements] for plan in job.plans]
         for (i, j, k, *_), d in zip(large + small, [*hashed, *small_digests]):
             got[i][j][k] = d
-        return [[self._digest_of(job, (p.nbytes, ds)) for p, ds in zip(plan.placements, got[i])]
+        return [[self._digest_of(job, job.early[(i, j)].result() if (i, j) in job.early else (p.nbytes, ds))
+                 for j, (p, ds) in enumerate(zip(plan.placements, got[i]))]
                 for i, plan in enumerate(job.plans)]
 
     @staticmethod
@@ -919,22 +932,25 @@ class _HashQueue:
 class _EarlyHash:
     """Hands each tensor of ``job`` to the hash threads as soon as its copy is done: each piece of
     a tensor of 1 MiB or more on its own, smaller tensors in batches of about 1 MiB (within a
-    shard). Fills ``job.early`` and ``job.units``."""
+    slab). Fills ``into`` (a tensor's key -> its :class:`_Hashed`: ``job.early`` itself, keyed by
+    (shard, placement), or by name until a streaming commit's shards are final) and ``job.units``."""
 
-    def __init__(self, job: _Job, hashers: _HashQueue) -> None:
-        self._job, self._hashers = job, hashers
-        self._batch: list[tuple[int, int, Placement]] = []
+    def __init__(self, job: _Job, hashers: _HashQueue, into: dict) -> None:
+        self._job, self._hashers, self._into = job, hashers, into
+        self._batch: list[tuple[Any, Placement]] = []
         self._batch_bytes = 0
         self._slab: Slab | None = None
 
-    def copied(self, i: int, j: int, p: Placement, slab: Slab) -> None:
+    def copied(self, key: Any, p: Placement, slab: Slab) -> None:
         if p.nbytes >= _INLINE_HASH_BYTES:
             units = [_Unit(slab, [(p.offset + b, e - b)]) for b, e in pieces(p.nbytes)]
-            self._job.early[(i, j)] = _Hashed(p.nbytes, [_Item(u.future, 0) for u in units])
+            self._into[key] = _Hashed(p.nbytes, [_Item(u.future, 0) for u in units])
             self._give(units)
             return
+        if self._slab is not slab:
+            self.flush()  # a batch reads one slab
         self._slab = slab
-        self._batch.append((i, j, p))
+        self._batch.append((key, p))
         self._batch_bytes += p.nbytes
         if self._batch_bytes >= _INLINE_HASH_BYTES:
             self.flush()
@@ -943,9 +959,9 @@ class _EarlyHash:
         """Hand the batch of small tensors on (at the end of each shard, and when it reaches 1 MiB)."""
         if not self._batch:
             return
-        unit = _Unit(self._slab, [(p.offset, p.nbytes) for _, _, p in self._batch])  # type: ignore[arg-type]
-        for k, (i, j, p) in enumerate(self._batch):
-            self._job.early[(i, j)] = _Hashed(p.nbytes, [_Item(unit.future, k)])
+        unit = _Unit(self._slab, [(p.offset, p.nbytes) for _, p in self._batch])  # type: ignore[arg-type]
+        for k, (key, p) in enumerate(self._batch):
+            self._into[key] = _Hashed(p.nbytes, [_Item(unit.future, k)])
         self._batch, self._batch_bytes = [], 0
         self._give([unit])
 
@@ -1001,7 +1017,7 @@ def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Calla
                     if watch is not None:
                         watch.copied(p.spec.name, src)
                 if early is not None:
-                    early.copied(i, j, p, slab)
+                    early.copied((i, j), p, slab)
             if early is not None:
                 early.flush()
         job.handle._queued.set_result(copier.done_events())  # fence() may now order the caller's streams

@@ -465,6 +465,29 @@ def test_pieces_are_hashed_while_the_commit_is_still_copying(store_root, monkeyp
         assert store.verify()["ok"]
 
 
+def test_a_streaming_commit_hashes_while_its_tensors_arrive(store_root, monkeypatch, shm_dir):
+    """A commit of an iterable hands each tensor to the hash threads once copied, as a state dict's
+    does (the copy of its last tensor waits for a hash thread to start: no timing); its digests are
+    those of the same tensors committed as a state dict, also after a commit whose layout lost a
+    tensor (its shard compacted, the early digests' bytes moved)."""
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=2)
+    with store:
+        h = store.commit(1, iter(list(m.items())))
+        assert h.result(timeout=60).step == 1
+        assert seen["overlapped"] and hashers.started_while_staging >= 1
+        assert_checkout_equal(store, 1, m)
+        fewer = {k: v for k, v in m.items() if k != "w3"}  # its shard loses a tensor: compacted
+        fewer["first"] = fewer["first"] + 1
+        store.commit(2, iter(list(fewer.items()))).result(timeout=60)
+        assert_checkout_equal(store, 2, fewer)
+        assert store.verify()["ok"]
+        streamed = [store.manifest(s).digest() for s in (1, 2)]
+    with ParamStore(os.path.join(shm_dir, "as-dicts")) as other:
+        other.commit(1, m).result(timeout=60)
+        other.commit(2, fewer).result(timeout=60)
+        assert [other.manifest(s).digest() for s in (1, 2)] == streamed
+
+
 def test_one_core_hashes_nothing_while_copying(store_root, monkeypatch):
     store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=1)
     with store:

@@ -19,7 +19,10 @@ reported by the next sync's send; none for the last), and the rollout adapter's 
 (it starts with the trainer's send: the wait for the published version, then its copies; with
 ``--follow``, its copies each as soon as the trainer staged the tensor, then the wait for the
 version to be published), and of that, the time after its last copy. Baselines in the same run, in this process: verl's ``naive`` in-process handoff of a
-state dict of the same size (the generator handed over, each tensor copied), and a bare copy of it.
+state dict of the same size (the generator handed over, each tensor copied), and a bare copy of it;
+in the trainer worker, after the syncs, verl's own export (its generator drained: FSDP2's
+``state_dict`` and a ``full_tensor`` per parameter) alone and with each tensor copied out into
+buffers made beforehand: the part of the trainer's hold any backend that copies pays.
 Issue 28's goals over syncs 2..N: pause ≤ 1.5× naive, trainer held ≤ 1.3× the bare copy, slowest
 sync ≤ 1.5× the median.
 """
@@ -125,6 +128,10 @@ def main() -> None:
 
             pauses, metrics = asyncio.run(run())
             installs, tails = rollout_wg.durations()[0], rollout_wg.tails()[0]
+            export, export_copy = [], []  # verl's own export, alone and with a copy out (any backend's floor)
+            for _ in steps:
+                export.append(actor_wg.export_s(False)[0])
+                export_copy.append(actor_wg.export_s(True)[0])
         finally:
             ray.shutdown()
         naive, bare = _naive(state, args.syncs)
@@ -141,13 +148,14 @@ def main() -> None:
              "slowest sync / median": (max(pauses[1:] or pauses) / med(pauses), 1.5)}
     res.update(gib=round(nbytes / (1 << 30), 3), tensors=ntensors,
                pause_s=pauses, send_s=send, publish_s=wait, adapter_update_s=installs, adapter_after_last_copy_s=tails,
-               naive_s=naive, bare_copy_s=bare,
+               naive_s=naive, bare_copy_s=bare, export_s=export, export_copy_s=export_copy,
                goals={k: {"ratio": v[0], "goal": v[1]} for k, v in goals.items()},
                total_seconds=time.monotonic() - t_start)
     summary = (f"medians over syncs 2..{len(steps)}: rollout paused {med(pauses):.3f} s (its adapter's update "
                f"{med(installs):.3f} s, of which {med(tails):.3f} s after its last copy), trainer send {med(send):.3f} s (then the publish, in the background, "
                f"{statistics.median(wait[1:-1] or wait):.3f} s); naive handoff {med(naive):.3f} s, bare copy "
-               f"{med(bare):.3f} s")
+               f"{med(bare):.3f} s; in the trainer worker, verl's export alone {med(export):.3f} s, and with each "
+               f"tensor copied out {med(export_copy):.3f} s")
     print(summary)
     for name, (got, goal) in goals.items():
         print(f"  {name}: {got:.2f}x (goal <= {goal}x: {'met' if got <= goal else 'missed'})")
@@ -163,6 +171,7 @@ def main() -> None:
            "|---|---:|---:|---|"]
     md += [f"| {name} | {got:.2f}× | ≤ {goal}× | {'met' if got <= goal else 'missed'} |"
            for name, (got, goal) in goals.items()]
+    md.append(f"| trainer held / (verl's export + a copy out), for reading | {med(send) / med(export_copy):.2f}× | – | |")
     write_outputs(args.json, res, args.markdown, "\n".join(md))
 
 

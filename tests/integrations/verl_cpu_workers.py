@@ -30,6 +30,7 @@ What is verl's own code and what is not:
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -212,6 +213,28 @@ class TrainerWorker(ActorRolloutRefWorker):
     def train_step(self, seed: int, frozen: tuple[str, ...] = ()) -> None:
         """Change the weights (see :meth:`CpuFSDPEngine.train_step`)."""
         self.actor.engine.train_step(seed, frozen)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_s(self, copy: bool) -> float | None:
+        """Seconds to drain verl's export (:meth:`CpuFSDPEngine.get_per_tensor_param`, every rank),
+        with ``copy``: each tensor also copied into buffers made (and faulted in) beforehand, as any
+        backend that takes the weights out of the trainer must. Rank 0 returns it."""
+        engine = self.actor.engine
+        scratch = getattr(engine, "_export_scratch", None)
+        t0 = time.perf_counter()
+        gen, _ = engine.get_per_tensor_param()
+        made = {}
+        for name, t in gen:
+            if copy:
+                dst = scratch.get(name) if scratch is not None else None
+                if dst is None:
+                    dst = torch.zeros_like(t)
+                dst.copy_(t)
+                made[name] = dst
+        took = time.perf_counter() - t0
+        if copy:
+            engine._export_scratch = made
+        return took if torch.distributed.get_rank() == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def poison(self, name: str | None) -> None:
