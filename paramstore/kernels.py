@@ -8,7 +8,9 @@ rounding to nearest even by integer arithmetic, in loops the compiler vectorises
 once per machine by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory
 (``$PARAMSTORE_KERNEL_DIR``, else ``$XDG_CACHE_HOME/paramstore``, else ``~/.cache/paramstore``),
 written then renamed, named by a digest of the source, the command and the CPU's flags (so a
-directory shared by hosts of different CPUs never hands one another's code), and loaded with
+directory shared by hosts of different CPUs never hands one another's code), loaded only from a
+directory and file this user owns that nobody else may write (else built again in a private
+temporary directory), and loaded with
 :mod:`ctypes`, which releases the GIL: the callers split the work between threads.
 
 The kernels are a speed path only. Where there is no compiler, the build fails, or
@@ -170,13 +172,27 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _trusted(path: str) -> bool:
+    """Whether ``path`` is this user's (or root's) and nobody else may write it: a shared library
+    is loaded from there only then."""
+    st = os.stat(path)
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
+
+
 def _build(cc: str) -> str:
     key = blake3.blake3("\0".join([SOURCE, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
     where = cache_dir()
     path = os.path.join(where, f"fp8-{key}.so")
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+    except OSError:
+        where = tempfile.mkdtemp(prefix="paramstore-kernels-")  # unwritable: a private one for this process
+        path = os.path.join(where, f"fp8-{key}.so")
+    if not (_trusted(where) and (not os.path.exists(path) or _trusted(path))):
+        where = tempfile.mkdtemp(prefix="paramstore-kernels-")  # code others could have written: not loaded
+        path = os.path.join(where, f"fp8-{key}.so")
     if os.path.exists(path):
         return path
-    os.makedirs(where, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as tmp:
         src, out = os.path.join(tmp, "fp8.c"), os.path.join(tmp, "fp8.so")
         with open(src, "w") as f:

@@ -130,3 +130,20 @@ def test_parallel_runs_everything_and_raises_the_first_error():
     with pytest.raises(ValueError, match="task 1"):
         kernels.parallel([lambda: done.append(0), fail, lambda: done.append(2)], threads=3)
     assert sorted(done) == [0, 2]
+
+
+@needs_kernel
+def test_a_cache_others_may_write_is_not_loaded_from(monkeypatch, tmp_path):
+    """A kernel someone else could have planted (a group- or world-writable cache) is never
+    loaded: it is built again in a private directory."""
+    cache = tmp_path / "shared"
+    monkeypatch.setenv("PARAMSTORE_KERNEL_DIR", str(cache))
+    first = kernels._load()
+    assert first is not None and os.path.dirname(first.path) == str(cache)
+    os.chmod(cache, 0o777)
+    again = kernels._load()
+    assert again is not None and os.path.dirname(again.path) != str(cache)
+    os.chmod(cache, 0o700)
+    os.chmod(first.path, 0o666)
+    third = kernels._load()
+    assert third is not None and third.path != first.path
