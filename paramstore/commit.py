@@ -6,12 +6,12 @@
    ``copy_`` every tensor into its place. This is the only copy of the bytes. After it the trainer
    may change its parameters; a tensor changed in place before its copy was done (torch's in-place
    version counter moved since ``commit()``) fails the commit with TornCommitError (:class:`_Watch`).
-2. **Hash** (hash threads, one per core: :class:`_HashQueue`). blake3 of each piece's bytes in
+2. **Hash** (hash threads, one per core: :class:`HashQueue`). blake3 of each piece's bytes in
    the slab (:mod:`paramstore.format`): one read pass, no byte hashed twice, each piece on one
    thread (a 1 GiB tensor is 128 independent pieces, so no blake3 thread pool is needed). CPU
    tensors are hashed as they are staged: the stager hands each piece (and each batch of small
    tensors) to the hash threads as soon as it is copied; while a copy runs only
-   :func:`_staging_hashers` of them hash (the stager holds a core), all of them after. The
+   :func:`staging_hashers` of them hash (the stager holds a core), all of them after. The
    publisher then only waits for the last pieces and computes the tensor digests (roots over
    pieces). Device copies are still in flight when their loop ends: those tensors are hashed by the
    publisher, after staging.
@@ -30,7 +30,6 @@ no version names), which ``paramstore verify`` reports and GC reclaims.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import os
@@ -53,9 +52,11 @@ from .errors import (
 )
 from .following import StagingJournal
 from .format import (
-    ITEMSIZE, Placement, ShardPlan, TensorSpec, cores, layout, object_digest, piece_digest, pieces, pieces_root,
+    ITEMSIZE, Placement, ShardPlan, TensorSpec, cores, layout, object_digest, pieces, pieces_root,
     plan_shards,
 )
+from .hashing import (INLINE_HASH_BYTES, OVERLAP_HASH_MIN_CPUS, EarlyHash, Hashed, HashQueue, Unit, hash_bytes,
+                      staging_hashers)
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
 from .sharded import CommitGroup, check_part, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
@@ -67,15 +68,6 @@ from paramstore.backends.tiers.local import LocalTier
 
 __all__ = ["CommitHandle", "Committer"]
 
-_INLINE_HASH_BYTES = 1 << 20
-#: Hosts with fewer cores than this copy CPU tensors into staging on the stager thread alone
-#: (``memmove``, not torch's intra-op threads) and hash on all the other cores meanwhile; hosts
-#: with at least this many keep torch's parallel copy and hash on half the cores while it runs.
-#: Measured on 2 cores (1 GiB, bf16): the copy is memory-bound (one thread 56-59 ms, torch's two
-#: 55 ms), blake3 is ~150 ms per GiB per thread; torch's two copy threads next to a hash thread made
-#: commit -> staged ~108 ms (its threads wait for each other at every tensor), one copy thread next
-#: to one hash thread ~65 ms, for commit -> visible ~120 ms against ~150 ms hashing after the copy.
-OVERLAP_HASH_MIN_CPUS = 4
 #: Commits' worth of slabs the pool keeps prepared: commits in quick succession each find one
 #: faulted while the next is being prepared (or recycled).
 PREPARE_COPIES = 2
@@ -191,7 +183,7 @@ class _Job:
     created_at: float = 0.0
     ready_events: dict = field(default_factory=dict)  # device -> event recorded on the caller's stream at commit()
     device: Any = None  # an accelerator this commit copies from (a streaming commit: once one arrives)
-    early: dict = field(default_factory=dict)  # (shard, placement) -> _Hashed, hashed while staging
+    early: dict = field(default_factory=dict)  # (shard, placement) -> Hashed, hashed while staging
     units: list = field(default_factory=list)  # the _Units handed to the hash threads while staging
     piece_digests: dict = field(default_factory=dict)  # tensor digest -> its piece digests (tensors over a piece)
     group: CommitGroup | None = None  # several ranks commit this version together (paramstore.sharded)
@@ -233,8 +225,8 @@ class Committer:
         # in shared memory; beyond that `staged` waits (and guard() pushes back on the trainer).
         self._publish_q: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._hash_threads = cores()
-        # One hash thread per core; while the stager copies, only _staging_hashers() of them run.
-        self._hashers = _HashQueue(self._hash_threads, _staging_hashers(self._hash_threads))
+        # One hash thread per core; while the stager copies, only staging_hashers() of them run.
+        self._hashers = HashQueue(self._hash_threads, staging_hashers(self._hash_threads))
         self._serial_copy = self._hash_threads < OVERLAP_HASH_MIN_CPUS
         self._stager = threading.Thread(target=self._run, args=(self._stage_q, self._stage), name="paramstore-stager", daemon=True)
         self._publisher = threading.Thread(target=self._run, args=(self._publish_q, self._publish), name="paramstore-publisher", daemon=True)
@@ -335,7 +327,7 @@ class Committer:
                 # hashed by the publisher. Without a spare core, nothing is hashed while copying.
                 early = None
                 if not job.ready_events and self._hashers.while_staging:
-                    early = _EarlyHash(job, self._hashers, job.early)
+                    early = EarlyHash(job, self._hashers, job.early)
                 with self._hashers.staging():
                     _copy_into_slabs(job, sources, lambda size: self._take(job, size), early=early,
                                      serial=self._serial_copy)
@@ -388,8 +380,8 @@ class Committer:
         in_flight: list[tuple[Slab, Placement]] = []  # device copies, announced once synchronized
         # CPU tensors go to the hash threads as they are copied (device copies are still in flight:
         # the publisher hashes those); keyed by name until the shards are final
-        hashed: dict[str, _Hashed] = {}
-        early = _EarlyHash(job, self._hashers, hashed) if self._hashers.while_staging else None
+        hashed: dict[str, Hashed] = {}
+        early = EarlyHash(job, self._hashers, hashed) if self._hashers.while_staging else None
 
         def place(spec: TensorSpec, src: torch.Tensor) -> None:
             """Copy ``src`` to its place in the previous layout, or into an object of its own."""
@@ -702,12 +694,12 @@ class Committer:
                 for j, p in enumerate(plan.placements) if (i, j) not in job.early
                 for k, (b, e) in enumerate(pieces(p.nbytes))]
         work.sort(key=lambda w: -w[5])
-        large = [w for w in work if w[5] >= _INLINE_HASH_BYTES]
+        large = [w for w in work if w[5] >= INLINE_HASH_BYTES]
         small = work[len(large):]
-        units = [_Unit(w[3], [(w[4], w[5])]) for w in large]
+        units = [Unit(w[3], [(w[4], w[5])]) for w in large]
         self._hashers.put(units)
         try:
-            small_digests = [_hash_bytes(w[3], w[4], w[5]) for w in small]
+            small_digests = [hash_bytes(w[3], w[4], w[5]) for w in small]
         except BaseException:  # no hash thread may still read a slab once this returns
             futures.wait([u.future for u in self._hashers.cancel(units)])
             raise
@@ -819,167 +811,6 @@ def _outcome_version(outcome: dict[str, Any], error: BaseException | None) -> Ve
         raise CommitGroupError(f"the lead's outcome of a sharded commit is malformed: {e}") from error
 
 
-class _Item:
-    """The ``k``-th result of a future that returns a list (a batch of small tensors' digests)."""
-
-    def __init__(self, future: Future, k: int) -> None:
-        self.future, self.k = future, k
-
-    def result(self) -> str:
-        return self.future.result()[self.k]
-
-
-class _Unit:
-    """Bytes of a slab to hash on one thread: a piece (or a tensor of one piece), or a batch of
-    small tensors (``spans``: ``(offset, nbytes)`` each). ``future`` gets their digests."""
-
-    __slots__ = ("slab", "spans", "future", "state")
-
-    def __init__(self, slab: Slab, spans: list[tuple[int, int]]) -> None:
-        self.slab, self.spans = slab, spans
-        self.future: Future[list[str]] = Future()
-        self.state = 0  # 0 queued, 1 taken by a hash thread, 2 cancelled (changed under the queue's lock)
-
-    def run(self) -> None:
-        try:
-            self.future.set_result([_hash_bytes(self.slab, o, n) for o, n in self.spans])
-        except BaseException as e:  # noqa: BLE001 - delivered to whoever waits for the digests
-            self.future.set_exception(e)
-
-
-class _HashQueue:
-    """``threads`` hash threads taking :class:`_Unit` s in order; while a commit is being copied
-    (:meth:`staging`) at most ``while_staging`` of them hash at once (the stager holds a core),
-    then all of them. ``while_staging`` 0 (one core): nothing is hashed while a copy runs.
-
-    ``started_while_staging`` counts the units a thread took while a copy ran (for tests)."""
-
-    def __init__(self, threads: int, while_staging: int) -> None:
-        self.threads, self.while_staging = threads, while_staging
-        self.started_while_staging = 0
-        self._cv = threading.Condition()
-        self._todo: collections.deque[_Unit] = collections.deque()
-        self._active = 0
-        self._staging = 0
-        self._closed = False
-        self._workers = [threading.Thread(target=self._work, name=f"paramstore-hash-{k}", daemon=True)
-                         for k in range(threads)]
-        for w in self._workers:
-            w.start()
-
-    def put(self, units: list[_Unit]) -> None:
-        with self._cv:
-            self._todo.extend(units)
-            self._cv.notify(len(units))
-
-    @contextlib.contextmanager
-    def staging(self) -> Any:
-        """While this is entered, hash on ``while_staging`` threads only."""
-        with self._cv:
-            self._staging += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._staging -= 1
-                self._cv.notify_all()
-
-    def cancel(self, units: list[_Unit]) -> list[_Unit]:
-        """Drop the units of ``units`` no thread has taken; returns those taken (wait for their futures)."""
-        taken = []
-        with self._cv:
-            for u in units:
-                if u.state == 0:
-                    u.state = 2
-                    u.future.cancel()
-                elif u.state == 1:
-                    taken.append(u)
-        return taken
-
-    def close(self) -> None:
-        """Hash what is queued, then stop the threads."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for w in self._workers:
-            w.join()
-
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while True:
-                    while self._todo and self._todo[0].state == 2:
-                        self._todo.popleft()
-                    limit = self.while_staging if self._staging else self.threads
-                    if self._todo and self._active < limit:
-                        break
-                    if self._closed and not self._todo:
-                        return
-                    self._cv.wait()
-                unit = self._todo.popleft()
-                unit.state = 1
-                self._active += 1
-                if self._staging:
-                    self.started_while_staging += 1
-            try:
-                unit.run()
-            finally:
-                with self._cv:
-                    self._active -= 1
-                    self._cv.notify()
-
-
-class _EarlyHash:
-    """Hands each tensor of ``job`` to the hash threads as soon as its copy is done: each piece of
-    a tensor of 1 MiB or more on its own, smaller tensors in batches of about 1 MiB (within a
-    slab). Fills ``into`` (a tensor's key -> its :class:`_Hashed`: ``job.early`` itself, keyed by
-    (shard, placement), or by name until a streaming commit's shards are final) and ``job.units``."""
-
-    def __init__(self, job: _Job, hashers: _HashQueue, into: dict) -> None:
-        self._job, self._hashers, self._into = job, hashers, into
-        self._batch: list[tuple[Any, Placement]] = []
-        self._batch_bytes = 0
-        self._slab: Slab | None = None
-
-    def copied(self, key: Any, p: Placement, slab: Slab) -> None:
-        if p.nbytes >= _INLINE_HASH_BYTES:
-            units = [_Unit(slab, [(p.offset + b, e - b)]) for b, e in pieces(p.nbytes)]
-            self._into[key] = _Hashed(p.nbytes, [_Item(u.future, 0) for u in units])
-            self._give(units)
-            return
-        if self._slab is not slab:
-            self.flush()  # a batch reads one slab
-        self._slab = slab
-        self._batch.append((key, p))
-        self._batch_bytes += p.nbytes
-        if self._batch_bytes >= _INLINE_HASH_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Hand the batch of small tensors on (at the end of each shard, and when it reaches 1 MiB)."""
-        if not self._batch:
-            return
-        unit = _Unit(self._slab, [(p.offset, p.nbytes) for _, p in self._batch])  # type: ignore[arg-type]
-        for k, (key, p) in enumerate(self._batch):
-            self._into[key] = _Hashed(p.nbytes, [_Item(unit.future, k)])
-        self._batch, self._batch_bytes = [], 0
-        self._give([unit])
-
-    def _give(self, units: list[_Unit]) -> None:
-        self._job.units += units
-        self._hashers.put(units)
-
-
-class _Hashed:
-    """A tensor being hashed during staging: its length and a future per piece."""
-
-    def __init__(self, nbytes: int, parts: list[Any]) -> None:
-        self.nbytes, self.parts = nbytes, parts
-
-    def result(self) -> tuple[int, list[str]]:
-        return self.nbytes, [f.result() for f in self.parts]
-
-
 def _fail(handle: CommitHandle, e: BaseException) -> None:
     if not handle.staged.done():
         handle.staged.set_exception(e)
@@ -993,7 +824,7 @@ def _entry(p: Placement, digest: str, loc: TensorLocation, piece_digests: tuple[
 
 
 def _copy_into_slabs(job: _Job, sources: Mapping[str, torch.Tensor], take: Callable[[int], Slab],
-                     early: _EarlyHash | None = None, serial: bool = False) -> None:
+                     early: EarlyHash | None = None, serial: bool = False) -> None:
     """Take a slab per shard (``take(size)``), write its header and copy every tensor into place,
     handing each to ``early`` (the hash threads) as soon as its copy is done (CPU sources only).
     ``serial``: copy CPU tensors on this thread alone (see :class:`_Copier`).
@@ -1113,7 +944,7 @@ class _Copier:
 
     ``serial``: a contiguous CPU tensor is copied with one ``memmove`` on this thread (the GIL
     released), not on torch's intra-op threads, which would contend with the hash threads for
-    the cores (see :data:`OVERLAP_HASH_MIN_CPUS`).
+    the cores (see :data:`paramstore.hashing.OVERLAP_HASH_MIN_CPUS`).
     """
 
     def __init__(self, ready: Mapping[torch.device, Any], *, serial: bool = False) -> None:
@@ -1162,19 +993,6 @@ def _ready_events(sources: list[torch.Tensor]) -> dict[torch.device, Any]:
         if dev not in events and accel.is_accelerator(dev):
             events[dev] = accel.record_event(accel.current_stream(dev))
     return events
-
-
-def _staging_hashers(cores: int) -> int:
-    """Hash threads that run while a commit is copied: every core but the stager's on hosts with
-    fewer than :data:`OVERLAP_HASH_MIN_CPUS` cores (none on one core: nothing to overlap), half
-    of them on larger hosts (where torch's copy runs on several threads)."""
-    return cores - 1 if cores < OVERLAP_HASH_MIN_CPUS else cores // 2
-
-
-def _hash_bytes(slab: Slab, offset: int, nbytes: int) -> str:
-    """blake3 of ``nbytes`` bytes of ``slab`` at ``offset`` (a piece, or a tensor of one piece), on this thread."""
-    with memoryview(slab.map) as mv:
-        return piece_digest(mv[offset : offset + nbytes])
 
 
 def _compact(slab: Slab, plan: ShardPlan, keep: list[Placement]) -> tuple[bytes, list[int]]:

@@ -558,6 +558,7 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
     commit of the same weights next to it uses pieces."""
     import paramstore.commit as commit_mod
     import paramstore.format as fmt
+    import paramstore.hashing as hashing
     from paramstore.objects import check_buffer
 
     P = fmt.PIECE_SIZE
@@ -565,6 +566,7 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
     with monkeypatch.context() as m:
         m.setattr(fmt, "PIECE_SIZE", 1 << 62)  # no marker in headers
         m.setattr(commit_mod, "pieces", lambda n, piece_size=0: [(0, n)])  # whole tensors
+        m.setattr(hashing, "pieces", lambda n, piece_size=0: [(0, n)])  # (hashed while staged too)
         s = ParamStore(store_root, create=True)
         s.commit(1, {"w": w, "b": torch.ones(4)}).result()
         s.close()
