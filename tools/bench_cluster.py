@@ -9,7 +9,8 @@ Mooncake transfer engine (TCP). The trainer commits a synthetic model of bf16 te
 ``--tensors``). Strategies, each on the same links in the same run:
 
 1. **swarm**: paramstore as it is; every rollout host checks version 0 out at once (they fetch
-   slices from the trainer and from each other, coordinated through the registry). Measured twice
+   slices from the trainer and from each other, coordinated through the registry; ``--fanout``
+   fixes the relay's fan-out, 1 a chain, 2 a binary tree). Measured twice
    per round (the first version of the ``patches=False`` store and of the ``patches=True`` one).
 2. **chain**: a chain broadcast trainer → 1 → 2 → … (as verl's Mooncake checkpoint backend does):
    each host reads the model from its predecessor with raw Mooncake reads in ``--slice-mib`` (1 MiB)
@@ -521,9 +522,11 @@ def measure(a: argparse.Namespace, hosts: int, rate: str, fractions: list[float]
     a.op_timeout = max(60.0, 40 * a.mib * MiB * 8 / rate_bits * max(1, hosts) / 4)
     res: dict[str, Any] = {"hosts": hosts, "rate": rate, "tensors": a.tensors, "fractions": fractions,
                            "patches_supported": patches, "cpus": os.cpu_count(), "quiet_wait": a.quiet_wait,
+                           "fanout": a.fanout,
                            "goal_fraction": min(fractions, key=lambda f: abs(f - 0.01)), "rounds": []}
     t0 = time.monotonic()
-    log(f"cluster: 1 trainer + {hosts} hosts at {rate}, {a.mib:g} MiB model, fractions {fractions}")
+    log(f"cluster: 1 trainer + {hosts} hosts at {rate}, {a.mib:g} MiB model, fractions {fractions}"
+        + (f", relay fan-out {a.fanout}" if a.fanout is not None else ""))
     with running_cluster(hosts, rate=rate, mib=a.mib, tensors=a.tensors,
                          timeout=max(30.0, deadline - time.monotonic())) as run:
         log(f"hosts up in {time.monotonic() - t0:.1f} s")
@@ -571,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                    "100mbit with 8 hosts it alone takes ~3 min)")
     p.add_argument("--plots", action="store_true", help="a sweep: write its plots under docs/ "
                    f"({', '.join(SWEEP_SVGS.values())}); on with --write")
+    p.add_argument("--fanout", type=int, default=None,
+                   help="the relay's fan-out in every host (PARAMSTORE_RELAY_FANOUT; 1: a chain; default: the "
+                   "store's, a chain up to paramstore.peer.CHAIN_HOSTS fetchers, a tree beyond)")
     p.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     p.add_argument("--markdown", metavar="OUT", help="write the report as Markdown (for tools/docgen.py cluster)")
     p.add_argument("--write", action="store_true",
@@ -590,8 +596,10 @@ def main(argv: list[str] | None = None) -> int:
         a.quiet_wait = 2 if a.quick else 60
     fractions = [float(x) for x in a.fraction.split(",") if x.strip()]
     if not host_counts or min(host_counts) < 1 or not rates or a.rounds < 1 or not fractions \
-            or not all(0 < f <= 1 for f in fractions):
-        p.error("--hosts, --rounds >= 1; fractions in (0, 1]")
+            or not all(0 < f <= 1 for f in fractions) or (a.fanout is not None and a.fanout < 1):
+        p.error("--hosts, --rounds, --fanout >= 1; fractions in (0, 1]")
+    if a.fanout is not None:  # the hosts' processes inherit it
+        os.environ["PARAMSTORE_RELAY_FANOUT"] = str(a.fanout)
     import netcluster
 
     why = netcluster.available()
