@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -303,6 +304,7 @@ class _Sources:
         self._maps: dict[str, Any] = {}
         self._bufs: dict[str, "torch.Tensor"] = {}
         self._headers: dict[str, tuple[int, dict[str, dict]]] = {}
+        self.scratch = _Scratch()  # what deferred conversions write into (the whole derivation's)
 
     def buf(self, o: str) -> "torch.Tensor":
         import torch
@@ -363,11 +365,45 @@ class _Sources:
             return None
 
 
-def _store_outputs(root: StoreRoot, produced: list[tuple[tuple[tuple[int, int] | None, str], Mapping[str, Any]]],
-                   sources: tuple[str, ...], report: DeriveReport, what: str) -> _Record:
+class _Deferred:
+    """A tensor the recipe converts straight into the derived object's bytes (:attr:`Recipe.shapes
+    <paramstore.recipes.Recipe.shapes>`): nothing is converted until its place is known."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: "torch.Tensor") -> None:
+        self.name, self.tensor = name, tensor
+
+
+class _Scratch:
+    """Memory a derivation converts into, reused from one tensor to the next (faulted in once, not
+    once per output): views carved from one buffer, grown when a tensor needs more."""
+
+    def __init__(self) -> None:
+        self._buf: "torch.Tensor | None" = None
+
+    def views(self, shapes: Mapping[str, tuple["torch.dtype", tuple[int, ...]]]) -> dict[str, "torch.Tensor"]:
+        import torch
+
+        at, spans = 0, {}
+        for name, (dtype, shape) in shapes.items():
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            spans[name] = (at, n, dtype, shape)
+            at += -(-n // 64) * 64
+        if self._buf is None or self._buf.numel() < at:
+            self._buf = None
+            self._buf = torch.empty(max(at, 1), dtype=torch.uint8)
+        return {name: self._buf[b:b + n].view(dtype).view(shape) for name, (b, n, dtype, shape) in spans.items()}
+
+
+def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple[tuple[int, int] | None, str],
+                                                                           "Mapping[str, Any] | _Deferred"]],
+                   sources: tuple[str, ...], report: DeriveReport, what: str, scratch: _Scratch) -> _Record:
     """Write what the recipe produced as one derived object (the commit's format and digests:
     :func:`paramstore.format.layout`, :func:`~paramstore.format.object_digest`), placed with the
-    tier's rename; returns the unit's record (not yet written). The caller holds the GC lock shared."""
+    tier's rename; returns the unit's record (not yet written). A :class:`_Deferred` tensor is
+    converted now, into ``scratch``, once the object's layout is known. The caller holds the GC
+    lock shared."""
     import torch
 
     from .tensors import TORCH_TO_ST
@@ -375,46 +411,86 @@ def _store_outputs(root: StoreRoot, produced: list[tuple[tuple[tuple[int, int] |
     record = _Record(sources, {})
     if not produced:
         return record
-    flat: dict[str, torch.Tensor] = {}
+    specs: list[TensorSpec] = []
+    eager: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[tuple[tuple[int, int] | None, str], str]] = {}  # key in the object -> (source, name)
+
+    def output(i: int, src: tuple[tuple[int, int] | None, str], n: str, dtype: Any, shape: tuple[int, ...]) -> str:
+        if dtype not in TORCH_TO_ST:
+            raise InvalidArgumentError(f"recipe {report.recipe!r}: {src[1]!r} gave {n!r} as {dtype}, which an "
+                                       "object cannot hold")
+        key = f"{i}:{n}"  # unique in the object even if two sources give the same name
+        specs.append(TensorSpec(key, TORCH_TO_ST[dtype], tuple(int(d) for d in shape)))
+        where[key] = (src, n)
+        return key
+
     for i, (src, outs) in enumerate(produced):
+        if isinstance(outs, _Deferred):
+            for n, (dtype, shape) in recipe.shapes(outs.name, outs.tensor).items():  # type: ignore[misc]
+                output(i, src, n, dtype, shape)
+            continue
         for n, t in outs.items():
-            if not isinstance(t, torch.Tensor) or t.dtype not in TORCH_TO_ST:
+            if not isinstance(t, torch.Tensor):
                 raise InvalidArgumentError(f"recipe {report.recipe!r}: {src[1]!r} gave {n!r} as "
-                                           f"{getattr(t, 'dtype', type(t).__name__)}, which an object cannot hold")
-            key = f"{i}:{n}"  # unique in the object even if two sources give the same name
-            flat[key] = t.detach().to("cpu").contiguous()
-            where[key] = (src, n)
-    plan = layout([TensorSpec(k, TORCH_TO_ST[t.dtype], tuple(t.shape)) for k, t in flat.items()])
+                                           f"{type(t).__name__}, which an object cannot hold")
+            eager[output(i, src, n, t.dtype, tuple(t.shape))] = t.detach().to("cpu").contiguous()
+    plan = layout(specs)
+    at = {p.spec.name: p for p in plan.placements}
     path = os.path.join(root.tier.tmp_dir, tmp_name())
-    digests: list[str] = []
+    digests: dict[str, str] = {}
     try:
-        with open(path, "xb") as f:
-            f.write(plan.header)
-            for p in plan.placements:
-                data = flat[p.spec.name].reshape(-1).view(torch.uint8).numpy()
-                with memoryview(data) as mv:
-                    digests.append(tensor_digest(mv))
-                    f.write(mv)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except PermissionError as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
         raise UnsafeStoreError(f"cannot derive {what} with recipe {report.recipe!r} in {root.path}: this process "
                                f"may not write its objects ({e.strerror}); in a group store only its owner derives: "
                                "prefetch the version with the recipe in the trainer's process first") from None
+
+    def put(key: str, t: torch.Tensor) -> None:
+        with memoryview(t.reshape(-1).view(torch.uint8).numpy()) as mv:
+            digests[key] = tensor_digest(mv)
+            _pwrite_all(fd, mv, at[key].offset)
+
+    try:
+        _pwrite_all(fd, memoryview(plan.header), 0)
+        for i, (src, outs) in enumerate(produced):
+            if not isinstance(outs, _Deferred):
+                continue
+            shapes = recipe.shapes(outs.name, outs.tensor)  # type: ignore[misc]
+            views = scratch.views(shapes)
+            got = recipe.convert(outs.name, outs.tensor, out=views)  # type: ignore[call-arg]
+            if set(got) != set(views) or any(got[n] is not v and got[n].data_ptr() != v.data_ptr()
+                                             for n, v in views.items()):
+                raise InvalidArgumentError(f"recipe {report.recipe!r}: convert({outs.name!r}, out=...) must fill "
+                                           f"and return the outputs it was given ({sorted(views)}), not {sorted(got)}")
+            for n, v in views.items():
+                put(f"{i}:{n}", v)
+        for key, t in eager.items():
+            put(key, t)
+        os.close(fd)
+        fd = -1
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
-    obj = object_digest(plan.header, digests)
+    obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
     if root.tier.put(obj, path, move=True):
         report.objects += 1
         report.bytes += plan.size
     record.objects[obj] = plan.size
-    for p, d in zip(plan.placements, digests):
+    for p in plan.placements:
         src, n = where[p.spec.name]
-        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, d, obj, p.offset, p.nbytes)
+        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, digests[p.spec.name], obj,
+                                                            p.offset, p.nbytes)
     return record
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def _derive_object(root: StoreRoot, recipe: "Recipe", src: _Sources, o: str, report: DeriveReport) -> _Record:
@@ -434,18 +510,25 @@ def _derive_object(root: StoreRoot, recipe: "Recipe", src: _Sources, o: str, rep
             continue
         t = src.view(o, b, e - b, dtype, shape)
         if recipe.eligible(name, t):
-            produced.append((((b, e), name), recipe.convert(name, t)))
+            produced.append((((b, e), name), _converted(recipe, name, t)))
     report.tensors += len(produced)
-    return _store_outputs(root, produced, (o,), report, f"object {o[:12]}…")
+    return _store_outputs(root, recipe, produced, (o,), report, f"object {o[:12]}…", src.scratch)
 
 
 def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, e: TensorEntry,
                    report: DeriveReport) -> _Record:
     """Derive the unit of one tensor as the version names it."""
     t = src.tensor(e)
-    produced = [((None, name), recipe.convert(name, t))] if recipe.eligible(name, t) else []
+    produced = [((None, name), _converted(recipe, name, t))] if recipe.eligible(name, t) else []
     report.tensors += len(produced)
-    return _store_outputs(root, produced, tuple(sorted({c.object for c in e.pieces()})), report, f"tensor {name!r}")
+    return _store_outputs(root, recipe, produced, tuple(sorted({c.object for c in e.pieces()})), report,
+                          f"tensor {name!r}", src.scratch)
+
+
+def _converted(recipe: "Recipe", name: str, t: "torch.Tensor") -> "Mapping[str, Any] | _Deferred":
+    """What ``recipe`` makes of ``t``: converted later, into the object's memory, when the recipe
+    says its outputs' shapes; else now."""
+    return _Deferred(name, t) if recipe.shapes is not None and t.device.type == "cpu" else recipe.convert(name, t)
 
 
 def _tensor_unit(name: str, e: TensorEntry) -> str:

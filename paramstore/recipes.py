@@ -161,6 +161,12 @@ class Recipe:
     object. ``quantization_config`` (JSON data, kept read-only: :meth:`config` gives a plain copy) is
     what the engine reads from ``config.json``'s ``quantization_config``.
 
+    ``shapes`` (optional) says what ``convert`` makes of a tensor without converting it: its
+    outputs' ``(dtype, shape)`` by name. A recipe that has it must also take ``convert(name, tensor,
+    out=...)``: ``out`` the outputs, by name, allocated by the caller (contiguous, of those dtypes and
+    shapes), filled in place and returned. A store then converts into memory it reuses and writes
+    the object from there, instead of allocating every output anew (the built-in recipes do).
+
     Example:
         >>> from paramstore.recipes import Recipe, derive
         >>> halve = Recipe("half", 1, lambda n, t: t.dtype == torch.float32,
@@ -175,6 +181,7 @@ class Recipe:
     convert: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]]
     quantization_config: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
+    shapes: Callable[[str, torch.Tensor], Mapping[str, tuple[torch.dtype, tuple[int, ...]]]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -182,8 +189,8 @@ class Recipe:
                                        "starting with a letter or digit")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
             raise InvalidArgumentError(f"recipe {self.name!r}: version must be an int >= 1, not {self.version!r}")
-        if not callable(self.eligible) or not callable(self.convert):
-            raise InvalidArgumentError(f"recipe {self.name!r}: eligible and convert must be callables")
+        if not callable(self.eligible) or not callable(self.convert) or not (self.shapes is None or callable(self.shapes)):
+            raise InvalidArgumentError(f"recipe {self.name!r}: eligible, convert and shapes must be callables")
         try:
             json.dumps(self.quantization_config)
         except (TypeError, ValueError) as e:
@@ -354,11 +361,12 @@ def _check_scales(scale: torch.Tensor, what: str) -> None:
         raise InvalidTensorError(f"{what}: an infinite or NaN element leaves no finite FP8 scale")
 
 
-def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
-                   amax_floor: float = AMAX_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128), amax_floor: float = AMAX_FLOOR, *,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)``: 2-D ``x`` in ``float8_e4m3fn`` (same shape) and its float32 block scales of
-    shape ``(ceil(N / block[0]), ceil(K / block[1]))``, on ``x``'s device. See the module's
-    documentation for the quantizer and its error bound.
+    shape ``(ceil(N / block[0]), ceil(K / block[1]))``, on ``x``'s device (``out``: into these two,
+    contiguous, made by the caller). See the module's documentation for the quantizer and its
+    error bound.
 
     Example:
         >>> from paramstore.recipes import quantize_block
@@ -372,8 +380,7 @@ def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
         raise InvalidArgumentError(f"block sizes must be positive, not {block}")
     n, k = x.shape
     gn, gk = -(-n // bn), -(-k // bk)
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((gn, gk), dtype=torch.float32, device=x.device)
+    q, scale = _outputs(x, out, ((n, k), (gn, gk)))
     if n == 0 or k == 0:
         return q, scale
     kernel, kind = _kernel_for(x)
@@ -383,6 +390,21 @@ def quantize_block(x: torch.Tensor, block: tuple[int, int] = (128, 128),
         _block_torch(x, (bn, bk), amax_floor, q, scale)
     _check_scales(scale, "block FP8")
     return q, scale
+
+
+def _outputs(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None,
+             shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` checked (contiguous, on ``x``'s device, ``float8_e4m3fn`` and float32 of ``shapes``),
+    or the two made now."""
+    if out is None:
+        return (torch.empty(shapes[0], dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty(shapes[1], dtype=torch.float32, device=x.device))
+    for t, dtype, shape in zip(out, (torch.float8_e4m3fn, torch.float32), shapes):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(shape) \
+                or not t.is_contiguous() or t.device != x.device:
+            raise InvalidArgumentError(f"out: expected contiguous {dtype} tensors of shapes {shapes} on {x.device}, "
+                                       f"not {[(getattr(o, 'dtype', None), tuple(getattr(o, 'shape', ()))) for o in out]}")
+    return out[0], out[1]
 
 
 def _kernel_for(x: torch.Tensor) -> tuple[Any, str]:
@@ -448,9 +470,11 @@ def _block_torch(x: torch.Tensor, block: tuple[int, int], amax_floor: float,
             q[r0 + i:r0 + i + r].copy_(f[:r, :k])  # round to nearest even
 
 
-def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR, *,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` in ``float8_e4m3fn`` and its one float32 scale (shape ``()``), on ``x``'s
-    device. The same quantizer as :func:`quantize_block`, one block the whole tensor.
+    device (``out``: into these two, made by the caller). The same quantizer as
+    :func:`quantize_block`, one block the whole tensor.
 
     Example:
         >>> from paramstore.recipes import quantize_tensor
@@ -459,7 +483,12 @@ def quantize_tensor(x: torch.Tensor, amax_floor: float = AMAX_FLOOR) -> tuple[to
         ([32.0, -256.0, 448.0], 0.0078125)
     """
     _check_input(x, None)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    q, scale = _outputs(x, out, (tuple(x.shape), ()))
+    q, s = _quantize_tensor(x, amax_floor, q)
+    return q, scale.copy_(s)
+
+
+def _quantize_tensor(x: torch.Tensor, amax_floor: float, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return q, torch.tensor(amax_floor / FP8_MAX, dtype=torch.float32, device=x.device)
     kernel, kind = _kernel_for(x)
@@ -533,14 +562,22 @@ def fp8_block_recipe(name: str = "fp8-block128", *, block: int = 128,
         >>> tuple(derive(r, {"lm_head.weight": torch.ones(130, 64)})["lm_head.weight_scale_inv"].shape)
         (3, 1)
     """
-    def convert(tensor_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, s = quantize_block(tensor, (block, block), amax_floor)
-        return {tensor_name: q, scale_name(tensor_name, "weight_scale_inv"): s}
+    def shapes(tensor_name: str, tensor: torch.Tensor) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        n, k = tensor.shape
+        return {tensor_name: (torch.float8_e4m3fn, (n, k)),
+                scale_name(tensor_name, "weight_scale_inv"): (torch.float32, (-(-n // block), -(-k // block)))}
+
+    def convert(tensor_name: str, tensor: torch.Tensor, out: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
+        sname = scale_name(tensor_name, "weight_scale_inv")
+        q, s = quantize_block(tensor, (block, block), amax_floor,
+                              out=None if out is None else (out[tensor_name], out[sname]))
+        return {tensor_name: q, sname: s}
 
     return Recipe(name, version, eligible, convert,
                   {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                    "weight_block_size": [block, block]},
-                  f"float8_e4m3fn weights with float32 {block}x{block} block scales (*weight_scale_inv)")
+                  f"float8_e4m3fn weights with float32 {block}x{block} block scales (*weight_scale_inv)", shapes)
 
 
 def fp8_tensor_recipe(name: str = "fp8-tensor", *, eligible: Callable[[str, torch.Tensor], bool] = default_eligible,
@@ -553,13 +590,19 @@ def fp8_tensor_recipe(name: str = "fp8-tensor", *, eligible: Callable[[str, torc
         >>> fp8_tensor_recipe("fp8-tensor-v2", version=2)
         Recipe('fp8-tensor-v2', version=2)
     """
-    def convert(tensor_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, s = quantize_tensor(tensor, amax_floor)
-        return {tensor_name: q, scale_name(tensor_name, "weight_scale"): s}
+    def shapes(tensor_name: str, tensor: torch.Tensor) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {tensor_name: (torch.float8_e4m3fn, tuple(tensor.shape)),
+                scale_name(tensor_name, "weight_scale"): (torch.float32, ())}
+
+    def convert(tensor_name: str, tensor: torch.Tensor, out: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
+        sname = scale_name(tensor_name, "weight_scale")
+        q, s = quantize_tensor(tensor, amax_floor, out=None if out is None else (out[tensor_name], out[sname]))
+        return {tensor_name: q, sname: s}
 
     return Recipe(name, version, eligible, convert,
                   {"quant_method": "fp8", "activation_scheme": "dynamic"},
-                  "float8_e4m3fn weights with one float32 scale per tensor (*weight_scale)")
+                  "float8_e4m3fn weights with one float32 scale per tensor (*weight_scale)", shapes)
 
 
 register(fp8_block_recipe())

@@ -473,3 +473,30 @@ def test_a_record_naming_a_bad_patch_is_not_a_record(store):
                 {good: [good, 10, []]}, {obj: [good, True, []]}, {obj: [good, 10]}):
         with pytest.raises((ValueError, paramstore.ParamStoreError)):
             derived._decode(json.dumps(raw | {"patches": bad}).encode())
+
+
+def test_a_recipe_with_shapes_converts_into_the_objects_memory(store):
+    """A recipe that says its outputs' shapes (``Recipe.shapes``, as the built-in ones do) is given
+    them to fill (``convert(..., out=...)``): the store writes the object from there. One that
+    returns other tensors instead is refused, naming the contract; nothing is recorded."""
+    base = recipes.get("fp8-block128")
+    calls = []
+
+    def convert(n, t, out=None):
+        calls.append(out is not None)
+        return base.convert(n, t, out=out)
+
+    good = recipes.register(recipes.Recipe("fp8-block128-into", 1, base.eligible, convert, base.config(),
+                                           shapes=base.shapes), replace=True)
+    bad = recipes.register(recipes.Recipe("fp8-block128-ignores-out", 1, base.eligible,
+                                          lambda n, t, out=None: base.convert(n, t), base.config(),
+                                          shapes=base.shapes), replace=True)
+    sd = model_state(0)
+    store.commit(1, sd).result()
+    with store.checkout(1, recipe=good) as snap:
+        want = recipes.derive("fp8-block128", sd)
+        assert all(same(snap[k], v) for k, v in want.items())
+    assert calls and all(calls)  # every conversion given its outputs
+    with pytest.raises(InvalidArgumentError, match="must fill and return the outputs it was given"):
+        store.checkout(1, recipe=bad)
+    assert not [k for k in store._root.registry.derived_keys() if k.startswith("fp8-block128-ignores-out@")]

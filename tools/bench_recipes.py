@@ -100,6 +100,35 @@ def _breakdown(w: torch.Tensor, repeats: int) -> list[dict]:
     return out
 
 
+def _in_store(state: dict[str, torch.Tensor], recipe: str, repeats: int, copy_s: float) -> dict:
+    """A derivation as a store does it: ``checkout(1, recipe=...)`` of a version committed from
+    ``state`` (on /dev/shm), its records dropped and its derived objects collected between rounds so
+    that every round derives (convert, write the object, hash it, record it). Medians."""
+    import shutil
+    import tempfile
+
+    import paramstore
+
+    root = tempfile.mkdtemp(prefix="bench-recipes-", dir="/dev/shm")
+    try:
+        with paramstore.ParamStore(root) as store:
+            store.commit(1, state).result()
+            times, nbytes = [], 0
+            for r in range(repeats + 1):
+                t = time.perf_counter()
+                with store.checkout(1, recipe=recipe) as snap:
+                    took = time.perf_counter() - t
+                    nbytes = snap.derived.bytes
+                if r:
+                    times.append(took)
+                store._root.registry.drop_derived(store._root.registry.derived_keys())
+                store.gc()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"recipe": recipe, "threads": torch.get_num_threads(), "store_s": statistics.median(times),
+            "derived_bytes": nbytes, "ratio": statistics.median(times) / copy_s}
+
+
 def _state(gib: float) -> dict[str, torch.Tensor]:
     """Llama-shaped layers (hidden 4096, MLP 11008) of bf16 until ``gib`` GiB, plus embedding,
     norms and head (which the recipes leave as they are)."""
@@ -189,8 +218,13 @@ def main() -> None:
                 print(f"  {nthreads} thread(s) {b['step']:42s} {b['ns_per_element']:6.3f} ns/element "
                       f"{b['x_copy']:5.2f}x the copy", flush=True)
     torch.set_num_threads(threads)
+    copy2 = next(r["copy_s"] for r in rows if r["threads"] == threads and r["recipe"] == "fp8-block128")
+    stored = [_in_store(state, name, args.repeats, copy2) for name in ("fp8-block128", "fp8-tensor")]
+    for r in stored:
+        print(f"{r['recipe']:14s} in a store: checkout with the recipe {r['store_s']:.3f} s, {r['ratio']:.2f}x the copy",
+              flush=True)
     res = {"argv": ["tools/bench_recipes.py", *sys.argv[1:]], "machine": machine(), "gib": round(nbytes / (1 << 30), 3),
-           "tensors": len(state), "rows": rows, "breakdown": breakdown, "total_seconds": time.monotonic() - t_start}
+           "tensors": len(state), "rows": rows, "store": stored, "breakdown": breakdown, "total_seconds": time.monotonic() - t_start}
     res["conversion"] = conversion
     md = [f"Deriving a {res['gib']} GiB bf16 Llama-shaped state dict ({len(state)} tensors), medians of "
           f"{args.repeats} rounds, each next to a copy of the same bytes into fresh memory (`clone`, as a "
@@ -204,6 +238,11 @@ def main() -> None:
         old = (f" {r['before_s']:.3f} |", f" {r['before_ratio']:.2f}× |") if before is not None else ("", "")
         md.append(f"| `{r['recipe']}` | {r['threads']} | {r['derive_s']:.3f} |{old[0]} {r['clone_s']:.3f} | "
                   f"{r['copy_s']:.3f} | {r['clone_ratio']:.2f}× | {r['ratio']:.2f}× |{old[1]} ≤ 2× |")
+    md += ["", f"In a store (`checkout(1, recipe=...)` of the committed version, on /dev/shm, {threads} torch "
+           "threads; every round derives: convert, write and hash the derived objects, record them), against the "
+           "copy above:", "", "| recipe | checkout with the recipe (s) | derived bytes | / copy |", "|---|---:|---:|---:|"]
+    md += [f"| `{r['recipe']}` | {r['store_s']:.3f} | {r['derived_bytes'] / (1 << 20):.0f} MiB | {r['ratio']:.2f}× |"
+           for r in stored]
     if breakdown:
         md += ["", "Each step alone on the largest weight, in ns per element and against a copy of that weight:", "",
                "| step | " + " | ".join(f"{t} thread(s): ns/element | × copy" for t in breakdown) + " |",
