@@ -425,9 +425,10 @@ def test_hashing_overlapped_with_the_copy_is_exact(store_root, monkeypatch, core
         assert store.verify()["ok"]
 
 
-def _overlap_commit(store_root: str, monkeypatch: pytest.MonkeyPatch, cores: int, torn: bool = False):
+def _overlap_commit(store_root: str, monkeypatch: pytest.MonkeyPatch, cores: int, torn: bool = False,
+                    wait_s: float = 60.0):
     """A store and a model whose first tensor is three pieces (17 MiB); the copy of its last tensor
-    waits (up to 60 s) until a hash thread has taken a unit, if one may run while staging.
+    waits (up to ``wait_s``) until a hash thread has taken a unit, if one may run while staging.
     Returns the store, the model, the committer's hash queue and {"overlapped": whether one had}."""
     monkeypatch.setattr(commit_mod, "cores", lambda: cores)
     m = {"first": random_tensor(torch.float32, ((17 << 20) // 4,), 1)}  # 3 pieces of 8 MiB
@@ -438,7 +439,7 @@ def _overlap_commit(store_root: str, monkeypatch: pytest.MonkeyPatch, cores: int
 
     def copy(self, dst, src, **kw):
         if src.data_ptr() == m["last"].data_ptr() and "overlapped" not in seen:  # the first commit only
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + wait_s
             while hashers.started_while_staging == 0 and hashers.while_staging and time.monotonic() < deadline:
                 time.sleep(0.001)
             seen["overlapped"] = hashers.started_while_staging > 0
@@ -466,11 +467,11 @@ def test_pieces_are_hashed_while_the_commit_is_still_copying(store_root, monkeyp
 
 
 def test_a_streaming_commit_hashes_while_its_tensors_arrive(store_root, monkeypatch, shm_dir):
-    """A commit of an iterable hands each tensor to the hash threads once copied, as a state dict's
-    does (the copy of its last tensor waits for a hash thread to start: no timing); its digests are
-    those of the same tensors committed as a state dict, also after a commit whose layout lost a
-    tensor (its shard compacted, the early digests' bytes moved)."""
-    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=2)
+    """With cores to spare (4), a commit of an iterable hands each tensor to the hash threads once
+    copied, as a state dict's does (the copy of its last tensor waits for a hash thread to start: no
+    timing); its digests are those of the same tensors committed as a state dict, also after a
+    commit whose layout lost a tensor (its shard compacted, the early digests' bytes moved)."""
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=4)
     with store:
         h = store.commit(1, iter(list(m.items())))
         assert h.result(timeout=60).step == 1
@@ -486,6 +487,16 @@ def test_a_streaming_commit_hashes_while_its_tensors_arrive(store_root, monkeypa
         other.commit(1, m).result(timeout=60)
         other.commit(2, fewer).result(timeout=60)
         assert [other.manifest(s).digest() for s in (1, 2)] == streamed
+
+
+def test_a_streaming_commit_on_two_cores_leaves_the_callers_copy_its_core(store_root, monkeypatch):
+    """On a small host a stream is copied on the caller's (the trainer's) thread: nothing is hashed
+    beside it (that would slow the trainer), the publisher hashes after the last tensor."""
+    store, m, hashers, seen = _overlap_commit(store_root, monkeypatch, cores=2, wait_s=1.0)  # 1 s: would have
+    with store:
+        assert store.commit(1, iter(list(m.items()))).result(timeout=60).step == 1
+        assert seen["overlapped"] is False and hashers.started_while_staging == 0
+        assert_checkout_equal(store, 1, m)
 
 
 def test_one_core_hashes_nothing_while_copying(store_root, monkeypatch):
