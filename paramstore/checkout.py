@@ -135,6 +135,13 @@ class Fetcher:
         return LazyReads(self._root, step, manifest, report, transport=self._transport, server=self._server,
                          remote=self._remote)
 
+    @property
+    def derive_pool(self) -> "SlabPool | None":
+        """Where a derivation writes its objects: the store's slab pool when it prepares buffers
+        (slabs for the next version faulted in the background), else None (new files, nothing
+        prepared: see :func:`paramstore.derived.derive_manifest`)."""
+        return self._pool if self._prepare else None
+
     def elsewhere(self, report: FetchReport | None) -> "_Elsewhere":
         """Where a derivation (:mod:`paramstore.derived`) finds what another host made: derived
         records in the remote, derived objects on peers, then in the remote (bytes counted in

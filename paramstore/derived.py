@@ -74,6 +74,8 @@ from .validate import check_digest
 if TYPE_CHECKING:
     import torch
 
+    from .staging import Slab, SlabPool
+
     from .recipes import Recipe
     from .snapshot import Snapshot
 
@@ -299,12 +301,14 @@ def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set
 class _Sources:
     """Read-only access to the source objects of one derivation: their maps and headers, once each."""
 
-    def __init__(self, root: StoreRoot) -> None:
+    def __init__(self, root: StoreRoot, pool: "SlabPool | None" = None) -> None:
         self._root = root
         self._maps: dict[str, Any] = {}
         self._bufs: dict[str, "torch.Tensor"] = {}
         self._headers: dict[str, tuple[int, dict[str, dict]]] = {}
-        self.scratch = _Scratch()  # what deferred conversions write into (the whole derivation's)
+        self.scratch = _Scratch()  # what deferred conversions write into without a pool
+        self.pool = pool  # where derived objects are written (their slabs prepared ahead), if given
+        self.made: list[int] = []  # the sizes of the derived objects written
 
     def buf(self, o: str) -> "torch.Tensor":
         import torch
@@ -398,12 +402,13 @@ class _Scratch:
 
 def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple[tuple[int, int] | None, str],
                                                                            "Mapping[str, Any] | _Deferred"]],
-                   sources: tuple[str, ...], report: DeriveReport, what: str, scratch: _Scratch) -> _Record:
+                   sources: tuple[str, ...], report: DeriveReport, what: str, reading: "_Sources") -> _Record:
     """Write what the recipe produced as one derived object (the commit's format and digests:
     :func:`paramstore.format.layout`, :func:`~paramstore.format.object_digest`), placed with the
     tier's rename; returns the unit's record (not yet written). A :class:`_Deferred` tensor is
-    converted now, into ``scratch``, once the object's layout is known. The caller holds the GC
-    lock shared."""
+    converted now, once the object's layout is known: straight into the object's slab when the
+    derivation has a pool (``reading.pool``: a slab prepared ahead, faulted in the background), else
+    into ``reading.scratch``, written from there. The caller holds the GC lock shared."""
     import torch
 
     from .tensors import TORCH_TO_ST
@@ -436,6 +441,39 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
             eager[output(i, src, n, t.dtype, tuple(t.shape))] = t.detach().to("cpu").contiguous()
     plan = layout(specs)
     at = {p.spec.name: p for p in plan.placements}
+    slab = None
+    if reading.pool is not None:
+        slab, digests = _into_slab(reading.pool, recipe, produced, plan, at, eager, report)
+        path = slab.path
+    else:
+        path, digests = _into_file(root, recipe, produced, plan, at, eager, report, what, reading.scratch)
+    reading.made.append(plan.size)
+    obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
+    try:
+        placed = root.tier.put(obj, path, move=True)
+    except BaseException:
+        if slab is not None:
+            slab.discard()
+        raise
+    if slab is not None:
+        reading.pool.retire(slab)  # type: ignore[union-attr] (placed: its file is the object, or dropped)
+    if placed:
+        report.objects += 1
+        report.bytes += plan.size
+    record.objects[obj] = plan.size
+    for p in plan.placements:
+        src, n = where[p.spec.name]
+        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, digests[p.spec.name], obj,
+                                                            p.offset, p.nbytes)
+    return record
+
+
+def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
+               report: DeriveReport, what: str, scratch: _Scratch) -> tuple[str, dict[str, str]]:
+    """The derived object written into a new file of ``tmp/`` (``pwrite``: no mapping set up),
+    deferred conversions into ``scratch`` first; returns its path and each output's digest."""
+    import torch
+
     path = os.path.join(root.tier.tmp_dir, tmp_name())
     digests: dict[str, str] = {}
     try:
@@ -457,11 +495,7 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
                 continue
             shapes = recipe.shapes(outs.name, outs.tensor)  # type: ignore[misc]
             views = scratch.views(shapes)
-            got = recipe.convert(outs.name, outs.tensor, out=views)  # type: ignore[call-arg]
-            if set(got) != set(views) or any(got[n] is not v and got[n].data_ptr() != v.data_ptr()
-                                             for n, v in views.items()):
-                raise InvalidArgumentError(f"recipe {report.recipe!r}: convert({outs.name!r}, out=...) must fill "
-                                           f"and return the outputs it was given ({sorted(views)}), not {sorted(got)}")
+            _convert_into(recipe, outs, views, report)
             for n, v in views.items():
                 put(f"{i}:{n}", v)
         for key, t in eager.items():
@@ -474,16 +508,57 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
-    obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
-    if root.tier.put(obj, path, move=True):
-        report.objects += 1
-        report.bytes += plan.size
-    record.objects[obj] = plan.size
-    for p in plan.placements:
-        src, n = where[p.spec.name]
-        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, digests[p.spec.name], obj,
-                                                            p.offset, p.nbytes)
-    return record
+    return path, digests
+
+
+def _convert_into(recipe: "Recipe", outs: _Deferred, views: "dict[str, torch.Tensor]", report: DeriveReport) -> None:
+    """``recipe.convert(..., out=views)``, which must fill ``views`` and return them."""
+    got = recipe.convert(outs.name, outs.tensor, out=views)  # type: ignore[call-arg]
+    if set(got) != set(views) or any(got[n] is not v and got[n].data_ptr() != v.data_ptr() for n, v in views.items()):
+        raise InvalidArgumentError(f"recipe {report.recipe!r}: convert({outs.name!r}, out=...) must fill and return "
+                                   f"the outputs it was given ({sorted(views)}), not {sorted(got)}")
+
+
+def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
+               report: DeriveReport) -> tuple["Slab", dict[str, str]]:
+    """The derived object written into a slab of ``pool`` (one it prepared, faulted ahead, if there
+    is one of this size): deferred conversions straight into its place, eager outputs copied there,
+    each hashed from there. Returns the slab (its file renamed into the tier by the caller, then
+    retired) and each output's digest."""
+    slab = pool.take(plan.size)
+    try:
+        digests = _fill(slab.map, recipe, produced, plan, at, eager, report)
+    except BaseException:
+        slab.discard()
+        raise
+    return slab, digests
+
+
+def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
+          report: DeriveReport) -> dict[str, str]:
+    """Write the object into ``mapping`` (its header, deferred conversions into their places, eager
+    outputs copied) and hash each output there. Nothing viewing ``mapping`` outlives the call."""
+    import torch
+
+    from .tensors import ST_TO_TORCH
+
+    buf = torch.frombuffer(mapping, dtype=torch.uint8)
+    buf[:len(plan.header)] = torch.frombuffer(bytearray(plan.header), dtype=torch.uint8)
+    places = {key: buf[p.offset:p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
+              for key, p in at.items()}
+    for i, (_, outs) in enumerate(produced):
+        if isinstance(outs, _Deferred):
+            names = recipe.shapes(outs.name, outs.tensor)  # type: ignore[misc]
+            _convert_into(recipe, outs, {n: places[f"{i}:{n}"] for n in names}, report)
+    for key, t in eager.items():
+        places[key].copy_(t)
+    del places, buf
+    digests = {}
+    with memoryview(mapping) as mv:
+        for key, p in at.items():
+            with mv[p.offset:p.offset + p.nbytes] as part:
+                digests[key] = tensor_digest(part)
+    return digests
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -512,7 +587,7 @@ def _derive_object(root: StoreRoot, recipe: "Recipe", src: _Sources, o: str, rep
         if recipe.eligible(name, t):
             produced.append((((b, e), name), _converted(recipe, name, t)))
     report.tensors += len(produced)
-    return _store_outputs(root, recipe, produced, (o,), report, f"object {o[:12]}…", src.scratch)
+    return _store_outputs(root, recipe, produced, (o,), report, f"object {o[:12]}…", src)
 
 
 def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, e: TensorEntry,
@@ -522,7 +597,7 @@ def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, 
     produced = [((None, name), _converted(recipe, name, t))] if recipe.eligible(name, t) else []
     report.tensors += len(produced)
     return _store_outputs(root, recipe, produced, tuple(sorted({c.object for c in e.pieces()})), report,
-                          f"tensor {name!r}", src.scratch)
+                          f"tensor {name!r}", src)
 
 
 def _converted(recipe: "Recipe", name: str, t: "torch.Tensor") -> "Mapping[str, Any] | _Deferred":
@@ -567,7 +642,8 @@ def _unit(root: StoreRoot, recipe: "Recipe", src: _Sources, unit: str, make: Cal
 
 def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
                     report: DeriveReport | None = None, *, elsewhere: Elsewhere | None = None,
-                    units: "dict[str, _Record] | None" = None) -> tuple[Manifest, DeriveReport]:
+                    units: "dict[str, _Record] | None" = None,
+                    pool: "SlabPool | None" = None) -> tuple[Manifest, DeriveReport]:
     """The manifest of a version (whose objects are all here, and leased by the caller) as
     ``recipe`` derives it: converted tensors point into derived objects (derived now unless a
     record says where they are and they are here, or ``elsewhere`` brings them), every other one as
@@ -580,12 +656,14 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
         UnsafeStoreError: derived objects are needed and this process may not write them (a member
             of a group store).
 
-    ``units``: a dict filled with the record of each unit looked up (unit -> record).
+    ``units``: a dict filled with the record of each unit looked up (unit -> record). ``pool``: the
+    store's slab pool: derived objects are written into its slabs (prepared ones when it has them),
+    and slabs of the sizes derived now are prepared for the next version (in the background).
     """
     recipe = resolve_recipe(recipe)
     t0 = time.monotonic()
     report = report if report is not None else DeriveReport(recipe.name)
-    src = _Sources(root)
+    src = _Sources(root, pool)
     cache: dict[str, _Record] = units if units is not None else {}  # unit -> its record
     tensors: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
@@ -634,6 +712,8 @@ def derive_manifest(root: StoreRoot, manifest: Manifest, recipe: "str | Recipe",
         else:
             for new, entry in outs.items():
                 put(new, entry, alias)
+    if pool is not None and src.made:
+        pool.prepare(sorted(src.made), purpose="derive")  # the next version's, faulted meanwhile
     report.seconds += time.monotonic() - t0
     return Manifest(tensors, aliases, dict(manifest.assets)), report
 
@@ -683,15 +763,16 @@ def make_patches(root: StoreRoot, recipe: "str | Recipe", base: int, target: int
 
 
 def checkout(root: StoreRoot, snap: "Snapshot", recipe: "str | Recipe", *,
-             elsewhere: Elsewhere | None = None) -> "Snapshot":
+             elsewhere: Elsewhere | None = None, pool: "SlabPool | None" = None) -> "Snapshot":
     """``snap`` (a CPU checkout, holding its lease) in ``recipe``'s form: a new snapshot of the same
     version that maps the derived objects and the committed ones it keeps, and takes over the
-    lease. ``snap`` is closed (its lease released on error). ``elsewhere``: see :func:`derive_manifest`."""
+    lease. ``snap`` is closed (its lease released on error). ``elsewhere``, ``pool``: see
+    :func:`derive_manifest`."""
     from .snapshot import Snapshot
 
     try:
         recipe = resolve_recipe(recipe)
-        manifest, report = derive_manifest(root, snap.manifest, recipe, elsewhere=elsewhere)
+        manifest, report = derive_manifest(root, snap.manifest, recipe, elsewhere=elsewhere, pool=pool)
         sizes = dict(root.registry.object_sizes(manifest.objects()))
         sizes.update({o: root.tier.size(o) for o in manifest.objects() if o not in sizes})
     except BaseException:

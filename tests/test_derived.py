@@ -500,3 +500,25 @@ def test_a_recipe_with_shapes_converts_into_the_objects_memory(store):
     with pytest.raises(InvalidArgumentError, match="must fill and return the outputs it was given"):
         store.checkout(1, recipe=bad)
     assert not [k for k in store._root.registry.derived_keys() if k.startswith("fp8-block128-ignores-out@")]
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_derived_objects_written_into_slabs_or_files_are_the_same(shm_dir, prepare):
+    """A store that prepares buffers writes derived objects into its pool's slabs (and prepares
+    slabs of those sizes for the next version); one that does not writes new files. The same
+    objects, bit for bit as ``recipes.derive``."""
+    sd = model_state(0)
+    want = recipes.derive("fp8-block128", sd)
+    with paramstore.ParamStore(os.path.join(shm_dir, f"s{prepare}"), prepare_buffers=prepare) as store:
+        store.commit(1, sd).result()
+        with store.checkout(1, recipe="fp8-block128") as snap:
+            assert snap.derived.derived == 1 and all(same(snap[k], v) for k, v in want.items())
+            made = sorted(set(snap.manifest.objects()) - set(store.manifest(1).objects()))
+        sizes = [store._root.tier.size(o) for o in made]
+        assert bool(store._pool._want.get("derive")) is prepare  # slabs for the next version's derivation
+        if prepare:
+            assert sorted(store._pool._want["derive"]) == sorted(sizes)
+        assert store.verify()["ok"]
+    with paramstore.ParamStore(os.path.join(shm_dir, f"s{prepare}")) as again:
+        with again.checkout(1, recipe="fp8-block128") as snap:
+            assert snap.derived.derived == 0 and all(same(snap[k], v) for k, v in want.items())
