@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 import blake3
 
+from . import delta
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
 from .format import TensorSpec, layout, loads, object_digest, read_header, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
@@ -727,8 +728,6 @@ def make_patches(root: StoreRoot, recipe: "str | Recipe", base: int, target: int
     patch, its size and the objects it reads). A host that holds ``base``'s derived objects then
     moves a patch instead of a derived object (:func:`_here`). Returns ``{derived object: patch}``.
     Raises VersionNotFoundError if a version is gone."""
-    from . import delta
-
     recipe = resolve_recipe(recipe)
     reg = root.registry
     base_m, _ = derive_manifest(root, reg.get_manifest(base), recipe)

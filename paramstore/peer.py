@@ -840,7 +840,8 @@ class _Relay:
         if len(_RELAYERS) > 4096:
             for k in list(_RELAYERS)[:2048]:
                 del _RELAYERS[k]
-        fanout = relay_fanout(len(found.get(self.fetch_key, [])) + 1)
+        fetchers = {p.id for p, _ in found.get(self.fetch_key, [])} | {self.me or ""}  # this one announced itself
+        fanout = relay_fanout(len(fetchers))
         ups = [up for up in relay_order([p for _, p in sorted(ahead, key=lambda x: x[0])], fanout) if up.id not in skip]
         hops = relay_depth(len(ups), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
         for up in ups:  # the parent, its ancestors, then the others nearest first

@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         "paramstore.errors", "paramstore.text", "paramstore.format", "paramstore.validate", "paramstore.reports",
         "paramstore.manifest", "paramstore.patch", "paramstore.liveness", "paramstore.progress", "paramstore.safefs",
         "paramstore.accel", "paramstore.pinning", "paramstore.plugins", "paramstore.metrics", "paramstore.recipes",
-        "paramstore.adapters",
+        "paramstore.adapters", "paramstore.kernels",
     )),
     ("contracts", "the backend contracts and their conformance suites", (
         "paramstore.backends", "paramstore.backends.*.base", "paramstore.backends.*.testing",
@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         "paramstore.root", "paramstore.staging", "paramstore.writer", "paramstore.assets", "paramstore.retention",
         "paramstore.sharded", "paramstore.tensors", "paramstore.objects", "paramstore.snapshot", "paramstore.delta",
         "paramstore.peer", "paramstore.remote", "paramstore.commit", "paramstore.device", "paramstore.lazy",
-        "paramstore.derived", "paramstore.following",
+        "paramstore.derived", "paramstore.following", "paramstore.hashing",
     )),
     ("orchestration", "paths and services built on the mechanisms: checkout, broadcast, maintenance, commands", (
         "paramstore.checkout", "paramstore.collective", "paramstore.ops", "paramstore.maintenance",
