@@ -65,10 +65,12 @@ class StoreOptions:
         shard_size_bytes: target size of one object (a tensor larger than this gets its own).
         group_timeout: seconds the ranks of a sharded commit wait for each other.
         prepare_buffers: after each commit (and each checkout that fetched from peers or
-            patches), make and fault the next version's shared-memory buffers in the background
-            (two spare model sizes of shared memory) so the next copy, fetch or rebuild writes at
-            memory speed. False: none; rebuilds from patches then write new files (the least CPU
-            per update, no spare memory; see :func:`paramstore.delta.rebuild`).
+            patches, or derived a recipe's objects), make and fault the next version's
+            shared-memory buffers in the background (two spare model sizes of shared memory, and
+            one of the derived objects' sizes) so the next copy, fetch, rebuild or derivation
+            writes at memory speed. False: none; rebuilds from patches and derivations then write
+            new files (the least CPU per update, no spare memory; see
+            :func:`paramstore.delta.rebuild`, :func:`paramstore.derived.derive_manifest`).
         recycle_buffers: with retention (and ``prepare_buffers``), GC hands pruned versions'
             objects back to the commit path as the next commits' buffers, once no other process
             has them open or mapped.
