@@ -152,7 +152,10 @@ class Meter:
             r["settled"] = st
         unsettled = sum(not r.get("settled", {"settled": True})["settled"] for r in reps)
         kicked = sum(bool(r.get("settled", {}).get("kicked")) for r in reps)
-        return {"time_all_s": max(done), "done_s": done, "wall_s": wall, "trainer_tx": tx[0],
+        trainer = self.run.hosts[0].address + ":"  # what the rollout hosts say the trainer's peer served them
+        served = sum(b for r in reps for p, b in ((r.get("fetch") or {}).get("bytes_from") or {}).items()
+                     if p.startswith(trainer))
+        return {"time_all_s": max(done), "done_s": done, "wall_s": wall, "trainer_tx": tx[0], "trainer_served": served,
                 "rollout_rx": sum(rx[1:]), "tx": tx, "rx": rx, "busy_pct": use["busy_pct"],
                 "ours_pct": round(use["busy_pct"] - use["foreign_pct"], 1), "unsettled": unsettled, "kicked": kicked,
                 "softirq_pct": round(100.0 * dm[6] / max(1, sum(dm)), 1), "quiet": quiet,
@@ -249,6 +252,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                 "time_to_k": [med(k[i] for k in ks) for i in range(n)],
                 "egress_vs_model": med(m["trainer_tx"] for m in ms) / model,
                 "egress_max_vs_model": max(m["trainer_tx"] for m in ms) / model,
+                "served_vs_model": med(m.get("trainer_served", 0) for m in ms) / model,
                 "rx_per_host": med(m["rollout_rx"] for m in ms) / n,
                 "busy_pct": med(m["busy_pct"] for m in ms), "ours_pct": med(m["ours_pct"] for m in ms),
                 "softirq_pct": med(m.get("softirq_pct", 0.0) for m in ms),
@@ -327,7 +331,9 @@ def report(res: dict[str, Any]) -> str:
         f"measured link rate = {res['link_s']:.2f} s (the chain's first host reading it alone from the trainer, raw: "
         f"{model * 8 / res['link_s'] / 1e6:.0f} Mbit/s; nominal {ideal:.2f} s); "
         f"medians of {len(res['rounds'])} round(s). Time to k hosts: the k-th host to "
-        f"finish in the all-at-once run. Trainer egress: its eth0 `tx_bytes` (headers and registry traffic "
+        f"finish in the all-at-once run. Served by the trainer's peer: the bytes the rollout hosts' own "
+        f"reports (`snap.fetch.bytes_from`) say its peer server gave them (data only). "
+        f"Trainer egress: its eth0 `tx_bytes` (headers and registry traffic "
         f"included). CPU busy: the whole machine during the transfer (100% = every core; in parentheses, the "
         f"share of processes not of this benchmark, softirq excluded: each measurement first waits up to "
         f"{res['quiet_wait']:g} s for them to use < 10%); CPU-s: user + system "
@@ -335,8 +341,9 @@ def report(res: dict[str, Any]) -> str:
         f"context is not always charged to them); per GiB: a rollout host's CPU-s over the model's GiB."),
         "",
         "| strategy | time to all | / ideal | " + " | ".join(f"k={k}" for k in ks)
-        + " | trainer egress / model | CPU busy (others) | CPU-s: per rollout / trainer / redis | CPU-s per host per GiB |",
-        "|---|---|---|" + "---|" * len(ks) + "---|---|---|---|",
+        + " | trainer egress / model | served by the trainer's peer / model | CPU busy (others) "
+        "| CPU-s: per rollout / trainer / redis | CPU-s per host per GiB |",
+        "|---|---|---|" + "---|" * len(ks) + "---|---|---|---|---|",
     ]
     names = {"swarm": "swarm (paramstore checkout)", "chain": "chain (raw Mooncake, pipelined)",
              "star": "star (raw Mooncake, all from trainer)"}
@@ -351,7 +358,9 @@ def report(res: dict[str, Any]) -> str:
                                                                   else "patches=True")
         lines.append(f"| {label} | {v['time_all_s']:.2f} s | {v['vs_ideal']:.2f}× | "
                      + " | ".join(f"{v['time_to_k'][k_ - 1]:.2f}" for k_ in ks)
-                     + f" | {v['egress_vs_model']:.2f}× | {v['busy_pct']:.0f}% ({v['others_pct']:.0f}%) | "
+                     + f" | {v['egress_vs_model']:.2f}× | "
+                     + ("–" if k in ("chain", "star") else f"{v.get('served_vs_model', 0.0):.2f}×")
+                     + f" | {v['busy_pct']:.0f}% ({v['others_pct']:.0f}%) | "
                      f"{v['cpu_rollout_s']:.2f} / "
                      f"{v['cpu_trainer_s']:.2f} / {v['cpu_redis_s']:.2f} | {v['cpu_per_gib']:.2f} |")
     if not res["patches_supported"]:
