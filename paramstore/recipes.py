@@ -164,8 +164,9 @@ class Recipe:
     ``shapes`` (optional) says what ``convert`` makes of a tensor without converting it: its
     outputs' ``(dtype, shape)`` by name. A recipe that has it must also take ``convert(name, tensor,
     out=...)``: ``out`` the outputs, by name, allocated by the caller (contiguous, of those dtypes and
-    shapes), filled in place and returned. A store then converts into memory it reuses and writes
-    the object from there, instead of allocating every output anew (the built-in recipes do).
+    shapes), filled in place and returned, and not kept once ``convert`` returns (the memory is the
+    store's: the object's slab, unmapped later). A store then converts into memory it reuses and
+    writes the object from there, instead of allocating every output anew (the built-in recipes do).
 
     Example:
         >>> from paramstore.recipes import Recipe, derive
