@@ -136,10 +136,11 @@ class Fetcher:
                          remote=self._remote)
 
     @property
-    def derive_pool(self) -> "SlabPool | None":
-        """Where a derivation writes its objects: the store's slab pool when it prepares buffers
-        (slabs for the next version faulted in the background), else None (new files, nothing
-        prepared: see :func:`paramstore.derived.derive_manifest`)."""
+    def write_pool(self) -> "SlabPool | None":
+        """Where objects made on this host (rebuilt from patches, derived) are written: the store's
+        slab pool when it prepares buffers (its slabs faulted in the background: the fastest), else
+        None (new files: the least CPU, no slab faulted, no page tables set up and torn down; see
+        :func:`paramstore.delta.rebuild`, :func:`paramstore.derived.derive_manifest`)."""
         return self._pool if self._prepare else None
 
     def elsewhere(self, report: FetchReport | None) -> "_Elsewhere":
@@ -150,9 +151,7 @@ class Fetcher:
 
     def _from_patches(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                       excluded: set[str]) -> None:
-        # with prepared slabs, rebuilds write into them (the fastest); without, into new files (the
-        # least CPU: no slab faulted, no page tables set up and torn down)
-        fetch_by_patches(self._root, self._pool if self._prepare else None, step, manifest, report,
+        fetch_by_patches(self._root, self.write_pool, step, manifest, report,
                          functools.partial(self._get, report, excluded))
 
     def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
@@ -218,7 +217,7 @@ class _Elsewhere:
         f = self._fetcher
         if not f._patches:
             return  # this store moves whole objects
-        rebuild_all(f._root, f._pool if f._prepare else None, todo, wanted, self._report,
+        rebuild_all(f._root, f.write_pool, todo, wanted, self._report,
                     functools.partial(f._get, self._report, set()))
 
     def objects(self, sizes: "dict[str, int]") -> None:

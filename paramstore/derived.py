@@ -54,6 +54,7 @@ missing or of another size, is derived again and replaced.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -383,12 +384,14 @@ class _Sources:
 
 class _Deferred:
     """A tensor the recipe converts straight into the derived object's bytes (:attr:`Recipe.shapes
-    <paramstore.recipes.Recipe.shapes>`): nothing is converted until its place is known."""
+    <paramstore.recipes.Recipe.shapes>`, asked once: ``shapes``): nothing is converted until its
+    place is known."""
 
-    __slots__ = ("name", "tensor")
+    __slots__ = ("name", "tensor", "shapes")
 
-    def __init__(self, name: str, tensor: "torch.Tensor") -> None:
+    def __init__(self, recipe: "Recipe", name: str, tensor: "torch.Tensor") -> None:
         self.name, self.tensor = name, tensor
+        self.shapes = recipe.shapes(name, tensor)  # type: ignore[misc]
 
 
 class _Scratch:
@@ -443,7 +446,7 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
 
     for i, (src, outs) in enumerate(produced):
         if isinstance(outs, _Deferred):
-            for n, (dtype, shape) in recipe.shapes(outs.name, outs.tensor).items():  # type: ignore[misc]
+            for n, (dtype, shape) in outs.shapes.items():
                 output(i, src, n, dtype, shape)
             continue
         for n, t in outs.items():
@@ -454,11 +457,18 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
     plan = layout(specs)
     at = {p.spec.name: p for p in plan.placements}
     slab = None
-    if reading.pool is not None:
-        slab, digests = _into_slab(reading.pool, recipe, produced, plan, at, eager, report)
-        path = slab.path
-    else:
-        path, digests = _into_file(root, recipe, produced, plan, at, eager, report, what, reading.scratch)
+    try:
+        if reading.pool is not None:
+            slab, digests = _into_slab(reading.pool, recipe, produced, plan, at, eager, report)
+            path = slab.path
+        else:
+            path, digests = _into_file(root, recipe, produced, plan, at, eager, report, reading.scratch)
+    except OSError as e:  # a slab or a file of tmp/ that this process may not create (a group store's member)
+        if e.errno not in (errno.EACCES, errno.EPERM):
+            raise
+        raise UnsafeStoreError(f"cannot derive {what} with recipe {report.recipe!r} in {root.path}: this process "
+                               f"may not write its objects ({os.strerror(e.errno)}); in a group store only its owner "
+                               "derives: prefetch the version with the recipe in the trainer's process first") from None
     reading.made.append(plan.size)
     obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
     try:
@@ -481,37 +491,20 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
 
 
 def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-               report: DeriveReport, what: str, scratch: _Scratch) -> tuple[str, dict[str, str]]:
+               report: DeriveReport, scratch: _Scratch) -> tuple[str, dict[str, str]]:
     """The derived object written into a new file of ``tmp/`` (``pwrite``: no mapping set up),
     deferred conversions into ``scratch`` first; returns its path and each output's digest."""
     import torch
 
     path = os.path.join(root.tier.tmp_dir, tmp_name())
     digests: dict[str, str] = {}
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    except PermissionError as e:
-        raise UnsafeStoreError(f"cannot derive {what} with recipe {report.recipe!r} in {root.path}: this process "
-                               f"may not write its objects ({e.strerror}); in a group store only its owner derives: "
-                               "prefetch the version with the recipe in the trainer's process first") from None
-
-    def put(key: str, t: torch.Tensor) -> None:
-        with memoryview(t.reshape(-1).view(torch.uint8).numpy()) as mv:
-            digests[key] = tensor_digest(mv)
-            _pwrite_all(fd, mv, at[key].offset)
-
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         _pwrite_all(fd, memoryview(plan.header), 0)
-        for i, (src, outs) in enumerate(produced):
-            if not isinstance(outs, _Deferred):
-                continue
-            shapes = recipe.shapes(outs.name, outs.tensor)  # type: ignore[misc]
-            views = scratch.views(shapes)
-            _convert_into(recipe, outs, views, report)
-            for n, v in views.items():
-                put(f"{i}:{n}", v)
-        for key, t in eager.items():
-            put(key, t)
+        for key, t in _filled(recipe, produced, eager, lambda i, shapes: scratch.views(shapes), report):
+            with memoryview(t.reshape(-1).view(torch.uint8).numpy()) as mv:
+                digests[key] = tensor_digest(mv)
+                _pwrite_all(fd, mv, at[key].offset)
         os.close(fd)
         fd = -1
     except BaseException:
@@ -523,12 +516,23 @@ def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at:
     return path, digests
 
 
-def _convert_into(recipe: "Recipe", outs: _Deferred, views: "dict[str, torch.Tensor]", report: DeriveReport) -> None:
-    """``recipe.convert(..., out=views)``, which must fill ``views`` and return them."""
-    got = recipe.convert(outs.name, outs.tensor, out=views)  # type: ignore[call-arg]
-    if set(got) != set(views) or any(got[n] is not v and got[n].data_ptr() != v.data_ptr() for n, v in views.items()):
-        raise InvalidArgumentError(f"recipe {report.recipe!r}: convert({outs.name!r}, out=...) must fill and return "
-                                   f"the outputs it was given ({sorted(views)}), not {sorted(got)}")
+def _filled(recipe: "Recipe", produced: list, eager: "dict[str, torch.Tensor]",
+            views_for: "Callable[[int, Mapping[str, Any]], dict[str, torch.Tensor]]",
+            report: DeriveReport) -> "Iterable[tuple[str, torch.Tensor]]":
+    """Each output of the object, ``(key, tensor)``, once its bytes are there: a deferred
+    conversion's outputs after ``recipe.convert(..., out=views_for(i, its shapes))`` filled them
+    (it must fill and return those very tensors), then the eager outputs as the recipe gave them."""
+    for i, (_, outs) in enumerate(produced):
+        if not isinstance(outs, _Deferred):
+            continue
+        views = views_for(i, outs.shapes)
+        got = recipe.convert(outs.name, outs.tensor, out=views)  # type: ignore[call-arg]
+        if set(got) != set(views) or any(got[n] is not v and got[n].data_ptr() != v.data_ptr()
+                                         for n, v in views.items()):
+            raise InvalidArgumentError(f"recipe {report.recipe!r}: convert({outs.name!r}, out=...) must fill and "
+                                       f"return the outputs it was given ({sorted(views)}), not {sorted(got)}")
+        yield from ((f"{i}:{n}", v) for n, v in views.items())
+    yield from eager.items()
 
 
 def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
@@ -558,13 +562,11 @@ def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, e
     buf[:len(plan.header)] = torch.frombuffer(bytearray(plan.header), dtype=torch.uint8)
     places = {key: buf[p.offset:p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
               for key, p in at.items()}
-    for i, (_, outs) in enumerate(produced):
-        if isinstance(outs, _Deferred):
-            names = recipe.shapes(outs.name, outs.tensor)  # type: ignore[misc]
-            _convert_into(recipe, outs, {n: places[f"{i}:{n}"] for n in names}, report)
-    for key, t in eager.items():
-        places[key].copy_(t)
-    del places, buf
+    for key, t in _filled(recipe, produced, eager, lambda i, shapes: {n: places[f"{i}:{n}"] for n in shapes}, report):
+        if t is not places[key]:  # an eager output: copied into its place
+            places[key].copy_(t)
+    places.clear()  # no view of the mapping outlives the call
+    del buf
     digests = {}
     with memoryview(mapping) as mv:
         for key, p in at.items():
@@ -615,7 +617,7 @@ def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, 
 def _converted(recipe: "Recipe", name: str, t: "torch.Tensor") -> "Mapping[str, Any] | _Deferred":
     """What ``recipe`` makes of ``t``: converted later, into the object's memory, when the recipe
     says its outputs' shapes; else now."""
-    return _Deferred(name, t) if recipe.shapes is not None and t.device.type == "cpu" else recipe.convert(name, t)
+    return _Deferred(recipe, name, t) if recipe.shapes is not None and t.device.type == "cpu" else recipe.convert(name, t)
 
 
 def _tensor_unit(name: str, e: TensorEntry) -> str:

@@ -1,6 +1,6 @@
 """Compiled loops for the one hot path torch runs as scalar code: the FP8 conversion of recipes.
 
-torch converts float32 to ``float8_e4m3fn`` one element at a time inside its copy kernel (4.7× a
+torch converts float32 to ``float8_e4m3fn`` one element at a time inside its copy kernel (4.5× a
 copy on one thread, ``tools/bench_recipes.py --breakdown``), and a block quantizer built from torch
 operations passes over every element several times. :data:`SOURCE` is the whole quantizer in a few
 lines of C: per 128-row stripe, the block maxima on the input's sign-cleared bits, the scales, and the
@@ -11,7 +11,8 @@ written then renamed, named by a digest of the source, the command and the CPU's
 directory shared by hosts of different CPUs never hands one another's code), loaded only from a
 directory and file this user owns that nobody else may write (else built again in a private
 temporary directory), and loaded with
-:mod:`ctypes`, which releases the GIL: the callers split the work between threads.
+:mod:`ctypes`, which releases the GIL: the callers split the work between threads
+(:func:`paramstore.patch.run_all`).
 
 The kernels are a speed path only. Where there is no compiler, the build fails, or
 ``PARAMSTORE_KERNELS=off``, :func:`fp8` is ``None`` and :mod:`paramstore.recipes` uses its torch
@@ -38,13 +39,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import blake3
 
-__all__ = ["SOURCE", "Fp8Kernel", "fp8", "cache_dir", "parallel"]
+__all__ = ["SOURCE", "Fp8Kernel", "fp8", "cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -241,40 +241,3 @@ def fp8() -> Fp8Kernel | None:
             if not _loaded:
                 _loaded.append(_load())
     return _loaded[0]
-
-
-_pool: list[ThreadPoolExecutor] = []
-
-
-def parallel(tasks: list[Callable[[], object]], threads: int) -> None:
-    """Run ``tasks`` (independent calls into the kernels, which release the GIL) on up to
-    ``threads`` threads, the first on the caller's; the first error is raised once all are done.
-
-    Example:
-        >>> from paramstore.kernels import parallel
-        >>> out = []
-        >>> parallel([lambda: out.append(1), lambda: out.append(2)], threads=2)
-        >>> sorted(out)
-        [1, 2]
-    """
-    if threads <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            t()
-        return
-    with _lock:
-        if not _pool or _pool[0]._max_workers < threads - 1:  # noqa: SLF001 (grown, never shrunk)
-            if _pool:
-                _pool.pop().shutdown(wait=False)
-            _pool.append(ThreadPoolExecutor(threads - 1, thread_name_prefix="paramstore-kernel"))
-        pool = _pool[0]
-    rest = [pool.submit(t) for t in tasks[1:]]
-    error: BaseException | None = None
-    try:
-        tasks[0]()
-    except BaseException as e:  # noqa: BLE001 (re-raised once the others are done)
-        error = e
-    for f in rest:
-        e = f.exception()
-        error = error or e
-    if error is not None:
-        raise error

@@ -161,7 +161,7 @@ class ReadSide:
             metrics.fetched(self, report, manifest)
             if recipe is not None:
                 derived.derive_manifest(root, manifest, recipe, elsewhere=self.fetcher.elsewhere(report),
-                                        pool=self.fetcher.derive_pool)
+                                        pool=self.fetcher.write_pool)
         finally:
             release_lease(root.registry, lease_id, os.getpid())
         return record
@@ -191,7 +191,7 @@ class ReadSide:
         if recipe is not None:
             assert self.fetcher is not None
             snap = derived.checkout(root, snap, recipe,  # closes snap; the lease passes to the derived one
-                                    elsewhere=self.fetcher.elsewhere(snap.fetch), pool=self.fetcher.derive_pool)
+                                    elsewhere=self.fetcher.elsewhere(snap.fetch), pool=self.fetcher.write_pool)
             if verify:
                 derived.verify_or_forget(root, snap)
         if place is None:

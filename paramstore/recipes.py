@@ -105,6 +105,7 @@ import torch
 
 from . import kernels
 from .errors import InvalidArgumentError, InvalidTensorError
+from .patch import run_all
 
 __all__ = [
     "Recipe", "register", "get", "names", "derive", "default_eligible", "fp8_block_recipe", "fp8_tensor_recipe",
@@ -425,18 +426,13 @@ def _chunks(count: int, elements: int) -> list[tuple[int, int]]:
 
 def _block_kernel(fn: Callable[..., int], x: torch.Tensor, block: tuple[int, int], amax_floor: float,
                   q: torch.Tensor, scale: torch.Tensor) -> None:
-    """:func:`quantize_block` by the compiled kernel: block rows split between threads."""
+    """:func:`quantize_block` by the compiled kernel: block rows split between threads
+    (:func:`paramstore.patch.run_all`; the kernel releases the GIL)."""
     (n, k), (bn, bk) = x.shape, block
     ld = x.stride(0) if n > 1 else k
     args = (x.data_ptr(), n, k, ld, bn, bk, amax_floor)
-    failed: list[int] = []
-
-    def run(b0: int, b1: int) -> None:
-        if fn(*args, b0, b1, q.data_ptr(), k, scale.data_ptr()) != 0:
-            failed.append(b0)
-
-    kernels.parallel([lambda b=b: run(*b) for b in _chunks(scale.shape[0], n * k)], torch.get_num_threads())
-    if failed:
+    done = run_all(lambda b0, b1: fn(*args, b0, b1, q.data_ptr(), k, scale.data_ptr()), _chunks(scale.shape[0], n * k))
+    if any(done):
         raise MemoryError("block FP8: the kernel could not allocate its block maxima")
 
 
@@ -514,24 +510,16 @@ def _tensor_kernel(kernel: Any, kind: str, flat: torch.Tensor, amax_floor: float
     """:func:`quantize_tensor` by the compiled kernels, on contiguous ``flat``: the maxima, then the
     conversion, each over ranges of elements split between threads (no torch operation between
     them: its idle OpenMP workers would spin on the cores the kernels' threads need)."""
-    size, width, out = flat.numel(), flat.element_size(), q.view(-1)
+    size, width, x, out = flat.numel(), flat.element_size(), flat.data_ptr(), q.view(-1).data_ptr()
     spans = _chunks(size, size)
-    maxima = [0] * len(spans)
-
-    def amax(i: int, a: int, b: int) -> None:
-        maxima[i] = kernel.absmax[kind](flat.data_ptr() + a * width, b - a)
-
-    def convert(a: int, b: int) -> None:
-        kernel.scaled[kind](flat.data_ptr() + a * width, 1, b - a, b - a, b - a, s.data_ptr(), out.data_ptr() + a, b - a)
-
-    threads = torch.get_num_threads()
-    kernels.parallel([lambda i=i, p=p: amax(i, *p) for i, p in enumerate(spans)], threads)
+    maxima = run_all(lambda a, b: kernel.absmax[kind](x + a * width, b - a), spans)
     bits, _ = _MAGNITUDE_BITS[flat.dtype]
     top = torch.tensor([max(maxima)], dtype=torch.int32).to(bits).view(flat.dtype).float()[0]
     s = top.clamp(min=amax_floor).div_(FP8_MAX)
     _check_scales(s, "per-tensor FP8")
-    kernels.parallel([lambda p=p: convert(*p) for p in spans], threads)
+    run_all(lambda a, b: kernel.scaled[kind](x + a * width, 1, b - a, b - a, b - a, s.data_ptr(), out + a, b - a), spans)
     return q, s
+
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The float32 weight a block-FP8 loader computes: ``q[i, j] * scale_inv[i // bn, j // bk]``.

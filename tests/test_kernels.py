@@ -121,17 +121,6 @@ def test_built_once_into_the_cache_directory_and_reused(monkeypatch, tmp_path):
     assert not [p for p in os.listdir(tmp_path / "cache") if p.startswith(".build-")]
 
 
-def test_parallel_runs_everything_and_raises_the_first_error():
-    done = []
-
-    def fail():
-        raise ValueError("task 1")
-
-    with pytest.raises(ValueError, match="task 1"):
-        kernels.parallel([lambda: done.append(0), fail, lambda: done.append(2)], threads=3)
-    assert sorted(done) == [0, 2]
-
-
 @needs_kernel
 def test_a_cache_others_may_write_is_not_loaded_from(monkeypatch, tmp_path):
     """A kernel someone else could have planted (a group- or world-writable cache) is never
