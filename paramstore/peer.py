@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import logging
 import mmap
 import os
 import random
@@ -54,6 +55,10 @@ from paramstore.backends.registries.base import Peer
 from paramstore.backends.transports.base import Transport
 
 __all__ = ["PeerServer", "fetch", "FETCH_CONCURRENCY"]
+
+#: Logger of the relay's decisions at DEBUG (who served each block, why an upstream was passed
+#: over, why a block was read from a whole holder): ``logging.getLogger("paramstore.peer")``.
+log = logging.getLogger(__name__)
 
 #: Objects a fetch reads at once.
 FETCH_CONCURRENCY = 4
@@ -561,7 +566,7 @@ CHAIN_HOSTS = 16
 #: block's time or two of 3's, and where one object's tree is all that moves, an interior node's
 #: uplink gives each child half of it, not a third (and half the hosts are interior, not a third,
 #: so the upload is spread more evenly). Each host fetches a version's objects in random order,
-#: so its join time, hence its place (interior or leaf), differs per object: the uploads spread
+#: so its order of arrival, hence its place (interior or leaf), differs per object: the uploads spread
 #: over every host's link when many objects move at once.
 TREE_FANOUT = 2
 #: Environment variable that fixes the fan-out whatever the number of fetchers (an int >= 1;
@@ -597,7 +602,7 @@ def relay_depth(index: int, fanout: int) -> int:
 
 
 def relay_order(ahead: Sequence[_T], fanout: int) -> list[_T]:
-    """The upstreams a fetcher prefers, given the fetchers ahead of it in ascending ``(join time,
+    """The upstreams a fetcher prefers, given the fetchers ahead of it in ascending ``(order number,
     peer id)`` order (its index in the tree: ``len(ahead)``): its parent in a tree of ``fanout``
     (``(i - 1) // fanout``), then the parent's ancestors up to the first fetcher, then the others
     ahead, nearest first. Fan-out 1: the nearest first, all of them (the chain)."""
@@ -622,8 +627,9 @@ class _Relay:
     and a block that fails names exactly the peer that served it.
 
     *Plan: a chain, or a tree, in order of arrival.* Each fetcher announces the object's fetch key
-    with its join time (µs) as the "address", and its *progress word* (16 registered bytes: its
-    slab's address and how many blocks, from the first on, it verified); fetchers in ``(join time,
+    with the registry's next order number as the "address" (:meth:`Registry.announce_in_order`: the
+    order of arrival every host sees alike), and its *progress word* (16 registered bytes: its
+    slab's address and how many blocks, from the first on, it verified); fetchers in ``(order number,
     peer id)`` order form a tree of fan-out :func:`relay_fanout` (1, a chain, up to
     :data:`CHAIN_HOSTS` fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
     (:func:`relay_order`; its ancestors, then the others ahead nearest first, where that one is put
@@ -686,8 +692,9 @@ class _Relay:
         self.me = server.peer.id if server is not None else None
         self.fetch_key = _block_key(digest, -1)
         self.progress_key = _block_key(digest, -2)
-        # a host that does not serve relays nothing: it goes last (reads from the chain's tail)
-        self.stamp = time.time_ns() // 1000 if server is not None else (1 << 64) - 1
+        # its place among the fetchers (the registry's order number); a host that does not serve
+        # relays nothing: it goes last (reads from the chain's tail)
+        self.stamp = (1 << 64) - 1
         self.cond = threading.Condition()
         self.done: set[int] = set()  # blocks verified (and announced)
         self.busy: set[int] = set()  # blocks being read or verified
@@ -767,9 +774,9 @@ class _Relay:
         order (a block that arrives whole sooner is served on sooner; two at once would both land
         late), the next one's read starting while the last one is verified; alone, from a whole
         holder, a doubling number of blocks at once (up to :data:`RELAY_INFLIGHT`)."""
-        if self.me is not None:  # the join time is taken now, not before the slab was ready
-            self.stamp = time.time_ns() // 1000
-            self._announce({self.fetch_key: self.stamp, self.progress_key: self.paddr})
+        if self.me is not None:  # its place, given by the registry with the announcement, once the slab is ready
+            self.stamp = self.root.registry.announce_in_order(self.me, self.fetch_key, {self.progress_key: self.paddr})
+            self.announced.extend([self.fetch_key, self.progress_key])
         futures: list[Future[None]] = []
         lanes = 1
         misses = 0  # looks at the upstream's mark in a row that found no new block
@@ -849,6 +856,7 @@ class _Relay:
                 self.transport.read(up.session, [(self.saddr, words[up.id], 16)])
                 base, mark = struct.unpack_from("<QQ", self.scratch, 0)
             except TransferError:
+                log.debug("relay %s: upstream %s does not answer: passed over", self.digest[:12], up.session)
                 self._put_aside(up)  # dead or leaving: the next one up
                 continue
             have = [i for i in window if i < mark]
@@ -862,6 +870,8 @@ class _Relay:
             # first block came down k hops: never a stall (measured: 2 s passed over hosts at 100 Mbit/s)
             if now - self.waiting[1] < STALL_S + (hops + 4) * self.block_s:
                 return None, crowd
+            log.debug("relay %s: upstream %s stalled at block %d for %.2f s: passed over",
+                      self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up)  # it answers but makes no progress: the next one up
         whole = [(p, a) for p, a in found.get(self.digest, []) if p.id not in skip]
         if not whole:
@@ -871,6 +881,10 @@ class _Relay:
         for i in window[:room]:
             peer, addr = random.choice(known or whole)  # each block: spread over the holders alike
             out.append((peer, i, addr))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("relay %s: blocks %s from whole holder(s) %s: %d fetcher(s) seen, %d ahead, %d put aside",
+                      self.digest[:12], [i for _, i, _ in out], sorted({p.session for p, _, _ in out}),
+                      len(fetchers), len(ahead), len(skip))
         return out, crowd
 
     def _put_aside(self, peer: Peer) -> None:
@@ -904,6 +918,9 @@ class _Relay:
                     self.cond.notify_all()
             with self.lock:
                 self.report.bytes_from[peer.session] += e - b
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("relay %s: block %d (%d bytes) from %s in %.3f s", self.digest[:12], i, e - b,
+                          peer.session, time.monotonic() - t0)
             if e - b >= BLOCK_BYTES // 2:
                 self.block_s = 0.7 * self.block_s + 0.3 * (time.monotonic() - t0)
             why = self._verify(i)
@@ -1035,7 +1052,8 @@ def _blame(fetch: "_Fetch | _Relay", peer: Peer, what: str) -> None:
 
 def _block_key(digest: str, index: int) -> str:
     """The name verified block ``index`` of object ``digest`` is announced under by a host fetching
-    it (index -1: the host fetches the object; its "address" there is the time it joined, in µs)."""
+    it (index -1: the host fetches the object; its "address" there is its order number among the
+    object's fetchers, :meth:`Registry.announce_in_order`)."""
     return blake3.blake3(b"paramstore/block/v1\0" + bytes.fromhex(digest)
                          + index.to_bytes(8, "big", signed=True)).hexdigest()
 

@@ -3,7 +3,8 @@
 The hosts are network namespaces on this machine (tools/netcluster.py): each has its own address
 and a link to a switch limited by ``tc tbf`` (``--rate``, each direction); this kernel has no
 ``sch_netem``, so there is **no latency emulation** (the round trip is a veth's, microseconds).
-redis-server (the shared registry) runs in the trainer's namespace on the trainer's address; each
+redis-server (the shared registry) runs in the trainer's namespace on the trainer's address
+(``--registry-host``: on a host of its own, so the trainer's egress carries no registry replies); each
 host runs a process of tools/cluster_host.py with its own store root on /dev/shm and its own
 Mooncake transfer engine (TCP). The trainer commits a synthetic model of bf16 tensors (``--mib``,
 ``--tensors``). Strategies, each on the same links in the same run:
@@ -333,8 +334,11 @@ def report(res: dict[str, Any]) -> str:
         f"medians of {len(res['rounds'])} round(s). Time to k hosts: the k-th host to "
         f"finish in the all-at-once run. Served by the trainer's peer: the bytes the rollout hosts' own "
         f"reports (`snap.fetch.bytes_from`) say its peer server gave them (data only). "
-        f"Trainer egress: its eth0 `tx_bytes` (headers and registry traffic "
-        f"included). CPU busy: the whole machine during the transfer (100% = every core; in parentheses, the "
+        + ("Trainer egress: its eth0 `tx_bytes` (headers included; redis-server runs on a host of its own). "
+           if res.get("registry_host") else
+           "Trainer egress: its eth0 `tx_bytes` (headers and registry traffic included: redis-server runs "
+           "in its namespace). ") +
+        f"CPU busy: the whole machine during the transfer (100% = every core; in parentheses, the "
         f"share of processes not of this benchmark, softirq excluded: each measurement first waits up to "
         f"{res['quiet_wait']:g} s for them to use < 10%); CPU-s: user + system "
         f"seconds of the host processes and redis-server (the kernel's network work done in softirq "
@@ -531,12 +535,12 @@ def measure(a: argparse.Namespace, hosts: int, rate: str, fractions: list[float]
     a.op_timeout = max(60.0, 40 * a.mib * MiB * 8 / rate_bits * max(1, hosts) / 4)
     res: dict[str, Any] = {"hosts": hosts, "rate": rate, "tensors": a.tensors, "fractions": fractions,
                            "patches_supported": patches, "cpus": os.cpu_count(), "quiet_wait": a.quiet_wait,
-                           "fanout": a.fanout,
+                           "fanout": a.fanout, "registry_host": a.registry_host,
                            "goal_fraction": min(fractions, key=lambda f: abs(f - 0.01)), "rounds": []}
     t0 = time.monotonic()
     log(f"cluster: 1 trainer + {hosts} hosts at {rate}, {a.mib:g} MiB model, fractions {fractions}"
         + (f", relay fan-out {a.fanout}" if a.fanout is not None else ""))
-    with running_cluster(hosts, rate=rate, mib=a.mib, tensors=a.tensors,
+    with running_cluster(hosts, rate=rate, mib=a.mib, tensors=a.tensors, registry_host=a.registry_host,
                          timeout=max(30.0, deadline - time.monotonic())) as run:
         log(f"hosts up in {time.monotonic() - t0:.1f} s")
         for r in range(a.rounds):
@@ -586,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", type=int, default=None,
                    help="the relay's fan-out in every host (PARAMSTORE_RELAY_FANOUT; 1: a chain; default: the "
                    "store's, a chain up to paramstore.peer.CHAIN_HOSTS fetchers, a tree beyond)")
+    p.add_argument("--registry-host", action="store_true",
+                   help="redis-server on a host of its own (default: in the trainer's namespace, so the "
+                        "trainer's egress includes the registry's replies)")
     p.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     p.add_argument("--markdown", metavar="OUT", help="write the report as Markdown (for tools/docgen.py cluster)")
     p.add_argument("--write", action="store_true",

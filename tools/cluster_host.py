@@ -53,6 +53,9 @@ MiB = 1 << 20
 REDIS_PORT = 6379
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 _NOTIFY = struct.Struct("!Q")  # chain side channel: bytes the sender holds, from offset 0
+#: Environment variable: when set, each host logs the relay's decisions (logger ``paramstore.peer``
+#: at DEBUG: who served each block, why an upstream was passed over) to its stderr.
+LOG_ENV = "PARAMSTORE_CLUSTER_LOG"
 
 __all__ = ["ClusterHost", "ClusterRun", "MiB", "model", "perturb", "running_cluster"]
 
@@ -499,10 +502,12 @@ def _quit(hosts: Sequence[ClusterHost]) -> None:
 
 @contextlib.contextmanager
 def running_cluster(rollouts: int = 3, *, rate: str | None = "1gbit", mib: float = 16, tensors: int = 8,
-                    timeout: float = 600, base: str | None = None) -> Iterator[ClusterRun]:
+                    timeout: float = 600, base: str | None = None, registry_host: bool = False) -> Iterator[ClusterRun]:
     """A cluster of 1 trainer + ``rollouts`` hosts with redis and a host process on each (see the
     module's docstring); ``timeout``: the cluster tears itself down after that many seconds.
-    ``base``: where the hosts' roots go (default: a new directory in /dev/shm, deleted at the end)."""
+    ``base``: where the hosts' roots go (default: a new directory in /dev/shm, deleted at the end).
+    ``registry_host``: redis-server on a host of its own (the last namespace, with its own link),
+    not in the trainer's namespace, so that the trainer's link carries no registry replies."""
     import netcluster
 
     netcluster.cleanup_stale()
@@ -510,14 +515,15 @@ def running_cluster(rollouts: int = 3, *, rate: str | None = "1gbit", mib: float
     base = base or tempfile.mkdtemp(prefix="ps-cluster-", dir="/dev/shm")
     hosts: list[ClusterHost] = []
     try:
-        with netcluster.Cluster(rollouts + 1, rate=rate, timeout=timeout) as c:
+        with netcluster.Cluster(rollouts + 1 + registry_host, rate=rate, timeout=timeout) as c:
             password = secrets.token_hex(8)
             os.makedirs(os.path.join(base, "redis"), exist_ok=True)
-            redis = c.popen(0, [REDIS, "--bind", c.address(0), "--port", str(REDIS_PORT), "--save", "",
-                                "--appendonly", "no", "--dir", os.path.join(base, "redis"),
-                                "--requirepass", password], stdout=subprocess.PIPE, text=True)
+            at = rollouts + 1 if registry_host else 0
+            redis = c.popen(at, [REDIS, "--bind", c.address(at), "--port", str(REDIS_PORT), "--save", "",
+                                 "--appendonly", "no", "--dir", os.path.join(base, "redis"),
+                                 "--requirepass", password], stdout=subprocess.PIPE, text=True)
             _wait_redis(redis, 20)
-            url = f"redis://:{password}@{c.address(0)}:{REDIS_PORT}/0"
+            url = f"redis://:{password}@{c.address(at)}:{REDIS_PORT}/0"
             for i in range(rollouts + 1):
                 hosts.append(ClusterHost(c, i, "trainer" if i == 0 else "rollout", os.path.join(base, f"host{i}")))
             for h in hosts:
@@ -538,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     os.environ.setdefault("MC_FORCE_TCP", "1")
     os.environ.setdefault("PARAMSTORE_HOST", a.address)
+    if os.environ.get(LOG_ENV):  # the relay's decisions, one line each, to this host's stderr
+        import logging
+
+        logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                            format=f"%(created).3f {a.address} %(name)s %(message)s")
+        logging.getLogger("paramstore.peer").setLevel(logging.DEBUG)
     host_main(a.root, a.address)
     return 0
 

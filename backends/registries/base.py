@@ -471,6 +471,19 @@ class Registry(abc.ABC):
         """
 
     @abc.abstractmethod
+    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
+        """Announce ``objects`` (as :meth:`announce_objects`) and, in the same atomic step, ``key``
+        at the registry's next *order number*: one more than the last it gave out, to any peer of
+        any process. Returns that number.
+
+        A :meth:`holders` call that starts after one call returned lists that peer under ``key``
+        with a number smaller than any later call gets: every reader sees the same order of
+        arrival, whatever the hosts' clocks say. (Relays order an object's fetchers by it: a host
+        that sees nobody ahead of it is the first, never one that raced an announcement.) Raises
+        as :meth:`announce_objects` does.
+        """
+
+    @abc.abstractmethod
     def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
         """The peer no longer serves these objects (no error for unknown peers or digests)."""
 

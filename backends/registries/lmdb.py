@@ -78,6 +78,7 @@ from .base import (
 __all__ = ["LmdbRegistry", "restore_advice", "from_url"]
 
 _STEP = struct.Struct(">Q")
+_ORDER_KEY = b"\0order"  # meta: the last order number given out (announce_in_order); no store-level key
 _LOC = struct.Struct(">32sQQ")
 # Named databases missing from an older store are created when it is opened.
 _DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
@@ -730,15 +731,31 @@ class LmdbRegistry(Registry):
     def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
         check_peer_id(peer_id)
         objects = check_holdings(objects)
-        pid = peer_id.encode()
         with self._write() as txn:
-            raw = txn.get(pid, db=self._dbs["peers"])
-            if raw is None or not self._peer_record(peer_id, raw)[1]:
-                raise InvalidArgumentError(f"peer {peer_id} is not announced (or its process is gone)")
-            for d, address in objects.items():
-                key = bytes.fromhex(d)
-                txn.put(key + pid, _STEP.pack(address), db=self._dbs["holders"])
-                txn.put(pid + b"\0" + key, b"", db=self._dbs["peer-objects"])
+            self._hold(txn, peer_id, objects)
+
+    def _hold(self, txn: lmdb.Transaction, peer_id: str, objects: Mapping[str, int]) -> None:
+        """In ``txn``: ``peer_id`` (live, else InvalidArgumentError) holds ``objects`` at those addresses."""
+        pid = peer_id.encode()
+        raw = txn.get(pid, db=self._dbs["peers"])
+        if raw is None or not self._peer_record(peer_id, raw)[1]:
+            raise InvalidArgumentError(f"peer {peer_id} is not announced (or its process is gone)")
+        for d, address in objects.items():
+            key = bytes.fromhex(d)
+            txn.put(key + pid, _STEP.pack(address), db=self._dbs["holders"])
+            txn.put(pid + b"\0" + key, b"", db=self._dbs["peer-objects"])
+
+    @_guarded
+    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
+        check_peer_id(peer_id)
+        check_digests([key])
+        objects = check_holdings(objects)
+        with self._write() as txn:  # one write transaction: the number and the announcement together
+            raw = txn.get(_ORDER_KEY, db=self._dbs["meta"])
+            n = (_STEP.unpack(raw)[0] if raw is not None else 0) + 1
+            txn.put(_ORDER_KEY, _STEP.pack(n), db=self._dbs["meta"])
+            self._hold(txn, peer_id, {**objects, key: n})
+        return n
 
     @_guarded
     def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:

@@ -324,6 +324,20 @@ end
 return 1
 """)
 
+# ARGV: prefix, id, key, then digest, address pairs. Returns the key's order number, 0 if the peer is not live.
+_ANNOUNCE_IN_ORDER = _script("""
+local p, id, key = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('exists', p .. 'peer:' .. id) == 0 then return 0 end
+local n = redis.call('incr', p .. 'order')
+redis.call('hset', p .. 'holders:' .. key, id, n)
+redis.call('sadd', p .. 'peer-objects:' .. id, key)
+for i = 4, #ARGV, 2 do
+  redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
+  redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
+end
+return n
+""")
+
 # ARGV: prefix, id, digests...
 _WITHDRAW_OBJECTS = _script("""
 local p, id = ARGV[1], ARGV[2]
@@ -953,6 +967,29 @@ class RedisRegistry(Registry):
             self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
         warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
                       "announced again", RuntimeWarning, stacklevel=2)
+
+    @_translated
+    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
+        check_peer_id(peer_id)
+        check_digests([key])
+        objects = check_holdings(objects)
+        self._client()
+        args = [self._prefix, peer_id, key, *(x for d, a in objects.items() for x in (d, a))]
+        with self._lock:
+            mine = self._peers.get(peer_id)
+            n = lapsed = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
+            if not n:
+                if mine is None:
+                    raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
+                self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
+                n = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
+            if mine is not None:
+                mine[1].update(objects)  # renewed with the peer from now on
+                mine[1][key] = n
+        if not lapsed:
+            warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
+                          "announced again", RuntimeWarning, stacklevel=2)
+        return n
 
     @_translated
     def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:

@@ -574,6 +574,49 @@ class RegistryTests:
         reg.withdraw_peer(c.id)
         assert other.holders([o1, o2, o3, o4]) == {o1: [(a, 11)], o4: [(a, 0)]}
 
+    def test_announce_in_order(self, opened: Callable[..., Registry]) -> None:
+        """Order numbers grow across handles and keys, come with the objects in one step, and a
+        lookup after a call returned sees that caller ahead of any later one (threads race here)."""
+        reg, other = opened(), opened()
+        a, b = PEER("a"), PEER("b")
+        reg.announce_peer(a)
+        other.announce_peer(b)
+        k1, k2, o = D("k1"), D("k2"), D("o")
+        n1 = reg.announce_in_order(a.id, k1, {o: 77})
+        n2 = other.announce_in_order(b.id, k1, {})
+        n3 = other.announce_in_order(b.id, k2, {})  # one sequence for every key
+        assert 0 < n1 < n2 < n3
+        assert reg.holders([k1, k2, o]) == {k1: [(a, n1), (b, n2)], k2: [(b, n3)], o: [(a, 77)]}
+        reg.withdraw_objects(a.id, [k1])
+        assert other.holders([k1]) == {k1: [(b, n2)]}
+        with pytest.raises(InvalidArgumentError):
+            reg.announce_in_order("nobody", k1, {})
+        for bad in ("not-a-key", k1.upper()):
+            with pytest.raises(InvalidArgumentError):
+                reg.announce_in_order(a.id, bad, {})
+        with pytest.raises(InvalidArgumentError):
+            reg.announce_in_order(a.id, k2, {o: -1})
+        peers = [PEER(f"r{i}") for i in range(6)]
+        handles = [opened() for _ in peers]
+        for h, p in zip(handles, peers):
+            h.announce_peer(p)
+        seen: dict[str, tuple[int, set[str]]] = {}
+        key = D("race")
+
+        def join(h: Registry, p: Peer) -> None:
+            n = h.announce_in_order(p.id, key, {})
+            seen[p.id] = (n, {q.id for q, m in h.holders([key]).get(key, []) if m < n})
+
+        threads = [threading.Thread(target=join, args=hp) for hp in zip(handles, peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        numbers = sorted(n for n, _ in seen.values())
+        assert len(set(numbers)) == len(peers)
+        for pid, (n, ahead) in seen.items():  # everyone with a smaller number was seen by this one
+            assert ahead == {q for q, (m, _) in seen.items() if m < n}, pid
+
     def test_peer_arguments(self, reg: Registry) -> None:
         with pytest.raises(InvalidArgumentError):
             reg.announce_objects("nobody", {D("o"): 1})  # not announced
