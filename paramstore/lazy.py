@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from .errors import CorruptObjectError, ObjectUnavailableError, RemoteError, TransferError
 from .format import ITEMSIZE, PIECE_SIZE, piece_digest
 from .manifest import Chunk, Manifest
-from .peer import _contiguous, _retire
+from .peer import _contiguous
 from .reports import FetchReport
+from .retire import retire
 from .staging import tmp_name
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ class LazyReads:
                 self._count(session, size)
                 bad = self._place(part, batch, view)
             finally:
-                _retire(transport, local, lambda: None)  # a late write still lands in live memory
+                retire(transport, local, lambda: None)  # a late write still lands in live memory
             done = {(b, e) for b, e, _ in batch} - {(b, e) for b, e, _ in bad}
             left = [p for p in left if (p[0], p[1]) not in done]
             if bad:

@@ -14,7 +14,7 @@ import torch
 
 from helpers import random_tensor
 from paramstore import ParamStore
-from paramstore import peer
+from paramstore import retire
 from paramstore.backends.registries.lmdb import _STEP
 from paramstore.maintenance import Maintainer
 from paramstore.retention import KeepLast
@@ -108,7 +108,7 @@ def test_pull_indexes_an_empty_tensor_and_the_next_one(shm_dir: str, tmp_path) -
         assert b._root.registry.locate_tensors([empty.digest, weight.digest]) == {}
 
 
-# -- peer._retire: one thread per process, not one per retired buffer ------------------------------
+# -- retire.retire: one thread per process, not one per retired buffer ------------------------------
 class _FakeTransport:
     def __init__(self) -> None:
         self.unregistered: dict[int, float] = {}
@@ -121,7 +121,7 @@ def _retire_many(n: int, delay: float) -> tuple[_FakeTransport, dict[int, float]
     transport, asked, closed = _FakeTransport(), {}, {}
     for addr in range(n):
         asked[addr] = time.monotonic()
-        peer._retire(transport, addr, lambda addr=addr: closed.__setitem__(addr, time.monotonic()))  # type: ignore[arg-type]
+        retire.retire(transport, addr, lambda addr=addr: closed.__setitem__(addr, time.monotonic()))  # type: ignore[arg-type]
     return transport, asked, closed
 
 
@@ -134,7 +134,7 @@ def _wait_all(closed: dict[int, float], n: int, timeout: float) -> None:
 
 def test_retire_uses_one_thread_and_keeps_the_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     delay, n = 0.3, 200
-    monkeypatch.setattr(peer, "RETIRE_AFTER_S", delay)
+    monkeypatch.setattr(retire, "RETIRE_AFTER_S", delay)
     threads = threading.active_count()
     transport, asked, closed = _retire_many(n, delay)
     assert threading.active_count() <= threads + 1
@@ -152,7 +152,7 @@ def test_retire_uses_one_thread_and_keeps_the_delay(monkeypatch: pytest.MonkeyPa
 
 def test_retire_after_fork_uses_the_childs_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     delay = 0.2
-    monkeypatch.setattr(peer, "RETIRE_AFTER_S", delay)
+    monkeypatch.setattr(retire, "RETIRE_AFTER_S", delay)
     _, _, closed = _retire_many(3, delay)  # the parent's thread is running (and its heap not empty)
     pid = os.fork()
     if pid == 0:  # the child: its own thread runs its own retirements, after the delay

@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
         "paramstore.root", "paramstore.staging", "paramstore.writer", "paramstore.assets", "paramstore.retention",
         "paramstore.sharded", "paramstore.tensors", "paramstore.objects", "paramstore.snapshot", "paramstore.delta",
         "paramstore.peer", "paramstore.remote", "paramstore.commit", "paramstore.device", "paramstore.lazy",
-        "paramstore.derived", "paramstore.following", "paramstore.hashing",
+        "paramstore.derived", "paramstore.following", "paramstore.hashing", "paramstore.relay", "paramstore.retire",
     )),
     ("orchestration", "paths and services built on the mechanisms: checkout, broadcast, maintenance, commands", (
         "paramstore.checkout", "paramstore.collective", "paramstore.ops", "paramstore.maintenance",

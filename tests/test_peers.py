@@ -33,8 +33,8 @@ class Host:
         if fetch_concurrency is not None or block_delay:  # objects fetched this many at a time (1: one after
             # another); block_delay: seconds each relayed block is held back after it lands (a slow host)
             fetch_concurrency = 4 if fetch_concurrency is None else fetch_concurrency
-            argv = ["-c", f"import sys, runpy, paramstore.peer as p; p.FETCH_CONCURRENCY = {fetch_concurrency}; "
-                    f"p._TEST_DELAY_S = {block_delay}; "
+            argv = ["-c", "import sys, runpy, paramstore.peer as p, paramstore.relay as r; "
+                    f"p.FETCH_CONCURRENCY = {fetch_concurrency}; r._TEST_DELAY_S = {block_delay}; "
                     f"sys.path.insert(0, {os.path.dirname(HOST_SCRIPT)!r}); sys.argv = {argv!r}; "
                     "runpy.run_path(sys.argv[0], run_name='__main__')"]
         self.proc = subprocess.Popen([sys.executable, *argv],

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from helpers import run_in_small_tmpfs
-from paramstore.peer import CHAIN_HOSTS, FANOUT_ENV, TREE_FANOUT, relay_depth, relay_fanout, relay_order
+from paramstore.relay import CHAIN_HOSTS, FANOUT_ENV, TREE_FANOUT, relay_depth, relay_fanout, relay_order
 from test_peers import Host, hosts, stored_bytes  # noqa: F401 - the fixture is used by name
 
 
@@ -144,17 +144,17 @@ def test_the_reservation_stays_ahead_of_the_reads(shm_dir):
     when that block was already reserved: no read waits for its own range to be reserved (before,
     the reservation stopped once ahead, and every few blocks a read found its range unreserved and
     waited for it, ~7-50 ms each on the cluster)."""
-    from paramstore import peer
+    from paramstore import relay
     from paramstore.staging import SlabPool
 
     pool = SlabPool(shm_dir, pin=False)
-    slab = pool.take(12 * peer.BLOCK_BYTES, reserve=False)
-    space = peer._Space(slab)
+    slab = pool.take(12 * relay.BLOCK_BYTES, reserve=False)
+    space = relay._Space(slab)
     try:
         for block in range(1, 13):
-            end = block * peer.BLOCK_BYTES
+            end = block * relay.BLOCK_BYTES
             assert space.wait(end)
-            want = min(slab.size, end + peer.SPACE_AHEAD)
+            want = min(slab.size, end + relay.SPACE_AHEAD)
             deadline = time.monotonic() + 10
             while space.upto < want and time.monotonic() < deadline:
                 time.sleep(0.005)

@@ -31,7 +31,7 @@ of its tensors changed; ``--hosts`` rollout hosts check them out. Each round:
 
 CPU seconds of every process (rollouts, trainer, redis-server; from /proc) are reported per phase.
 Round 0 warms connections up and checks the raw reads' bytes against the fetched objects; it is
-not counted. ``--tune`` overrides paramstore.peer's knobs in the hosts, for experiments. Everything
+not counted. ``--tune`` overrides paramstore.peer's and paramstore.relay's knobs in the hosts, for experiments. Everything
 is removed at the end (processes, /dev/shm roots, the redis-server), also on errors and SIGTERM.
 
 Example::
@@ -138,15 +138,17 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
 
     import paramstore.format
     import paramstore.peer
+    import paramstore.relay
     import paramstore.remote
     import paramstore.store
     from paramstore import ParamStore
 
-    for kv in filter(None, tune.split(",")):  # experiments: peer.py's knobs overridden in this host
+    for kv in filter(None, tune.split(",")):  # experiments: peer.py's and relay.py's knobs overridden in this host
         k, v = kv.split("=")
         k = {"concurrency": "FETCH_CONCURRENCY"}.get(k, k)
-        assert hasattr(paramstore.peer, k), k
-        setattr(paramstore.peer, k, int(v))
+        mod = next((m for m in (paramstore.peer, paramstore.relay) if hasattr(m, k)), None)
+        assert mod is not None, k
+        setattr(mod, k, int(v))
 
     def say(**kw: Any) -> None:
         print(json.dumps(kw), flush=True)

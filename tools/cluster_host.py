@@ -53,7 +53,7 @@ MiB = 1 << 20
 REDIS_PORT = 6379
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 _NOTIFY = struct.Struct("!Q")  # chain side channel: bytes the sender holds, from offset 0
-#: Environment variable: when set, each host logs the relay's decisions (logger ``paramstore.peer``
+#: Environment variable: when set, each host logs the relay's decisions (logger ``paramstore.relay``
 #: at DEBUG: who served each block, why an upstream was passed over) to its stderr.
 LOG_ENV = "PARAMSTORE_CLUSTER_LOG"
 
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                             format=f"%(created).3f {a.address} %(name)s %(message)s")
-        logging.getLogger("paramstore.peer").setLevel(logging.DEBUG)
+        logging.getLogger("paramstore.relay").setLevel(logging.DEBUG)
     host_main(a.root, a.address)
     return 0
 
