@@ -137,7 +137,7 @@ class Meter:
             if quiet["foreign_pct"] >= 10:
                 log(f"  (machine not quiet: other processes use {quiet['foreign_pct']:.0f}% after "
                     f"{quiet['waited_s']:.0f} s)")
-        c0 = self.run.counters()
+        c0, g0 = self.run.counters(), self.run.registry_counters()
         cpu, p0, m0 = CpuMeter(lambda: pids), _cpu_s(pids), _cpu_times()
         t0 = time.perf_counter()
         reps = fn()
@@ -145,7 +145,7 @@ class Meter:
         use, p1, m1 = cpu.stop(), _cpu_s(pids), _cpu_times()
         dm = [b - a for a, b in zip(m0, m1)]
         per = [b - a for a, b in zip(p0, p1)]  # trainer, rollouts..., redis
-        c1 = self.run.counters()
+        c1, g1 = self.run.counters(), self.run.registry_counters()
         tx = [b["tx"] - a["tx"] for a, b in zip(c0, c1)]
         rx = [b["rx"] - a["rx"] for a, b in zip(c0, c1)]
         done = [r["done_s"] for r in reps]
@@ -157,6 +157,7 @@ class Meter:
         served = sum(b for r in reps for p, b in ((r.get("fetch") or {}).get("bytes_from") or {}).items()
                      if p.startswith(trainer))
         return {"time_all_s": max(done), "done_s": done, "wall_s": wall, "trainer_tx": tx[0], "trainer_served": served,
+                "registry_tx": None if g0 is None or g1 is None else g1["tx"] - g0["tx"],
                 "rollout_rx": sum(rx[1:]), "tx": tx, "rx": rx, "busy_pct": use["busy_pct"],
                 "ours_pct": round(use["busy_pct"] - use["foreign_pct"], 1), "unsettled": unsettled, "kicked": kicked,
                 "softirq_pct": round(100.0 * dm[6] / max(1, sum(dm)), 1), "quiet": quiet,
@@ -204,6 +205,11 @@ def _raw(run: ClusterRun, meter: Meter, objects: list[list[Any]], a: argparse.Na
     return out
 
 
+def _registry_tx(m: dict[str, Any]) -> str:
+    """", registry egress X MiB" where redis-server runs on a host of its own (``--registry-host``)."""
+    return "" if m.get("registry_tx") is None else f", registry egress {m['registry_tx'] / MiB:.2f} MiB"
+
+
 def one_round(run: ClusterRun, r: int, a: argparse.Namespace, patches: bool, fractions: list[float]) -> dict[str, Any]:
     meter = Meter(run, a.quiet_wait)
     seed = 100 * r + 1
@@ -219,7 +225,7 @@ def one_round(run: ClusterRun, r: int, a: argparse.Namespace, patches: bool, fra
         # checkouts: the slab pools get ready first (settle), outside the measurement
         row[key] = meter(lambda: run.checkout_all(0, timeout=timeout, settle=0), settle=a.kick_pool)
         log(f"round {r} ({mode}): swarm: all {len(run.rollouts)} hosts in {row[key]['time_all_s']:.2f} s, "
-            f"trainer egress {row[key]['trainer_tx'] / v0['model_bytes']:.2f}x model")
+            f"trainer egress {row[key]['trainer_tx'] / v0['model_bytes']:.2f}x model" + _registry_tx(row[key]))
         if mode == "full":
             row.update(_raw(run, meter, v0["objects"], a, timeout))
         for j, f in enumerate(fractions, 1):
@@ -234,7 +240,7 @@ def one_round(run: ClusterRun, r: int, a: argparse.Namespace, patches: bool, fra
                      from_patches=sum(x["fetch"].get("from_patches", 0) for x in m["replies"]))
             row["updates"].setdefault(mode, {})[str(f)] = m
             log(f"  update {f:g} ({mode}): all in {m['time_all_s']:.2f} s, {m['moved'] / MiB:.2f} MiB per host, "
-                f"trainer egress {m['trainer_tx'] / MiB:.1f} MiB (patches made in {v['patch_s']:.2f} s)")
+                f"trainer egress {m['trainer_tx'] / MiB:.1f} MiB (patches made in {v['patch_s']:.2f} s)" + _registry_tx(m))
         run.close_all()
     return row
 

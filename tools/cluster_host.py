@@ -402,9 +402,9 @@ class ClusterRun:
     ``trainer`` and ``rollouts`` (:class:`ClusterHost`), and the model's shape (``mib``, ``tensors``)."""
 
     def __init__(self, cluster: Any, registry: str, trainer: ClusterHost, rollouts: list[ClusterHost],
-                 redis: subprocess.Popen, mib: float, tensors: int) -> None:
+                 redis: subprocess.Popen, mib: float, tensors: int, registry_index: int | None = None) -> None:
         self.cluster, self.registry, self.trainer, self.rollouts = cluster, registry, trainer, rollouts
-        self.redis, self.mib, self.tensors = redis, mib, tensors
+        self.redis, self.mib, self.tensors, self.registry_index = redis, mib, tensors, registry_index
 
     @property
     def hosts(self) -> list[ClusterHost]:
@@ -457,13 +457,17 @@ class ClusterRun:
 
     def counters(self) -> list[dict[str, int]]:
         """Each host's eth0 byte counters (read inside its namespace): ``tx`` and ``rx``."""
-        out = []
-        for i in range(len(self.hosts)):
-            r = self.cluster.run(i, ["cat", "/sys/class/net/eth0/statistics/tx_bytes",
-                                     "/sys/class/net/eth0/statistics/rx_bytes"], timeout=10)
-            tx, rx = (int(x) for x in r.stdout.split())
-            out.append({"tx": tx, "rx": rx})
-        return out
+        return [self._counters(i) for i in range(len(self.hosts))]
+
+    def registry_counters(self) -> dict[str, int] | None:
+        """The registry host's eth0 counters, where redis-server runs on a host of its own (else None)."""
+        return None if self.registry_index is None else self._counters(self.registry_index)
+
+    def _counters(self, i: int) -> dict[str, int]:
+        r = self.cluster.run(i, ["cat", "/sys/class/net/eth0/statistics/tx_bytes",
+                                 "/sys/class/net/eth0/statistics/rx_bytes"], timeout=10)
+        tx, rx = (int(x) for x in r.stdout.split())
+        return {"tx": tx, "rx": rx}
 
     def pids(self) -> list[int]:
         """Every process of the run: the hosts and redis-server."""
@@ -529,7 +533,7 @@ def running_cluster(rollouts: int = 3, *, rate: str | None = "1gbit", mib: float
             for h in hosts:
                 h.expect(120)
             try:
-                yield ClusterRun(c, url, hosts[0], hosts[1:], redis, mib, tensors)
+                yield ClusterRun(c, url, hosts[0], hosts[1:], redis, mib, tensors, at if registry_host else None)
             finally:
                 _quit(hosts)
     finally:
