@@ -6,8 +6,8 @@ verified before it is passed on. No torch.
 :data:`BLOCK_BYTES`); each is checked alone the moment it lands (pieces against the manifest's piece
 digests, the header against the object's name) and only then counted in this host's *progress
 word*, which the hosts behind it read straight from here. Fetchers of one object are ordered by the
-registry (:meth:`~paramstore.backends.registries.base.Registry.announce_in_order`) into a chain (up
-to :data:`CHAIN_HOSTS`) or a tree (:data:`TREE_FANOUT`); each reads from its parent, the first from a
+registry (:meth:`~paramstore.backends.registries.base.Registry.announce_in_order`) into a chain or
+a tree (:func:`relay_fanout`: whichever reaches the last one first); each reads from its parent, the first from a
 holder of the whole object. A dead or stalled upstream is passed over and the fetch goes on from
 its own verified blocks; a block that fails blames exactly the peer that served it (:func:`blame`,
 shared with peer.py's whole-object fetch). See docs/architecture.md, *Several hosts*.
@@ -62,32 +62,17 @@ STALL_S = 10.0
 #: Seconds between two registry lookups of who fetches an object while a fetch follows its
 #: upstream (whose progress it reads from that host itself, not from the registry), doubling after
 #: each such lookup up to :data:`RELOOK_MAX_S`, and back to this when an upstream is put aside. What
-#: a lookup then finds (fetchers that joined since: beyond :data:`CHAIN_HOSTS` the tree's fan-out
-#: changes) is nothing the fetch needs at once: a dead or stalled upstream shows in its progress
-#: word. Each reply lists every fetcher, so with a fixed interval the registry's traffic grew as
+#: a lookup then finds (fetchers that joined since: with more of them the fan-out may change,
+#: :func:`relay_fanout`) is nothing the fetch needs at once: a dead or stalled upstream shows in
+#: its progress word. Each reply lists every fetcher, so with a fixed interval the registry's traffic grew as
 #: hosts² (16 hosts x 4 objects at 100 Mbit/s: 2.4-2.6 MiB per 14 s version).
 RELOOK_S = 1.0
 RELOOK_MAX_S = 8.0
 #: Seconds a fetcher that finished keeps its fetch key and verified blocks announced (its slab is
 #: then the object itself): a host that joins late, or whose upstream just finished, chains from it.
 LINGER_S = 10.0
-#: Fetchers of one object up to which they relay it along one chain (fan-out 1: each reads from the
-#: nearest fetcher ahead); with more, along a tree of fan-out :data:`TREE_FANOUT` (:func:`relay_fanout`).
-#: 8 hosts: the chain, whose fill (hosts x one block's time) is small there and every host uploads
-#: each block at most once.
-CHAIN_HOSTS = 16
-#: Fan-out of the relay tree beyond :data:`CHAIN_HOSTS` fetchers. A fetcher ``d`` hops below the
-#: first gets the first block after ``d`` hops, and an interior node sends each block to ``f``
-#: children over one uplink, so a hop takes ``f`` blocks' time: the fill is about
-#: ``f * log_f(n)`` blocks' time, against ``n`` for the chain. 256 hosts (8 MiB blocks, 1 Gbit/s,
-#: 67 ms a block): chain 256 x 67 ms = 17 s; f=2 depth 8, 16 x 67 ms = 1.1 s; f=3 depth 5,
-#: 15 x 67 ms = 1.0 s (the same at 64: 12 blocks' time either way). 2, not 3: the fill is within a
-#: block's time or two of 3's, and where one object's tree is all that moves, an interior node's
-#: uplink gives each child half of it, not a third (and half the hosts are interior, not a third,
-#: so the upload is spread more evenly). Each host fetches a version's objects in random order,
-#: so its order of arrival, hence its place (interior or leaf), differs per object: the uploads spread
-#: over every host's link when many objects move at once.
-TREE_FANOUT = 2
+#: Largest fan-out :func:`relay_fanout` considers.
+MAX_FANOUT = 3
 #: Environment variable that fixes the fan-out whatever the number of fetchers (an int >= 1;
 #: benchmarks: ``tools/bench_cluster.py --fanout``); read each time a relay chooses its upstream.
 FANOUT_ENV = "PARAMSTORE_RELAY_FANOUT"
@@ -98,14 +83,29 @@ _T = TypeVar("_T")
 _TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
 
 
-def relay_fanout(fetchers: int) -> int:
-    """The relay tree's fan-out for an object ``fetchers`` hosts fetch (this one included): 1 (a
-    chain) up to :data:`CHAIN_HOSTS`, then :data:`TREE_FANOUT`; :data:`FANOUT_ENV`, where set to
-    an int >= 1, whatever the number (another value is ignored)."""
+def relay_fanout(fetchers: int, blocks: int = 1) -> int:
+    """The relay tree's fan-out for an object of ``blocks`` blocks that ``fetchers`` hosts fetch
+    (this one included): the ``f`` in 1..:data:`MAX_FANOUT` (1: a chain) with the least estimated
+    time to the last fetcher, ``f * (blocks + depth)`` blocks' time, where ``depth`` is the last
+    fetcher's hops below the first (:func:`relay_depth`; a chain: ``fetchers - 1``). An interior node
+    sends each block to ``f`` children over one uplink, so blocks flow down at ``1/f`` of a link,
+    and the fill takes ``depth`` hops of up to ``f`` blocks' time each; ties go to the smaller
+    ``f``. :data:`FANOUT_ENV`, where set to an int >= 1, fixes it (another value is ignored).
+
+    A chain wherever the object has many blocks next to its fetchers (8 hosts, a 256 MiB object
+    of 33 blocks: 40 blocks' time, against 72 for f = 2), a tree where it has few (16 hosts, a
+    one-block object: the chain's 16 against 10 for f = 2; 256 hosts, 32 blocks: the chain's 287
+    against 80) — measured on the simulated cluster, 16 hosts and one-block objects at 100 Mbit/s:
+    chain 14.2-15.6 s, f = 2 10.1 s (docs/benchmarks.md).
+
+        >>> relay_fanout(8, 33), relay_fanout(16, 1), relay_fanout(17, 32), relay_fanout(256, 32)
+        (1, 2, 1, 2)
+    """
     env = os.environ.get(FANOUT_ENV, "").strip()
     if env.isdigit() and int(env) >= 1:
         return int(env)
-    return 1 if fetchers <= CHAIN_HOSTS else TREE_FANOUT
+    n, b = max(1, fetchers), max(1, blocks)
+    return min(range(1, MAX_FANOUT + 1), key=lambda f: (f * (b + relay_depth(n - 1, f)), f))
 
 
 def relay_depth(index: int, fanout: int) -> int:
@@ -149,8 +149,8 @@ class Relay:
     with the registry's next order number as the "address" (:meth:`Registry.announce_in_order`: the
     order of arrival every host sees alike), and its *progress word* (16 registered bytes: its
     slab's address and how many blocks, from the first on, it verified); fetchers in ``(order number,
-    peer id)`` order form a tree of fan-out :func:`relay_fanout` (1, a chain, up to
-    :data:`CHAIN_HOSTS` fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
+    peer id)`` order form a tree of fan-out :func:`relay_fanout` (1: a chain, where the object
+    has many blocks next to its fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
     (:func:`relay_order`; its ancestors, then the others ahead nearest first, where that one is put
     aside). A fetcher reads its upstream's progress word straight from that host (no registry
     round trip) and the blocks below its mark from its slab; the mark moves only past verified
@@ -379,7 +379,7 @@ class Relay:
             for k in list(_RELAYERS)[:2048]:
                 del _RELAYERS[k]
         fetchers = {p.id for p, _ in found.get(self.fetch_key, [])} | {self.me or ""}  # this one announced itself
-        fanout = relay_fanout(len(fetchers))
+        fanout = relay_fanout(len(fetchers), -(-(self.size - self.start) // BLOCK_BYTES))
         ups = [up for up in relay_order([p for _, p in sorted(ahead, key=lambda x: x[0])], fanout) if up.id not in skip]
         hops = relay_depth(len(ups), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
         for up in ups:  # the parent, its ancestors, then the others nearest first

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from helpers import run_in_small_tmpfs
-from paramstore.relay import CHAIN_HOSTS, FANOUT_ENV, TREE_FANOUT, relay_depth, relay_fanout, relay_order
+from paramstore.relay import FANOUT_ENV, MAX_FANOUT, relay_depth, relay_fanout, relay_order
 from test_peers import Host, hosts, stored_bytes  # noqa: F401 - the fixture is used by name
 
 
@@ -189,10 +189,10 @@ def test_the_reservation_stays_ahead_of_the_reads(shm_dir):
         pool.close()
 
 
-# -- the plan: a chain up to CHAIN_HOSTS fetchers, a tree beyond ----------------------------------
+# -- the plan: a chain or a tree, whichever reaches the last fetcher first ------------------------
 @pytest.mark.parametrize("n", range(301))
 def test_the_relay_order_of_a_chain_is_the_nearest_first(n):
-    """Fan-out 1 (up to CHAIN_HOSTS fetchers): exactly the chain, the nearest fetcher ahead first."""
+    """Fan-out 1: exactly the chain, the nearest fetcher ahead first."""
     assert relay_order(list(range(n)), 1) == list(range(n - 1, -1, -1))
 
 
@@ -237,17 +237,26 @@ def test_a_relay_tree_gives_each_fetcher_at_most_fanout_children_and_log_depth(f
     assert relay_depth(255, 2) == 8 and relay_depth(255, 3) == 5
 
 
-def test_the_fanout_is_a_chain_up_to_chain_hosts_then_a_tree(monkeypatch):
-    """1 (the chain, as at 8 hosts) up to CHAIN_HOSTS fetchers, TREE_FANOUT beyond; the environment
-    fixes it whatever the number; a value that is not an int >= 1 is ignored."""
+def test_the_fanout_is_the_one_that_reaches_the_last_fetcher_first(monkeypatch):
+    """A chain where the object has many blocks next to its fetchers (8 hosts and 32 blocks, as the
+    cluster benchmark's 256 MiB object), a tree where it has few (one-block objects from 16 hosts,
+    many hosts): f minimizes f * (blocks + the last fetcher's depth), checked against every f by
+    brute force; the environment fixes it whatever the numbers; a value that is not an int >= 1 is
+    ignored."""
     monkeypatch.delenv(FANOUT_ENV, raising=False)
-    assert [relay_fanout(n) for n in (1, 8, CHAIN_HOSTS)] == [1, 1, 1]
-    assert relay_fanout(CHAIN_HOSTS + 1) == relay_fanout(300) == TREE_FANOUT > 1
+    assert [relay_fanout(n, 32) for n in (1, 2, 8, 16, 17)] == [1, 1, 1, 1, 1]
+    assert relay_fanout(16, 1) == relay_fanout(24, 4) == relay_fanout(256, 32) == 2
+    assert relay_fanout(1, 1) == relay_fanout(3, 1) == 1  # ties: the chain
+    for n in (1, 2, 5, 8, 16, 17, 40, 64, 100, 256, 512):
+        for b in (1, 2, 4, 8, 32, 128):
+            cost = {f: f * (b + relay_depth(n - 1, f)) for f in range(1, MAX_FANOUT + 1)}
+            f = relay_fanout(n, b)
+            assert cost[f] == min(cost.values()) and all(g >= f for g, c in cost.items() if c == cost[f]), (n, b)
     monkeypatch.setenv(FANOUT_ENV, "3")
-    assert relay_fanout(2) == relay_fanout(300) == 3
+    assert relay_fanout(2, 32) == relay_fanout(300, 1) == 3
     for bad in ("0", "x", "-2", ""):
         monkeypatch.setenv(FANOUT_ENV, bad)
-        assert relay_fanout(4) == 1 and relay_fanout(300) == TREE_FANOUT
+        assert relay_fanout(4, 32) == 1 and relay_fanout(300, 32) == 2
 
 
 @needs_mooncake

@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"({', '.join(SWEEP_SVGS.values())}); on with --write")
     p.add_argument("--fanout", type=int, default=None,
                    help="the relay's fan-out in every host (PARAMSTORE_RELAY_FANOUT; 1: a chain; default: the "
-                   "store's, a chain up to paramstore.relay.CHAIN_HOSTS fetchers, a tree beyond)")
+                   "store's, paramstore.relay.relay_fanout: a chain or a tree, whichever reaches the last host first)")
     p.add_argument("--registry-host", action="store_true",
                    help="redis-server on a host of its own (default: in the trainer's namespace, so the "
                         "trainer's egress includes the registry's replies)")
