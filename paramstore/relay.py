@@ -31,7 +31,7 @@ import blake3
 from .errors import ParamStoreError, TransferError
 from .format import PIECE_SIZE, object_digest, piece_digest, tensor_spans
 from .reports import FetchReport
-from .retire import later, retire
+from .retire import RETIRE_AFTER_S, later, retire
 from .root import StoreRoot
 from .staging import Slab, SlabPool
 
@@ -68,6 +68,12 @@ STALL_S = 10.0
 #: hosts² (16 hosts x 4 objects at 100 Mbit/s: 2.4-2.6 MiB per 14 s version).
 RELOOK_S = 1.0
 RELOOK_MAX_S = 8.0
+#: Seconds a relay's registered memory (its slab, its progress word) stays registered after its
+#: announcements are withdrawn: a follower acts on a registry answer up to :data:`RELOOK_MAX_S`
+#: old, and memory unregistered sooner could be registered again at the same address by then
+#: (another relay's progress word, a new slab), so the follower would read someone else's bytes
+#: and blame an honest peer.
+RELAY_RETIRE_S = RELOOK_MAX_S + RETIRE_AFTER_S
 #: Seconds a fetcher that finished keeps its fetch key and verified blocks announced (its slab is
 #: then the object itself): a host that joins late, or whose upstream just finished, chains from it.
 LINGER_S = 10.0
@@ -92,13 +98,14 @@ def relay_fanout(fetchers: int, blocks: int = 1) -> int:
     and the fill takes ``depth`` hops of up to ``f`` blocks' time each; ties go to the smaller
     ``f``. :data:`FANOUT_ENV`, where set to an int >= 1, fixes it (another value is ignored).
 
-    A chain wherever the object has many blocks next to its fetchers (8 hosts, a 256 MiB object
-    of 33 blocks: 40 blocks' time, against 72 for f = 2), a tree where it has few (16 hosts, a
+    ``blocks``: the object's data in :data:`BLOCK_BYTES` blocks (its header aside). A chain wherever
+    the object has many blocks next to its fetchers (8 hosts, a 256 MiB object of 32 blocks: 39
+    blocks' time, against 70 for f = 2), a tree where it has few (16 hosts, a
     one-block object: the chain's 16 against 10 for f = 2; 256 hosts, 32 blocks: the chain's 287
     against 80) — measured on the simulated cluster, 16 hosts and one-block objects at 100 Mbit/s:
     chain 14.2-15.6 s, f = 2 10.1 s (docs/benchmarks.md).
 
-        >>> relay_fanout(8, 33), relay_fanout(16, 1), relay_fanout(17, 32), relay_fanout(256, 32)
+        >>> relay_fanout(8, 32), relay_fanout(16, 1), relay_fanout(17, 32), relay_fanout(256, 32)
         (1, 2, 1, 2)
     """
     env = os.environ.get(FANOUT_ENV, "").strip()
@@ -270,8 +277,8 @@ class Relay:
                         self.root.registry.withdraw_objects(self.me, self.announced)  # type: ignore[arg-type]
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slab.path)
-                retire(self.transport, self.addr, slab.close)
-                retire(self.transport, self.paddr, lambda: None)
+                retire(self.transport, self.addr, slab.close, RELAY_RETIRE_S)
+                retire(self.transport, self.paddr, lambda: None, RELAY_RETIRE_S)
             retire(self.transport, self.saddr, lambda: None)
         return placed
 
@@ -283,8 +290,8 @@ class Relay:
             if keys:
                 with contextlib.suppress(ParamStoreError, OSError, RuntimeError):
                     registry.withdraw_objects(me, keys)  # type: ignore[arg-type]
-            retire(transport, addr, close)
-            retire(transport, paddr, lambda: None)
+            retire(transport, addr, close, RELAY_RETIRE_S)
+            retire(transport, paddr, lambda: None, RELAY_RETIRE_S)
 
         paddr = self.paddr
         later(time.monotonic() + (LINGER_S if keys else 0.0), withdraw)
@@ -299,7 +306,7 @@ class Relay:
             self.stamp = self.root.registry.announce_in_order(self.me, self.fetch_key, {self.progress_key: self.paddr})
             self.announced.extend([self.fetch_key, self.progress_key])
         futures: list[Future[None]] = []
-        lanes = 1
+        crowd = True  # until the registry says otherwise: one read at a time
         misses = 0  # looks at the upstream's mark in a row that found no new block
         n = len(self.blocks)
         while True:
@@ -309,6 +316,11 @@ class Relay:
                 missing = [i for i in range(n) if i not in self.done and i not in self.busy]
                 if not missing and not self.busy:
                     return len(self.done) == n
+                # alone, one more block in flight per block landed (up to RELAY_INFLIGHT): grown as
+                # reads land, not as they are issued, so the first fetcher of an all-at-once checkout
+                # has read one block, not four sharing its link, by the time the others are seen
+                # (measured: 4 at once delayed the second host by ~2 blocks' time, for good)
+                lanes = 1 if crowd else min(1 + self.landed, RELAY_INFLIGHT)
                 room = min(lanes - len(self.reading), 2 * RELAY_INFLIGHT - len(self.busy))
                 if not missing or room <= 0:
                     self.cond.wait(0.05)
@@ -334,11 +346,6 @@ class Relay:
                     self.busy.add(i)
                     self.reading.add(i)
                 futures.append(readers.submit(self._one, peer, i, remote, True))
-            # alone, one more block in flight per block landed (up to RELAY_INFLIGHT): grown as
-            # reads land, not as they are issued, so the first fetcher of an all-at-once checkout
-            # has read one block, not four sharing its link, by the time the others are seen
-            # (measured: 4 at once delayed the second host by ~2 blocks' time, for good)
-            lanes = 1 if crowd else min(1 + self.landed, RELAY_INFLIGHT)
         for f in futures:
             f.result()
         return False
@@ -404,6 +411,9 @@ class Relay:
             log.debug("relay %s: upstream %s stalled at block %d for %.2f s: passed over",
                       self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up)  # it answers but makes no progress: the next one up
+        if time.monotonic() - self.found_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
+            found = self._lookup(fresh=True)
+        self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
         whole = [(p, a) for p, a in found.get(self.digest, []) if p.id not in skip]
         if not whole:
             return [], crowd

@@ -29,16 +29,17 @@ __all__ = ["RETIRE_AFTER_S", "later", "retire"]
 RETIRE_AFTER_S = 2.0
 
 
-def retire(transport: Transport, addr: int, close: Callable[[], None]) -> None:
-    """Unregister the memory at ``addr``, then ``close`` it, after :data:`RETIRE_AFTER_S` (on the
-    process's retirement thread)."""
+def retire(transport: Transport, addr: int, close: Callable[[], None], after: float | None = None) -> None:
+    """Unregister the memory at ``addr``, then ``close`` it, after ``after`` seconds (default
+    :data:`RETIRE_AFTER_S`; longer where readers may act on an older registry answer) on the
+    process's retirement thread."""
     def done() -> None:
         with contextlib.suppress(ParamStoreError):
             transport.unregister(addr)
         with contextlib.suppress(BufferError):
             close()
 
-    _retirements.add(time.monotonic() + RETIRE_AFTER_S, done)
+    _retirements.add(time.monotonic() + (RETIRE_AFTER_S if after is None else after), done)
 
 
 class _Retirements:

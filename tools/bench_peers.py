@@ -140,13 +140,14 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
     import paramstore.peer
     import paramstore.relay
     import paramstore.remote
+    import paramstore.retire
     import paramstore.store
     from paramstore import ParamStore
 
-    for kv in filter(None, tune.split(",")):  # experiments: peer.py's and relay.py's knobs overridden in this host
+    for kv in filter(None, tune.split(",")):  # experiments: peer.py's, relay.py's and retire.py's knobs overridden in this host
         k, v = kv.split("=")
         k = {"concurrency": "FETCH_CONCURRENCY"}.get(k, k)
-        mod = next((m for m in (paramstore.peer, paramstore.relay) if hasattr(m, k)), None)
+        mod = next((m for m in (paramstore.peer, paramstore.relay, paramstore.retire) if hasattr(m, k)), None)
         assert mod is not None, k
         setattr(mod, k, int(v))
 
@@ -257,7 +258,7 @@ def host(role: str, root: str, registry: str, name: str, shard_mib: int, tune: s
                         races += 1
                         time.sleep(0.05)
                 served_addrs = {a for _, a in server._served.values()}
-                t_end = time.monotonic() + paramstore.peer.RETIRE_AFTER_S + 2
+                t_end = time.monotonic() + paramstore.retire.RETIRE_AFTER_S + 2
                 while True:  # memory of dropped objects stays registered RETIRE_AFTER_S
                     stray = [a for a in transport._regions if a not in served_addrs]
                     if not stray or time.monotonic() > t_end:

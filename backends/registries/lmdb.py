@@ -19,6 +19,8 @@ name              key                             value
 ``peer-objects``  peer id (UTF-8) + NUL           empty: the reverse of ``holders``, so a peer's objects go with it
                   + object digest (32 raw bytes)
 ``meta``          ``store_id`` / ``writer``       the store's identity and its current writer (UTF-8)
+                  NUL + ``order``                 the last order number given out (8-byte big-endian,
+                                                  :meth:`Registry.announce_in_order`)
 ``patches``       target step + base step          pairs of target object + patch object (32 raw bytes each)
                   (8-byte big-endian each)
 ``derived``       ``<recipe>@<version>/<unit>``    a derived record (JSON, :mod:`paramstore.derived`)

@@ -977,16 +977,18 @@ class RedisRegistry(Registry):
         args = [self._prefix, peer_id, key, *(x for d, a in objects.items() for x in (d, a))]
         with self._lock:
             mine = self._peers.get(peer_id)
-            n = lapsed = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
+            n = first = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
             if not n:
                 if mine is None:
                     raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
                 self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
                 n = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
+                if not n:  # gone again at once (withdrawn meanwhile): no number to give
+                    raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
             if mine is not None:
                 mine[1].update(objects)  # renewed with the peer from now on
                 mine[1][key] = n
-        if not lapsed:
+        if not first:  # it had lapsed
             warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
                           "announced again", RuntimeWarning, stacklevel=2)
         return n
