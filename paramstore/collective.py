@@ -334,6 +334,8 @@ class _Buckets:
         self.slabs: dict[str, "Slab"] = {}
         self.views: dict[str, "torch.Tensor"] = {}  # object -> its bytes (slab or source mapping)
         self.maps: list[Any] = []
+        self.lent = contextlib.ExitStack()  # source: the pool's own mappings of objects it committed
+        self.faulted: set[str] = set()  # source: objects sent from such a mapping (nothing to populate)
         self.checks: dict[str, Future[str | None]] = {}
         self.hashing: dict[str, _InOrder] = {}
 
@@ -433,6 +435,8 @@ class _Buckets:
             for m in self.maps:
                 with contextlib.suppress(BufferError):
                     m.close()
+            with contextlib.suppress(BufferError):
+                self.lent.close()
         out: dict[str, Any] = {"placed": placed}
         if bad:
             out["bad"] = bad
@@ -446,9 +450,14 @@ class _Buckets:
 
         if self.b.is_src:
             for o in self.plan:
-                m = self.b.root.tier.map(o, private=True)  # copy-on-write: writable for torch, never written
-                self.maps.append(m)
-                self.views[o] = torch.frombuffer(m, dtype=torch.uint8)
+                # an object this process committed: the pool still maps its slab, pages faulted
+                m = self.lent.enter_context(self.b.pool.lent(self.b.root.tier.object_path(o)))
+                if m is not None:
+                    self.faulted.add(o)
+                else:
+                    m = self.b.root.tier.map(o, private=True)  # copy-on-write: writable for torch, never written
+                    self.maps.append(m)
+                self.views[o] = torch.frombuffer(m, dtype=torch.uint8)[: self.sizes[o]]
             return
         try:
             for o in self.plan:
@@ -470,7 +479,7 @@ class _Buckets:
         madvise = libc().madvise
         for o, a, b, _ in self._pieces(lo, hi):
             view = self.views.get(o)
-            if view is None:
+            if view is None or o in self.faulted:
                 continue
             start = view.data_ptr() + a
             aligned = start - start % _PAGE

@@ -202,6 +202,35 @@ def _three_receivers(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def _source_with_retention(rank: int, world: int, base: str) -> dict[str, Any]:
+    import paramstore
+    import torch.distributed as dist
+
+    store = paramstore.ParamStore(f"{base}/host{rank}", create=True, retention={"keep_last": 2})
+    if rank == 0:  # the first version of a layout goes into slabs made on the spot; the second into
+        for step in (1, 2, 3):  # prepared ones, which the pool keeps mapped once published
+            store.commit(step, model(step)).result()
+            assert store._pool.wait_prepared(30)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    with store.checkout(3, group=dist.group.WORLD, src=0, bucket_bytes=BUCKET) as snap:
+        out["exact"] = same_bits(snap, model(3))
+        out["from_group"] = snap.fetch.from_group
+    out["lent"] = store._pool.stats["lent"]
+    out["verify"] = store.verify()["ok"]
+    store.close()
+    return out
+
+
+def test_a_source_that_committed_the_version_sends_from_its_pools_own_mappings(shm_dir):
+    """The source committed the version in this process with recycling on (retention): it sends
+    from the slab mappings its pool kept (SlabPool.lent: nothing to fault), and the receiver gets
+    every bit."""
+    got, _ = run_members(2, _source_with_retention, shm_dir)
+    assert got[0]["lent"] >= 1 and got[0]["exact"] and got[0]["verify"]
+    assert got[1]["lent"] == 0 and got[1]["exact"] and got[1]["from_group"] and got[1]["verify"]
+
+
 def _recipe_member(rank: int, world: int, base: str) -> dict[str, Any]:
     import torch.distributed as dist
 

@@ -142,6 +142,40 @@ def test_commits_with_recycling_are_bit_exact_and_reuse_the_files(store_root):
         assert report["ok"] and not report["orphans"], report
 
 
+def test_a_published_slab_is_lent_for_reads_and_kept_until_given_back(store_root):
+    """With recycling, the pool lends its own mapping of an object this process committed (no
+    page to fault); while lent it is neither recycled nor unmapped by later commits, and it comes
+    back among the retired afterwards. Without it (an unknown path, no recycling): None."""
+    with ParamStore(store_root, shard_size_bytes=SHARD, retention=KeepLast(2), create=True) as store:
+        pool = store._pool
+        store.commit(1, model(1)).result()  # slabs made on the spot: not kept mapped
+        settle(store)
+        store.commit(2, model(2)).result()  # into slabs the pool prepared: kept mapped once published
+        settle(store)
+        path = object_paths(store, 2)[0]
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            want = f.read()
+        with pool.lent(path) as m, pool.lent(path) as again:
+            assert m is not None and again is m and pool.stats["lent"] == 2
+            assert bytes(memoryview(m)[:size]) == want
+            assert not pool.recycle(path) and os.path.exists(path)  # lent: GC deletes the file as usual
+            for step in range(3, 9):  # more commits than keep_mapped: older mappings are unmapped
+                store.commit(step, model(step)).result()
+            assert bytes(memoryview(m)[:size]) == want  # still mapped
+        assert not pool._lent
+        assert not os.path.exists(path)  # step 2 was pruned meanwhile (keep_last 2): lent, so deleted, not recycled
+        assert m.closed and all(s.map is not m for s in pool._retired.values())  # given back: unmapped
+        with pool.lent(os.path.join(store_root, "no-such-object")) as none:
+            assert none is None
+    with ParamStore(store_root + "-plain", create=True) as plain:  # no retention: no recycling
+        for step in (1, 2):
+            plain.commit(step, model(step)).result()
+            settle(plain)
+        with plain._pool.lent(object_paths(plain, 2)[0]) as none:
+            assert none is None
+
+
 def _reader_keeps_tensors(root: str, step: int, conn) -> None:
     store = ParamStore(root, create=False)
     with store.checkout(step) as snap:

@@ -1,7 +1,8 @@
 """Collective checkout against a raw ``dist.broadcast``: one source, ``k`` receivers, gloo on this machine.
 
 ``1 + k`` spawned processes join one gloo group (``file://`` rendezvous); each has its own store on
-/dev/shm (its own "host"). Each round, side by side in the same processes and group, in alternating
+/dev/shm (its own "host"), with retention (keep the last 2, as an RL trainer runs it: its slab pool
+then recycles, and the source sends from the mappings it kept of what it committed). Each round, side by side in the same processes and group, in alternating
 order:
 
 * **paramstore**: the source commits a fresh version of ``--mib`` MiB of bf16 tensors (random bits,
@@ -56,7 +57,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=rank, world_size=world)
-        store = paramstore.ParamStore(f"{base}/host{rank}", create=True)
+        store = paramstore.ParamStore(f"{base}/host{rank}", create=True, retention={"keep_last": 2})
         total = mib << 20
         raw = torch.empty(total, dtype=torch.uint8)
         if rank == 0:
