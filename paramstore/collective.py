@@ -416,7 +416,7 @@ class _Buckets:
                 try:
                     self.b.root.tier.put(o, slab.path, move=True)
                 finally:
-                    _retire_later(self.b.pool, slab)
+                    self.b.pool.retire_later(slab)
         except (ParamStoreError, OSError) as e:
             if isinstance(e, BroadcastError) or not streamed:
                 raise  # mid-stream: the others are still in buckets (broadcast_version aborts the group)
@@ -522,25 +522,6 @@ class _Buckets:
             return None
         with memoryview(self.slabs[o].map) as buf:  # say why the way verify does (one more pass)
             return check_buffer(o, buf[: self.sizes[o]], self.spans.get(o, {})) or self.hashing[o].result()
-
-
-_retiring: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread)
-
-
-def _retire_later(pool: "SlabPool", slab: "Slab") -> None:
-    """Hand a placed slab back to its pool (:meth:`~paramstore.staging.SlabPool.retire`: kept mapped
-    for recycling, or unmapped) on a helper thread: tearing down the page tables of a received
-    object's mapping costs ~25 ms per 256 MiB here, which the checkout need not wait for (the
-    object is in place, its bytes in the file)."""
-    global _retiring
-    if _retiring is None or _retiring[0] != os.getpid():  # (a forked child has none of its parent's threads)
-        _retiring = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="paramstore-bcast-unmap"))
-
-    def retire() -> None:
-        with contextlib.suppress(BufferError, OSError, ParamStoreError):  # (a view still exported: left mapped)
-            pool.retire(slab)
-
-    _retiring[1].submit(retire)
 
 
 #: The first and the last bucket of the stream are each cut into up to this many halvings: the

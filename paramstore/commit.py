@@ -384,7 +384,7 @@ class Committer:
         # thread beside it would take the core it copies on (2 cores, verl: the trainer held 0.088 ->
         # 0.125 s for a publish 0.086 -> 0.032 s sooner, the rollout's pause the same).
         hashed: dict[str, Hashed] = {}
-        spare = self._hashers.while_staging and self._hash_threads >= OVERLAP_HASH_MIN_CPUS
+        spare = self._hashers.while_staging and not self._serial_copy
         early = EarlyHash(job, self._hashers, hashed) if spare else None
 
         def place(spec: TensorSpec, src: torch.Tensor) -> None:

@@ -54,11 +54,9 @@ missing or of another size, is derived again and replaced.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
@@ -67,7 +65,7 @@ import blake3
 
 from . import delta
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
-from .format import TensorSpec, layout, loads, object_digest, read_header, tensor_digest
+from .format import DATA_ALIGN, TensorSpec, layout, loads, object_digest, read_header, tensor_digest
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
 from .objects import quarantine
 from .root import StoreRoot
@@ -302,7 +300,9 @@ def mark(root: StoreRoot, referenced: set[str], *, dry_run: bool = False) -> set
 
 # -- deriving ------------------------------------------------------------------------------------
 class _Sources:
-    """Read-only access to the source objects of one derivation: their maps and headers, once each."""
+    """One derivation's sources and destinations: the source objects' maps and headers (read
+    once each), and where its derived objects are written (``scratch`` without a pool, else the
+    pool's slabs, retired once the derivation ends)."""
 
     def __init__(self, root: StoreRoot, pool: "SlabPool | None" = None) -> None:
         self._root = root
@@ -315,13 +315,12 @@ class _Sources:
         self.placed: list["Slab"] = []  # slabs now objects, to retire (unmap) off the derivation's path
 
     def retire(self) -> None:
-        """Hand the slabs placed as derived objects back to the pool, on a thread of their own:
-        unmapping a faulted slab tears down its page tables (~0.06 s per 0.7 GB here)."""
+        """Hand the slabs placed as derived objects back to the pool, off the derivation's path
+        (:meth:`SlabPool.retire_later`: unmapping a faulted slab tears down its page tables, ~0.06 s
+        per 0.7 GB here)."""
         slabs, self.placed = self.placed, []
-        if slabs and self.pool is not None:
-            pool = self.pool
-            threading.Thread(target=lambda: [pool.retire(s) for s in slabs], name="paramstore-derived-retire",
-                             daemon=True).start()
+        for s in slabs:
+            self.pool.retire_later(s)  # type: ignore[union-attr]  (slabs come from the pool)
 
     def buf(self, o: str) -> "torch.Tensor":
         import torch
@@ -408,7 +407,7 @@ class _Scratch:
         for name, (dtype, shape) in shapes.items():
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             spans[name] = (at, n, dtype, shape)
-            at += -(-n // 64) * 64
+            at += -(-n // DATA_ALIGN) * DATA_ALIGN
         if self._buf is None or self._buf.numel() < at:
             self._buf = None
             self._buf = torch.empty(max(at, 1), dtype=torch.uint8)
@@ -463,11 +462,9 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
             path = slab.path
         else:
             path, digests = _into_file(root, recipe, produced, plan, at, eager, report, reading.scratch)
-    except OSError as e:  # a slab or a file of tmp/ that this process may not create (a group store's member)
-        if e.errno not in (errno.EACCES, errno.EPERM):
-            raise
+    except PermissionError as e:  # a slab or a file of tmp/ that this process may not create (a group store's member)
         raise UnsafeStoreError(f"cannot derive {what} with recipe {report.recipe!r} in {root.path}: this process "
-                               f"may not write its objects ({os.strerror(e.errno)}); in a group store only its owner "
+                               f"may not write its objects ({e.strerror}); in a group store only its owner "
                                "derives: prefetch the version with the recipe in the trainer's process first") from None
     reading.made.append(plan.size)
     obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
@@ -500,11 +497,12 @@ def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at:
     digests: dict[str, str] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        _pwrite_all(fd, memoryview(plan.header), 0)
+        out = delta._File(fd)  # (all of each write, pwrite by pwrite)
+        out.write(plan.header, 0)
         for key, t in _filled(recipe, produced, eager, lambda i, shapes: scratch.views(shapes), report):
             with memoryview(t.reshape(-1).view(torch.uint8).numpy()) as mv:
                 digests[key] = tensor_digest(mv)
-                _pwrite_all(fd, mv, at[key].offset)
+                out.write(mv, at[key].offset)
         os.close(fd)
         fd = -1
     except BaseException:
@@ -558,8 +556,8 @@ def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, e
 
     from .tensors import ST_TO_TORCH
 
+    mapping[:len(plan.header)] = plan.header
     buf = torch.frombuffer(mapping, dtype=torch.uint8)
-    buf[:len(plan.header)] = torch.frombuffer(bytearray(plan.header), dtype=torch.uint8)
     places = {key: buf[p.offset:p.offset + p.nbytes].view(ST_TO_TORCH[p.spec.dtype]).view(p.spec.shape)
               for key, p in at.items()}
     for key, t in _filled(recipe, produced, eager, lambda i, shapes: {n: places[f"{i}:{n}"] for n in shapes}, report):
@@ -573,13 +571,6 @@ def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, e
             with mv[p.offset:p.offset + p.nbytes] as part:
                 digests[key] = tensor_digest(part)
     return digests
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def _derive_object(root: StoreRoot, recipe: "Recipe", src: _Sources, o: str, report: DeriveReport) -> _Record:
@@ -617,7 +608,7 @@ def _derive_tensor(root: StoreRoot, recipe: "Recipe", src: _Sources, name: str, 
 def _converted(recipe: "Recipe", name: str, t: "torch.Tensor") -> "Mapping[str, Any] | _Deferred":
     """What ``recipe`` makes of ``t``: converted later, into the object's memory, when the recipe
     says its outputs' shapes; else now."""
-    return _Deferred(recipe, name, t) if recipe.shapes is not None and t.device.type == "cpu" else recipe.convert(name, t)
+    return _Deferred(recipe, name, t) if recipe.shapes is not None else recipe.convert(name, t)
 
 
 def _tensor_unit(name: str, e: TensorEntry) -> str:

@@ -102,8 +102,8 @@ def relay_fanout(fetchers: int, blocks: int = 1) -> int:
     the object has many blocks next to its fetchers (8 hosts, a 256 MiB object of 32 blocks: 39
     blocks' time, against 70 for f = 2), a tree where it has few (16 hosts, a
     one-block object: the chain's 16 against 10 for f = 2; 256 hosts, 32 blocks: the chain's 287
-    against 80) — measured on the simulated cluster, 16 hosts and one-block objects at 100 Mbit/s:
-    chain 14.2-15.6 s, f = 2 10.1 s (docs/benchmarks.md).
+    against 80) — measured on the simulated cluster, 16 hosts and 4 one-block objects at 100 Mbit/s,
+    one after the other: the chain 14.3 and 15.1 s, f = 2 8.8 and 10.9 s (docs/benchmarks.md).
 
         >>> relay_fanout(8, 32), relay_fanout(16, 1), relay_fanout(17, 32), relay_fanout(256, 32)
         (1, 2, 1, 2)

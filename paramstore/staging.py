@@ -70,6 +70,7 @@ from typing import Any, Iterator
 
 from paramstore import liveness, pinning
 from paramstore.errors import StorageError, StorageFullError
+from paramstore.retire import later
 from paramstore.liveness import libc
 
 __all__ = ["Slab", "SlabPool", "tmp_name", "recyclers", "storage_error", "mount_point", "address"]
@@ -460,6 +461,17 @@ class SlabPool:
         for s in drop:
             s.close()
 
+    def retire_later(self, slab: Slab) -> None:
+        """:meth:`retire` on the process's retirement thread (:func:`paramstore.retire.later`), off
+        the caller's path: tearing down the page tables of a faulted mapping costs ~25 ms per
+        256 MiB here. For slabs whose file is an object now (or was dropped): nothing reads them
+        any more, and a view still exported leaves the slab mapped."""
+        def run() -> None:
+            with contextlib.suppress(BufferError, OSError, StorageError):
+                self.retire(slab)
+
+        later(time.monotonic(), run)
+
     @contextlib.contextmanager
     def lent(self, path: str) -> Iterator[mmap.mmap | None]:
         """The mapping this pool keeps of the published slab that is now the object at ``path``
@@ -467,8 +479,8 @@ class SlabPool:
         block (neither unmapped nor recycled meanwhile), or None where the pool keeps none. For
         reads only: the mapping is shared and writable, and what is written lands in the object.
 
-        A collective checkout's source sends from it instead of mapping the object anew (~0.3 s
-        per GiB of page-table setup on this VM, on the cores the receivers hash on)."""
+        A collective checkout's source sends from it instead of mapping the object anew (page-table
+        setup, see the module docstring, on the cores the receivers hash on)."""
         slab = None
         if self.recycling and os.getpid() == self._owner:
             try:

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -552,8 +553,8 @@ def big_model(seed: int) -> dict[str, torch.Tensor]:
 def _big_version(rank: int, world: int, base: str, corrupt_at: int | None) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import paramstore.collective as collective
     from paramstore.errors import BroadcastError
+    from paramstore.retire import later
 
     store = _store(base, rank)
     out: dict[str, Any] = {}
@@ -586,8 +587,9 @@ def _big_version(rank: int, world: int, base: str, corrupt_at: int | None) -> di
         out["verify"] = store.verify(1)["ok"]
     except BroadcastError as e:
         out["raised"] = str(e)
-    if collective._retiring is not None:  # wait for the helper thread (placed slabs are unmapped there)
-        collective._retiring[1].submit(lambda: None).result()
+    done = threading.Event()  # wait for the retirement thread (placed slabs are handed back there)
+    later(time.monotonic(), done.set)
+    assert done.wait(10)
     out["retired"] = retired
     return _closed_with_state(store, out)
 

@@ -313,24 +313,17 @@ end
 return 1
 """)
 
-# ARGV: prefix, id, digest, address, ... Returns 0 if the peer is not live.
+# ARGV: prefix, id, ordered key or "", then digest, address pairs. Returns 0 if the peer is not
+# live; else the ordered key's order number (announced at it, the counter bumped), or 1 without one.
 _ANNOUNCE_OBJECTS = _script("""
-local p, id = ARGV[1], ARGV[2]
-if redis.call('exists', p .. 'peer:' .. id) == 0 then return 0 end
-for i = 3, #ARGV, 2 do
-  redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
-  redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
-end
-return 1
-""")
-
-# ARGV: prefix, id, key, then digest, address pairs. Returns the key's order number, 0 if the peer is not live.
-_ANNOUNCE_IN_ORDER = _script("""
 local p, id, key = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('exists', p .. 'peer:' .. id) == 0 then return 0 end
-local n = redis.call('incr', p .. 'order')
-redis.call('hset', p .. 'holders:' .. key, id, n)
-redis.call('sadd', p .. 'peer-objects:' .. id, key)
+local n = 1
+if key ~= '' then
+  n = redis.call('incr', p .. 'order')
+  redis.call('hset', p .. 'holders:' .. key, id, n)
+  redis.call('sadd', p .. 'peer-objects:' .. id, key)
+end
 for i = 4, #ARGV, 2 do
   redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
   redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
@@ -953,44 +946,34 @@ class RedisRegistry(Registry):
     @_translated
     def announce_objects(self, peer_id: str, objects: Mapping[str, int]) -> None:
         check_peer_id(peer_id)
-        objects = check_holdings(objects)
-        self._client()
-        args = [x for d, a in objects.items() for x in (d, a)]
-        with self._lock:
-            mine = self._peers.get(peer_id)
-            if mine is not None:
-                mine[1].update(objects)  # renewed with the peer from now on
-            if self._run(_ANNOUNCE_OBJECTS, [], [self._prefix, peer_id, *args]):
-                return
-            if mine is None:
-                raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
-            self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
-        warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
-                      "announced again", RuntimeWarning, stacklevel=2)
+        self._hold(peer_id, check_holdings(objects))
 
     @_translated
     def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
         check_peer_id(peer_id)
         check_digests([key])
-        objects = check_holdings(objects)
+        return self._hold(peer_id, check_holdings(objects), key)
+
+    def _hold(self, peer_id: str, objects: Mapping[str, int], key: str | None = None) -> int:
+        """``peer_id`` holds ``objects`` (and ``key`` at the next order number, returned; else 1).
+        A peer of this object whose announcement lapsed (a stall) is announced again, whole."""
         self._client()
-        args = [self._prefix, peer_id, key, *(x for d, a in objects.items() for x in (d, a))]
+        args = [self._prefix, peer_id, key or "", *(x for d, a in objects.items() for x in (d, a))]
         with self._lock:
             mine = self._peers.get(peer_id)
-            n = first = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
+            n = first = int(self._run(_ANNOUNCE_OBJECTS, [], args))
+            if not n and mine is not None:
+                self._announce(peer_id, *mine)  # ours, and lapsed: announce it again, whole
+                n = int(self._run(_ANNOUNCE_OBJECTS, [], args))
             if not n:
-                if mine is None:
-                    raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
-                self._announce(peer_id, *mine)  # ours, and lapsed (a stall): announce it again, whole
-                n = int(self._run(_ANNOUNCE_IN_ORDER, [], args))
-                if not n:  # gone again at once (withdrawn meanwhile): no number to give
-                    raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
+                raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
             if mine is not None:
                 mine[1].update(objects)  # renewed with the peer from now on
-                mine[1][key] = n
+                if key is not None:
+                    mine[1][key] = n
         if not first:  # it had lapsed
             warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
-                          "announced again", RuntimeWarning, stacklevel=2)
+                          "announced again", RuntimeWarning, stacklevel=3)
         return n
 
     @_translated
