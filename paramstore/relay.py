@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Container, Mapping
 
 import blake3
 
@@ -55,6 +55,12 @@ BLOCK_BYTES = PIECE_SIZE
 RELAY_INFLIGHT = 4
 #: Missing blocks looked up per registry round.
 RELAY_WINDOW = 16
+#: Fetchers ahead one registry lookup asks for by position (:func:`relay_order`: the parent, its
+#: ancestors, then the nearest), so that a reply stays this small whatever the number of hosts.
+#: Before, each lookup listed every fetcher of the object (with 512 fetchers: 132 KiB sent and
+#: 0.82 ms of redis-server's one thread per lookup, against 2.4 KiB and 0.07 ms by position;
+#: ``tools/bench_registry.py``, docs/benchmarks.md).
+RELAY_ASK = 12
 #: Seconds (plus one block's time per host ahead, and 4 more) a relaying host waits on an upstream
 #: whose mark does not move and which still answers, before passing over it for this object; one
 #: that does not answer (its progress word cannot be read) is passed over at once.
@@ -85,7 +91,6 @@ FANOUT_ENV = "PARAMSTORE_RELAY_FANOUT"
 #: Peer ids seen fetching (rollout hosts, not the origin): preferred to other holders of a whole
 #: object, so the origin serves each block about once even after the chain is gone.
 _RELAYERS: dict[str, None] = {}
-_T = TypeVar("_T")
 _TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
 
 
@@ -127,18 +132,28 @@ def relay_depth(index: int, fanout: int) -> int:
     return hops
 
 
-def relay_order(ahead: Sequence[_T], fanout: int) -> list[_T]:
-    """The upstreams a fetcher prefers, given the fetchers ahead of it in ascending ``(order number,
-    peer id)`` order (its index in the tree: ``len(ahead)``): its parent in a tree of ``fanout``
-    (``(i - 1) // fanout``), then the parent's ancestors up to the first fetcher, then the others
-    ahead, nearest first. Fan-out 1: the nearest first, all of them (the chain)."""
-    ancestors = []
-    k = len(ahead)
-    while k > 0:
+def relay_order(position: int, fanout: int, skip: Container[int] = (), limit: int = RELAY_ASK) -> list[int]:
+    """The positions of the fetchers ahead that the fetcher at ``position`` prefers, at most
+    ``limit`` of them and none in ``skip``: its parent in a tree of ``fanout`` (``(position - 1) //
+    fanout``), then the parent's ancestors up to the first fetcher (position 0), then the others
+    ahead, nearest first. Fan-out 1: the nearest first (the chain).
+
+        >>> relay_order(4, 2), relay_order(10, 3), relay_order(10, 3, skip={3}, limit=4), relay_order(9, 1, limit=3)
+        ([1, 0, 3, 2], [3, 0, 9, 8, 7, 6, 5, 4, 2, 1], [0, 9, 8, 7], [8, 7, 6])
+    """
+    out: list[int] = []
+    k = position
+    while k > 0 and len(out) < limit:
         k = (k - 1) // max(1, fanout)
-        ancestors.append(k)
-    seen = set(ancestors)
-    return [ahead[j] for j in ancestors] + [ahead[j] for j in range(len(ahead) - 1, -1, -1) if j not in seen]
+        if k not in skip:
+            out.append(k)
+    taken = set(out)
+    for k in range(position - 1, -1, -1):
+        if len(out) >= limit:
+            break
+        if k not in skip and k not in taken:
+            out.append(k)
+    return out
 
 
 class Relay:
@@ -153,13 +168,15 @@ class Relay:
     and a block that fails names exactly the peer that served it.
 
     *Plan: a chain, or a tree, in order of arrival.* Each fetcher announces the object's fetch key
-    with the registry's next order number as the "address" (:meth:`Registry.announce_in_order`: the
-    order of arrival every host sees alike), and its *progress word* (16 registered bytes: its
-    slab's address and how many blocks, from the first on, it verified); fetchers in ``(order number,
-    peer id)`` order form a tree of fan-out :func:`relay_fanout` (1: a chain, where the object
-    has many blocks next to its fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
+    at the address of its *progress word* (16 registered bytes: its slab's address and how many
+    blocks, from the first on, it verified) and gets its *position* with it
+    (:meth:`Registry.announce_in_order`: the order of arrival every host sees alike); by position
+    the fetchers form a tree of fan-out :func:`relay_fanout` (1: a chain, where the object has
+    many blocks next to its fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
     (:func:`relay_order`; its ancestors, then the others ahead nearest first, where that one is put
-    aside). A fetcher reads its upstream's progress word straight from that host (no registry
+    aside). A lookup (:meth:`Registry.in_order`) asks for those positions alone, at most
+    :data:`RELAY_ASK`: its reply does not grow with the number of hosts. A fetcher reads its
+    upstream's progress word straight from that host (no registry
     round trip) and the blocks below its mark from its slab; the mark moves only past verified
     blocks. When the upstream has not got further it waits for it (every host sends each block
     about once to each child, the first fetcher alone reads the origin) unless its word cannot be
@@ -217,10 +234,9 @@ class Relay:
         self.start, self.blocks, self.spans = start, blocks, spans
         self.me = server.peer.id if server is not None else None
         self.fetch_key = _block_key(digest, -1)
-        self.progress_key = _block_key(digest, -2)
-        # its place among the fetchers (the registry's order number); a host that does not serve
-        # relays nothing: it goes last (reads from the chain's tail)
-        self.stamp = (1 << 64) - 1
+        # its place among the fetchers (the registry's position); a host that does not serve
+        # relays nothing: it has none, and goes last (reads from the chain's tail)
+        self.position: int | None = None
         self.cond = threading.Condition()
         self.done: set[int] = set()  # blocks verified (and announced)
         self.landed = 0  # of them, whole blocks (not the header alone): alone, that many more reads at once
@@ -232,8 +248,12 @@ class Relay:
         self.bad_at = 0.0  # when a peer was last put aside (the registry is asked again)
         self.block_s = 0.05  # seconds one block takes to arrive (running estimate)
         self.announced: list[str] = []
-        self.found: dict[str, list[tuple[Peer, int]]] = {}  # the last registry answer
+        self.ahead: dict[int, tuple[Peer, int]] = {}  # the last registry answer: position -> (fetcher, progress word)
+        self.end = 1  # positions given out, as last seen (the fetchers of the object, about)
+        self.gone: set[int] = set()  # positions ahead put aside or found empty (never given again while this one holds its own)
         self.found_at = -1.0
+        self.whole: list[tuple[Peer, int]] = []  # holders of the whole object, as last seen
+        self.whole_at = -1.0
         self.relook_s = RELOOK_S  # seconds to the next lookup while an upstream is followed
         self.tainted = False  # a read timed out: a late write may still land; nothing here is trusted
 
@@ -303,8 +323,8 @@ class Relay:
         late), the next one's read starting while the last one is verified; alone, from a whole
         holder, one more block at once per block landed (up to :data:`RELAY_INFLIGHT`)."""
         if self.me is not None:  # its place, given by the registry with the announcement, once the slab is ready
-            self.stamp = self.root.registry.announce_in_order(self.me, self.fetch_key, {self.progress_key: self.paddr})
-            self.announced.extend([self.fetch_key, self.progress_key])
+            self.position = self.root.registry.announce_in_order(self.me, self.fetch_key, self.paddr)
+            self.announced.append(self.fetch_key)
         futures: list[Future[None]] = []
         crowd = True  # until the registry says otherwise: one read at a time
         misses = 0  # looks at the upstream's mark in a row that found no new block
@@ -350,11 +370,12 @@ class Relay:
             f.result()
         return False
 
-    def _lookup(self, fresh: bool = False) -> dict[str, list[tuple[Peer, int]]]:
-        """Who holds the object and who fetches it (with their progress words): from the registry
-        after :data:`RELOOK_S`, then 2, 4... up to :data:`RELOOK_MAX_S` while an upstream is followed
-        (at once after a peer was put aside, and each time when ``fresh``: reading from a whole
-        holder, so that a fetcher that joined just before this one is followed as soon as it is seen)."""
+    def _lookup(self, fresh: bool = False) -> dict[int, tuple[Peer, int]]:
+        """The fetchers ahead this one would read from (:func:`relay_order`, by position: at most
+        :data:`RELAY_ASK`), with their progress words: from the registry after :data:`RELOOK_S`,
+        then 2, 4... up to :data:`RELOOK_MAX_S` while an upstream is followed (at once after a peer
+        was put aside, and each time when ``fresh``: reading from a whole holder, so that a fetcher
+        that joined just before this one is followed as soon as it is seen)."""
         now = time.monotonic()
         aside = self.found_at < self.bad_at
         periodic = now - self.found_at >= self.relook_s
@@ -363,39 +384,52 @@ class Relay:
                 self.relook_s = RELOOK_S
             elif periodic and not fresh and self.found_at >= 0:
                 self.relook_s = min(2 * self.relook_s, RELOOK_MAX_S)
-            self.found = self._holders([self.digest, self.fetch_key, self.progress_key])
+            for _ in range(2):  # again if the answer changes the fan-out (the parent is another)
+                fanout = self._fanout()
+                asked = relay_order(self._place(), fanout, self.gone)
+                self.end, self.ahead = self.root.registry.in_order(self.fetch_key, asked)
+                self.ahead = {q: (p, a) for q, (p, a) in self.ahead.items() if p.id != self.me}
+                if self.position is not None:  # below its own position, empty stays empty
+                    self.gone.update(q for q in asked if q not in self.ahead)
+                if self._fanout() == fanout:
+                    break
             self.found_at = now
-        return self.found
+            for p, _ in self.ahead.values():
+                _RELAYERS[p.id] = None
+            if len(_RELAYERS) > 4096:
+                for k in list(_RELAYERS)[:2048]:
+                    del _RELAYERS[k]
+        return self.ahead
+
+    def _place(self) -> int:
+        """This fetcher's position (one that does not serve: behind every fetcher seen)."""
+        return self.position if self.position is not None else self.end
+
+    def _fanout(self) -> int:
+        """The tree's fan-out for the fetchers seen (:func:`relay_fanout`)."""
+        fetchers = max(self.end, self._place() + 1)
+        return relay_fanout(fetchers, -(-(self.size - self.start) // BLOCK_BYTES))
 
     def _choose(self, window: list[int], room: int) -> tuple[list[tuple[Peer, int, int]] | None, bool]:
         """What to read next: ``(peer, block, address of the object's first byte there)``; None to
         wait for the upstream; empty if nobody can serve the window. And whether others fetch it."""
-        found = self._lookup()
-        if not any((a, p.id) < (self.stamp, self.me or "") for p, a in found.get(self.fetch_key, [])):
-            found = self._lookup(fresh=True)  # nobody ahead, as last seen: ask again before the origin
+        ahead = self._lookup()
         skip = self.bad | self.excluded
-        mine = (self.stamp, self.me or "")
-        words = {p.id: a for p, a in found.get(self.progress_key, [])}
-        ahead = []  # every fetcher ahead, also those put aside here: the tree is the same on every host
-        for peer, stamp in found.get(self.fetch_key, []):
-            _RELAYERS[peer.id] = None
-            if (stamp, peer.id) < mine and peer.id in words:
-                ahead.append(((stamp, peer.id), peer))
-        crowd = bool(found.get(self.fetch_key))
-        if len(_RELAYERS) > 4096:
-            for k in list(_RELAYERS)[:2048]:
-                del _RELAYERS[k]
-        fetchers = {p.id for p, _ in found.get(self.fetch_key, [])} | {self.me or ""}  # this one announced itself
-        fanout = relay_fanout(len(fetchers), -(-(self.size - self.start) // BLOCK_BYTES))
-        ups = [up for up in relay_order([p for _, p in sorted(ahead, key=lambda x: x[0])], fanout) if up.id not in skip]
-        hops = relay_depth(len(ups), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
-        for up in ups:  # the parent, its ancestors, then the others nearest first
+        if not any(p.id not in skip for p, _ in ahead.values()):
+            ahead = self._lookup(fresh=True)  # nobody (usable) ahead, as last seen: ask again before the origin
+        crowd = max(self.end, self._place() + 1) > 1  # others fetch it
+        fanout = self._fanout()
+        ups = [(q, *ahead[q]) for q in relay_order(self._place(), fanout, self.gone) if q in ahead]
+        hops = relay_depth(self._place(), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
+        for q, up, word in ups:  # the parent, its ancestors, then the others nearest first
+            if up.id in skip:
+                continue
             try:  # its progress word, straight from it: (slab address, blocks verified from the first)
-                self.transport.read(up.session, [(self.saddr, words[up.id], 16)])
+                self.transport.read(up.session, [(self.saddr, word, 16)])
                 base, mark = struct.unpack_from("<QQ", self.scratch, 0)
             except TransferError:
                 log.debug("relay %s: upstream %s does not answer: passed over", self.digest[:12], up.session)
-                self._put_aside(up)  # dead or leaving: the next one up
+                self._put_aside(up, q)  # dead or leaving: the next one up
                 continue
             have = [i for i in window if i < mark]
             if have:
@@ -410,11 +444,12 @@ class Relay:
                 return None, crowd
             log.debug("relay %s: upstream %s stalled at block %d for %.2f s: passed over",
                       self.digest[:12], up.session, mark, now - self.waiting[1])
-            self._put_aside(up)  # it answers but makes no progress: the next one up
-        if time.monotonic() - self.found_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
-            found = self._lookup(fresh=True)
+            self._put_aside(up, q)  # it answers but makes no progress: the next one up
+        if time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
+            self.whole = self._holders([self.digest]).get(self.digest, [])
+            self.whole_at = time.monotonic()
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
-        whole = [(p, a) for p, a in found.get(self.digest, []) if p.id not in skip]
+        whole = [(p, a) for p, a in self.whole if p.id not in skip]
         if not whole:
             return [], crowd
         known = [w for w in whole if w[0].id in _RELAYERS]
@@ -423,14 +458,15 @@ class Relay:
             peer, addr = random.choice(known or whole)  # each block: spread over the holders alike
             out.append((peer, i, addr))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("relay %s: blocks %s from whole holder(s) %s: %d fetcher(s) seen, %d ahead, %d put aside",
+            log.debug("relay %s: blocks %s from whole holder(s) %s: position %d of %d, %d put aside",
                       self.digest[:12], [i for _, i, _ in out], sorted({p.session for p, _, _ in out}),
-                      len(fetchers), len(ahead), len(skip))
+                      self._place(), self.end, len(skip))
         return out, crowd
 
-    def _put_aside(self, peer: Peer) -> None:
+    def _put_aside(self, peer: Peer, position: int) -> None:
         with self.cond:
             self.bad.add(peer.id)
+            self.gone.add(position)
         self.bad_at = time.monotonic()
         self.waiting = None
 

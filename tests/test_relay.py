@@ -18,7 +18,7 @@ import time
 import pytest
 
 from helpers import run_in_small_tmpfs
-from paramstore.relay import FANOUT_ENV, MAX_FANOUT, relay_depth, relay_fanout, relay_order
+from paramstore.relay import FANOUT_ENV, MAX_FANOUT, RELAY_ASK, relay_depth, relay_fanout, relay_order
 from test_peers import Host, hosts, stored_bytes  # noqa: F401 - the fixture is used by name
 
 
@@ -192,17 +192,18 @@ def test_the_reservation_stays_ahead_of_the_reads(shm_dir):
 # -- the plan: a chain or a tree, whichever reaches the last fetcher first ------------------------
 @pytest.mark.parametrize("n", range(301))
 def test_the_relay_order_of_a_chain_is_the_nearest_first(n):
-    """Fan-out 1: exactly the chain, the nearest fetcher ahead first."""
-    assert relay_order(list(range(n)), 1) == list(range(n - 1, -1, -1))
+    """Fan-out 1: exactly the chain, the nearest fetcher ahead first, as many as asked for."""
+    assert relay_order(n, 1, limit=n + 1) == list(range(n - 1, -1, -1))
+    assert relay_order(n, 1) == list(range(n - 1, -1, -1))[:RELAY_ASK]
 
 
 @pytest.mark.parametrize("fanout", [2, 3])
 def test_the_relay_order_of_a_tree_is_parent_ancestors_then_nearest(fanout):
     """Fan-out 2 and 3, 1 to 300 fetchers ahead: the parent ``(i - 1) // f`` first, then its
-    ancestors up to the first fetcher, then every other fetcher ahead, nearest first, each once."""
+    ancestors up to the first fetcher, then every other fetcher ahead, nearest first, each once;
+    cut at ``limit``, and positions to skip left out wherever they stand."""
     for i in range(1, 301):
-        order = relay_order([f"p{j}" for j in range(i)], fanout)
-        idx = [int(p[1:]) for p in order]
+        idx = relay_order(i, fanout, limit=i)
         assert sorted(idx) == list(range(i)), (fanout, i)  # every fetcher ahead, once: a fallback for each
         want, k = [], i
         while k:
@@ -212,9 +213,13 @@ def test_the_relay_order_of_a_tree_is_parent_ancestors_then_nearest(fanout):
         rest = idx[len(want):]
         assert rest == sorted(rest, reverse=True), (fanout, i, idx)  # the others: nearest first
         assert len(want) == relay_depth(i, fanout)
-    # concrete: the 5th fetcher (4 ahead) of a binary tree reads from the 2nd, then the 1st
-    assert relay_order(["a", "b", "c", "d"], 2) == ["b", "a", "d", "c"]
-    assert relay_order(list("abcdefghij"), 3) == list("da") + list("jihgfecb")
+        assert relay_order(i, fanout) == idx[:RELAY_ASK]
+        skip = set(idx[::2])
+        assert relay_order(i, fanout, skip, limit=i) == [q for q in idx if q not in skip]
+    # concrete: the 5th fetcher (position 4) of a binary tree reads from the 2nd, then the 1st
+    assert relay_order(4, 2) == [1, 0, 3, 2]
+    assert relay_order(10, 3) == [3, 0, 9, 8, 7, 6, 5, 4, 2, 1]
+    assert relay_order(0, 2) == [] and relay_order(500, 2, limit=0) == []
 
 
 @pytest.mark.parametrize("fanout", [1, 2, 3])
@@ -222,7 +227,7 @@ def test_a_relay_tree_gives_each_fetcher_at_most_fanout_children_and_log_depth(f
     """All n fetchers' first choices form a tree: one root (reads the origin), at most ``fanout``
     children each, depth ceil(log_f) (the chain: n - 1)."""
     for n in (1, 2, 8, 16, 17, 64, 256, 300):
-        parents = [relay_order(list(range(i)), fanout)[0] for i in range(1, n)]
+        parents = [relay_order(i, fanout)[0] for i in range(1, n)]
         assert all(p < i + 1 for i, p in enumerate(parents))  # always someone ahead
         assert max((parents.count(p) for p in set(parents)), default=0) <= fanout
         depth = max(relay_depth(i, fanout) for i in range(n))

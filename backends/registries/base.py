@@ -158,6 +158,18 @@ def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
     return dict(objects)
 
 
+def check_positions(positions: Iterable[int]) -> list[int]:
+    """The distinct ``positions``, in order, if each is an int in [0, 2**53)
+    (:meth:`Registry.in_order`), else InvalidArgumentError."""
+    if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+        raise InvalidArgumentError(f"expected an iterable of positions, got a {type(positions).__name__}")
+    out = list(positions)
+    for p in out:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 1 << 53:
+            raise InvalidArgumentError(f"a position is an int in [0, 2**53), got {p!r}")
+    return list(dict.fromkeys(out))
+
+
 def unregistered(step: int, digests: Iterable[str]) -> UnregisteredObjectsError:
     """The error :meth:`Registry.publish` raises for a version at ``step`` that references objects
     the registry does not record (``digests``) and does not register either."""
@@ -471,16 +483,30 @@ class Registry(abc.ABC):
         """
 
     @abc.abstractmethod
-    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
-        """Announce ``objects`` (as :meth:`announce_objects`) and, in the same atomic step, ``key``
-        at the registry's next *order number*: one more than the last it gave out, to any peer of
-        any process. Returns that number.
+    def announce_in_order(self, peer_id: str, key: str, address: int) -> int:
+        """Announce ``key`` at ``address`` (as :meth:`announce_objects`) and, in the same atomic
+        step, give it the next *position* among the holders of ``key``: one more than the largest
+        position a holder of ``key`` still recorded has (0 for the first). Returns the position.
 
-        A :meth:`holders` call that starts after one call returned lists that peer under ``key``
-        with a number smaller than any later call gets: every reader sees the same order of
-        arrival, whatever the hosts' clocks say. (Relays order an object's fetchers by it: a host
-        that sees nobody ahead of it is the first, never one that raced an announcement.) Raises
-        as :meth:`announce_objects` does.
+        Positions are the order of arrival every reader sees alike, whatever the hosts' clocks
+        say: an :meth:`in_order` call that starts after one call returned finds that peer at a
+        position smaller than any later call gets. Only positions above every recorded holder's
+        are given out again, so while a peer holds position ``p``, every position below ``p``
+        names the holder it was given to, or nobody. Announcing ``key`` again moves the peer to a
+        new position; :meth:`announce_objects` of ``key`` takes its position away. (Relays place an object's fetchers in a tree by position,
+        :func:`paramstore.relay.relay_order`.) Raises as :meth:`announce_objects` does.
+        """
+
+    @abc.abstractmethod
+    def in_order(self, key: str, positions: Iterable[int]) -> tuple[int, dict[int, tuple[Peer, int]]]:
+        """``(end, found)``: ``end``, the position the next :meth:`announce_in_order` of ``key``
+        would give (0: nobody holds it); ``found``, for each of ``positions`` a live peer holds
+        ``key`` at (:meth:`announce_in_order`), ``(peer, address)``.
+
+        One consistent read (Redis: one round trip) whose work and reply grow with the positions
+        asked, not with the holders of ``key``: a relay of hundreds of hosts asks for a dozen.
+        Holders found dead are dropped (as :meth:`holders` does). Raises InvalidArgumentError for a
+        bad key or a position that is not an int in [0, 2**53).
         """
 
     @abc.abstractmethod

@@ -15,12 +15,12 @@ name              key                             value
 ``persisted``     step, 8-byte big-endian         URL of the remote the version is durable in
 ``peers``         peer id, UTF-8                  the peer (session, host, pid, process start time, node, time)
 ``holders``       object digest (32 raw bytes)    the address in the peer's registered memory, 8-byte big-endian
-                  + peer id (UTF-8)
+                  + peer id (UTF-8)               (then its position, for a key announced in order)
 ``peer-objects``  peer id (UTF-8) + NUL           empty: the reverse of ``holders``, so a peer's objects go with it
                   + object digest (32 raw bytes)
+``ranks``         key (32 raw bytes) + position   the peer id holding ``key`` at that position
+                  (8-byte big-endian)             (:meth:`Registry.announce_in_order`)
 ``meta``          ``store_id`` / ``writer``       the store's identity and its current writer (UTF-8)
-                  NUL + ``order``                 the last order number given out (8-byte big-endian,
-                                                  :meth:`Registry.announce_in_order`)
 ``patches``       target step + base step          pairs of target object + patch object (32 raw bytes each)
                   (8-byte big-endian each)
 ``derived``       ``<recipe>@<version>/<unit>``    a derived record (JSON, :mod:`paramstore.derived`)
@@ -73,18 +73,17 @@ from paramstore.text import restore_advice
 from ._inotify import FileWatch
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
-    check_holdings, check_meta_key, check_patches,
+    check_holdings, check_meta_key, check_patches, check_positions,
     check_peer, check_peer_id, unregistered,
 )
 
 __all__ = ["LmdbRegistry", "restore_advice", "from_url"]
 
 _STEP = struct.Struct(">Q")
-_ORDER_KEY = b"\0order"  # meta: the last order number given out (announce_in_order); no store-level key
 _LOC = struct.Struct(">32sQQ")
 # Named databases missing from an older store are created when it is opened.
 _DBS = ("versions", "manifests", "tags", "tensors", "objects", "refs", "leases", "persisted", "peers", "holders",
-        "peer-objects", "meta", "patches", "derived")
+        "peer-objects", "ranks", "meta", "patches", "derived")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; the file only grows as used
 #: Bytes allocated ahead of LMDB's last page in ``data.mdb`` (topped up when half is used), so
 #: that lease writes never need new space from a full filesystem.
@@ -694,9 +693,15 @@ class LmdbRegistry(Registry):
         cur = txn.cursor(db=self._dbs["peer-objects"])
         if cur.set_range(prefix):
             while cur.key().startswith(prefix):
-                txn.delete(cur.key()[len(prefix):] + pid, db=self._dbs["holders"])
+                self._unhold(txn, cur.key()[len(prefix):], pid)
                 if not cur.delete():
                     break
+
+    def _unhold(self, txn: lmdb.Transaction, key: bytes, pid: bytes) -> None:
+        """In ``txn``: peer ``pid`` no longer holds ``key`` (nor its position, if it had one)."""
+        raw = txn.pop(key + pid, db=self._dbs["holders"])
+        if raw is not None and len(raw) == 16:
+            txn.delete(key + raw[8:], db=self._dbs["ranks"])
 
     def _drop_dead(self, dead: Iterable[str]) -> None:
         """Drop peers found dead (re-checked inside the write transaction)."""
@@ -736,28 +741,42 @@ class LmdbRegistry(Registry):
         with self._write() as txn:
             self._hold(txn, peer_id, objects)
 
-    def _hold(self, txn: lmdb.Transaction, peer_id: str, objects: Mapping[str, int]) -> None:
-        """In ``txn``: ``peer_id`` (live, else InvalidArgumentError) holds ``objects`` at those addresses."""
+    def _hold(self, txn: lmdb.Transaction, peer_id: str, objects: Mapping[str, int], ordered: str | None = None) -> int:
+        """In ``txn``: ``peer_id`` (live, else InvalidArgumentError) holds ``objects`` at those
+        addresses, ``ordered`` (one of them) at the next position, returned (else 0)."""
         pid = peer_id.encode()
         raw = txn.get(pid, db=self._dbs["peers"])
         if raw is None or not self._peer_record(peer_id, raw)[1]:
             raise InvalidArgumentError(f"peer {peer_id} is not announced (or its process is gone)")
+        position = 0
         for d, address in objects.items():
             key = bytes.fromhex(d)
-            txn.put(key + pid, _STEP.pack(address), db=self._dbs["holders"])
+            rank = b""  # its position, packed, if announced in order (its own earlier one counts: it moves up)
+            if d == ordered:
+                position = self._end(txn, key)
+                rank = _STEP.pack(position)
+            self._unhold(txn, key, pid)
+            if rank:
+                txn.put(key + rank, pid, db=self._dbs["ranks"])
+            txn.put(key + pid, _STEP.pack(address) + rank, db=self._dbs["holders"])
             txn.put(pid + b"\0" + key, b"", db=self._dbs["peer-objects"])
+        return position
+
+    def _end(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """One more than the largest position a holder of ``key`` has (0: none)."""
+        cur = txn.cursor(db=self._dbs["ranks"])
+        if not (cur.prev() if cur.set_range(key + b"\xff" * 8) else cur.last()):  # the last entry before key's end
+            return 0
+        k = cur.key()
+        return _STEP.unpack(k[32:])[0] + 1 if k[:32] == key else 0
 
     @_guarded
-    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
+    def announce_in_order(self, peer_id: str, key: str, address: int) -> int:
         check_peer_id(peer_id)
         check_digests([key])
-        objects = check_holdings(objects)
-        with self._write() as txn:  # one write transaction: the number and the announcement together
-            raw = txn.get(_ORDER_KEY, db=self._dbs["meta"])
-            n = (_STEP.unpack(raw)[0] if raw is not None else 0) + 1
-            txn.put(_ORDER_KEY, _STEP.pack(n), db=self._dbs["meta"])
-            self._hold(txn, peer_id, {**objects, key: n})
-        return n
+        objects = check_holdings({key: address})
+        with self._write() as txn:  # one write transaction: the position and the announcement together
+            return self._hold(txn, peer_id, objects, key)
 
     @_guarded
     def withdraw_objects(self, peer_id: str, digests: Iterable[str]) -> None:
@@ -767,7 +786,7 @@ class LmdbRegistry(Registry):
         with self._write() as txn:
             for d in digests:
                 key = bytes.fromhex(d)
-                txn.delete(key + pid, db=self._dbs["holders"])
+                self._unhold(txn, key, pid)
                 txn.delete(pid + b"\0" + key, db=self._dbs["peer-objects"])
 
     @_guarded
@@ -801,13 +820,39 @@ class LmdbRegistry(Registry):
                             peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
                             seen[peer_id] = peer if ok else None
                         if seen[peer_id] is not None:
-                            row.append((seen[peer_id], _STEP.unpack(v)[0]))
+                            row.append((seen[peer_id], _STEP.unpack(v[:8])[0]))
                 if row:
                     out[d] = row
         dead = [p for p, peer in seen.items() if peer is None]
         if dead:
             self._drop_dead(dead)
         return out
+
+    @_guarded
+    def in_order(self, key: str, positions: Iterable[int]) -> tuple[int, dict[int, tuple[Peer, int]]]:
+        raw_key = bytes.fromhex(check_digests([key])[0])
+        positions = check_positions(positions)
+        found: dict[int, tuple[Peer, int]] = {}
+        seen: dict[str, Peer | None] = {}  # peer id -> the peer, None if dead or unknown
+        with self.env.begin() as txn:
+            for position in positions:
+                pid = txn.get(raw_key + _STEP.pack(position), db=self._dbs["ranks"])
+                held = txn.get(raw_key + pid, db=self._dbs["holders"]) if pid is not None else None
+                if held is None:
+                    continue
+                peer_id = pid.decode()
+                if peer_id not in seen:
+                    raw = txn.get(pid, db=self._dbs["peers"])
+                    peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
+                    seen[peer_id] = peer if ok else None
+                peer = seen[peer_id]
+                if peer is not None:
+                    found[position] = (peer, _STEP.unpack(held[:8])[0])
+            end = self._end(txn, raw_key)
+        dead = [p for p, peer in seen.items() if peer is None]
+        if dead:
+            self._drop_dead(dead)
+        return end, found
 
     def watch(self, what: str = "versions") -> Watch:
         return _EventsWatch(self._events[what])

@@ -24,6 +24,8 @@ key (after prefix)     type    content
 ``peer:<id>``          string  ``{"session", "host", "pid", "started_at"}``, with a TTL: live while it exists
 ``holders:<digest>``   hash    peer id -> address of the object in that peer's registered memory
 ``peer-objects:<id>``  set     the digests the peer announced (the reverse of ``holders:``)
+``ranks:<key>``        zset    peer id, scored by its position among the holders of ``key``
+                               (:meth:`~RedisRegistry.announce_in_order`)
 =====================  ======  ==========================================================
 
 The registry is as durable as the server is configured to be (``appendonly yes`` for a store that
@@ -94,7 +96,7 @@ from paramstore.validate import check_digest
 
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
-    check_holdings, check_meta_key, check_patches,
+    check_holdings, check_meta_key, check_patches, check_positions,
     check_peer, check_peer_id, unregistered,
 )
 
@@ -295,7 +297,10 @@ return {steps, recs, redis.call('hgetall', KEYS[3])}
 _DROP_PEER = """
 local function drop_peer(p, id)
   local objs = p .. 'peer-objects:' .. id
-  for _, d in ipairs(redis.call('smembers', objs)) do redis.call('hdel', p .. 'holders:' .. d, id) end
+  for _, d in ipairs(redis.call('smembers', objs)) do
+    redis.call('hdel', p .. 'holders:' .. d, id)
+    redis.call('zrem', p .. 'ranks:' .. d, id)
+  end
   redis.call('del', objs, p .. 'peer:' .. id)
   redis.call('srem', p .. 'peers', id)
 end
@@ -313,20 +318,22 @@ end
 return 1
 """)
 
-# ARGV: prefix, id, ordered key or "", then digest, address pairs. Returns 0 if the peer is not
-# live; else the ordered key's order number (announced at it, the counter bumped), or 1 without one.
+# ARGV: prefix, id, ordered key or "", then digest, address pairs (the ordered key's among them).
+# Returns -1 if the peer is not live; else the ordered key's position (one more than the largest
+# of its holders', 0 for the first), or 0 without one.
 _ANNOUNCE_OBJECTS = _script("""
 local p, id, key = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('exists', p .. 'peer:' .. id) == 0 then return 0 end
-local n = 1
+if redis.call('exists', p .. 'peer:' .. id) == 0 then return -1 end
+local n = 0
 if key ~= '' then
-  n = redis.call('incr', p .. 'order')
-  redis.call('hset', p .. 'holders:' .. key, id, n)
-  redis.call('sadd', p .. 'peer-objects:' .. id, key)
+  local last = redis.call('zrevrange', p .. 'ranks:' .. key, 0, 0, 'WITHSCORES')
+  if #last > 0 then n = tonumber(last[2]) + 1 end
+  redis.call('zadd', p .. 'ranks:' .. key, n, id)
 end
 for i = 4, #ARGV, 2 do
   redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
   redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
+  if ARGV[i] ~= key then redis.call('zrem', p .. 'ranks:' .. ARGV[i], id) end
 end
 return n
 """)
@@ -336,6 +343,7 @@ _WITHDRAW_OBJECTS = _script("""
 local p, id = ARGV[1], ARGV[2]
 for i = 3, #ARGV do
   redis.call('hdel', p .. 'holders:' .. ARGV[i], id)
+  redis.call('zrem', p .. 'ranks:' .. ARGV[i], id)
   redis.call('srem', p .. 'peer-objects:' .. id, ARGV[i])
 end
 return 0
@@ -375,6 +383,30 @@ for id, rec in pairs(recs) do
   if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
 end
 return {rows, peers}
+""")
+
+# ARGV: prefix, key, positions... Returns {end, rows, peers}: end = one more than the largest
+# position of the key's holders (0: none), rows = {position, id, address, ...} of live holders at
+# the positions asked, peers = {id, record, ...} of those holders. Holders found dead are dropped.
+_IN_ORDER = _script(_DROP_PEER + """
+local p, key = ARGV[1], ARGV[2]
+local ranks, held = p .. 'ranks:' .. key, p .. 'holders:' .. key
+local rows, recs = {}, {}
+for i = 3, #ARGV do
+  for _, id in ipairs(redis.call('zrangebyscore', ranks, ARGV[i], ARGV[i])) do
+    if recs[id] == nil then
+      recs[id] = redis.call('get', p .. 'peer:' .. id)
+      if not recs[id] then drop_peer(p, id) end
+    end
+    local a = recs[id] and redis.call('hget', held, id)
+    if a then rows[#rows + 1] = tonumber(ARGV[i]); rows[#rows + 1] = id; rows[#rows + 1] = a end
+  end
+end
+local last, peers = redis.call('zrevrange', ranks, 0, 0, 'WITHSCORES'), {}
+for id, rec in pairs(recs) do
+  if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
+end
+return {#last > 0 and tonumber(last[2]) + 1 or 0, rows, peers}
 """)
 
 
@@ -949,29 +981,27 @@ class RedisRegistry(Registry):
         self._hold(peer_id, check_holdings(objects))
 
     @_translated
-    def announce_in_order(self, peer_id: str, key: str, objects: Mapping[str, int]) -> int:
+    def announce_in_order(self, peer_id: str, key: str, address: int) -> int:
         check_peer_id(peer_id)
         check_digests([key])
-        return self._hold(peer_id, check_holdings(objects), key)
+        return self._hold(peer_id, check_holdings({key: address}), key)
 
     def _hold(self, peer_id: str, objects: Mapping[str, int], key: str | None = None) -> int:
-        """``peer_id`` holds ``objects`` (and ``key`` at the next order number, returned; else 1).
-        A peer of this object whose announcement lapsed (a stall) is announced again, whole."""
+        """``peer_id`` holds ``objects`` (``key``, one of them, at the next position, returned;
+        else 0). A peer of this object whose announcement lapsed (a stall) is announced again, whole."""
         self._client()
         args = [self._prefix, peer_id, key or "", *(x for d, a in objects.items() for x in (d, a))]
         with self._lock:
             mine = self._peers.get(peer_id)
             n = first = int(self._run(_ANNOUNCE_OBJECTS, [], args))
-            if not n and mine is not None:
+            if n < 0 and mine is not None:
                 self._announce(peer_id, *mine)  # ours, and lapsed: announce it again, whole
                 n = int(self._run(_ANNOUNCE_OBJECTS, [], args))
-            if not n:
+            if n < 0:
                 raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
             if mine is not None:
                 mine[1].update(objects)  # renewed with the peer from now on
-                if key is not None:
-                    mine[1][key] = n
-        if not first:  # it had lapsed
+        if first < 0:  # it had lapsed
             warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
                           "announced again", RuntimeWarning, stacklevel=3)
         return n
@@ -1006,6 +1036,18 @@ class RedisRegistry(Registry):
                 out[d] = sorted(((peers[peer_id], _address(d, a)) for peer_id, a in _pairs(row)),
                                 key=lambda x: x[0].id)
         return out
+
+    @_translated
+    def in_order(self, key: str, positions: Iterable[int]) -> tuple[int, dict[int, tuple[Peer, int]]]:
+        check_digests([key])
+        positions = check_positions(positions)
+        end, rows, flat = self._run(_IN_ORDER, [], [self._prefix, key, *positions])
+        peers = {peer_id: _peer(peer_id, raw) for peer_id, raw in _pairs(flat)}
+        found = {}
+        for i in range(0, len(rows), 3):
+            position, peer_id, address = rows[i:i + 3]
+            found[_count(position)] = (peers[peer_id], _address(key, address))
+        return _count(end), found
 
     # -- removal -----------------------------------------------------------------------------
     @_translated

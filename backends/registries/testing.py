@@ -575,27 +575,46 @@ class RegistryTests:
         assert other.holders([o1, o2, o3, o4]) == {o1: [(a, 11)], o4: [(a, 0)]}
 
     def test_announce_in_order(self, opened: Callable[..., Registry]) -> None:
-        """Order numbers grow across handles and keys, come with the objects in one step, and a
-        lookup after a call returned sees that caller ahead of any later one (threads race here)."""
+        """Positions count up per key across handles, only the top one is given again, a holder's
+        position and address are found by position, and a lookup after a call returned sees that
+        caller ahead of any later one (threads race here)."""
         reg, other = opened(), opened()
-        a, b = PEER("a"), PEER("b")
+        a, b, c = PEER("a"), PEER("b"), PEER("c")
         reg.announce_peer(a)
         other.announce_peer(b)
-        k1, k2, o = D("k1"), D("k2"), D("o")
-        n1 = reg.announce_in_order(a.id, k1, {o: 77})
-        n2 = other.announce_in_order(b.id, k1, {})
-        n3 = other.announce_in_order(b.id, k2, {})  # one sequence for every key
-        assert 0 < n1 < n2 < n3
-        assert reg.holders([k1, k2, o]) == {k1: [(a, n1), (b, n2)], k2: [(b, n3)], o: [(a, 77)]}
-        reg.withdraw_objects(a.id, [k1])
-        assert other.holders([k1]) == {k1: [(b, n2)]}
+        other.announce_peer(c)
+        k1, k2 = D("k1"), D("k2")
+        assert reg.in_order(k1, [0, 1]) == (0, {})
+        assert reg.announce_in_order(a.id, k1, 77) == 0
+        assert other.announce_in_order(b.id, k1, 88) == 1
+        assert other.announce_in_order(b.id, k2, 99) == 0  # each key its own positions
+        assert other.announce_in_order(c.id, k1, 1 << 63) == 2
+        assert reg.holders([k1, k2]) == {k1: [(a, 77), (b, 88), (c, 1 << 63)], k2: [(b, 99)]}  # a holding like any
+        assert other.in_order(k1, [2, 0, 5, 1, 2]) == (3, {0: (a, 77), 1: (b, 88), 2: (c, 1 << 63)})
+        assert reg.in_order(k1, []) == (3, {}) and reg.in_order(k2, iter([0])) == (1, {0: (b, 99)})
+        reg.withdraw_objects(a.id, [k1])  # a position below others' is never given again
+        assert other.in_order(k1, [0, 1, 2]) == (3, {1: (b, 88), 2: (c, 1 << 63)})
+        assert reg.announce_in_order(a.id, k1, 7) == 3
+        reg.withdraw_objects(a.id, [k1])  # the top one is
+        assert reg.announce_in_order(a.id, k1, 8) == 3
+        assert reg.announce_in_order(a.id, k1, 9) == 4  # announced again: a new position, the old one freed
+        assert other.in_order(k1, [3, 4]) == (5, {4: (a, 9)}) and other.holders([k1])[k1][0] == (a, 9)
+        other.withdraw_peer(c.id)  # its positions go with it
+        reg.announce_objects(b.id, {k1: 5})  # announced plainly: no position any more
+        assert reg.in_order(k1, range(6)) == (5, {4: (a, 9)})
         with pytest.raises(InvalidArgumentError):
-            reg.announce_in_order("nobody", k1, {})
+            reg.announce_in_order("nobody", k1, 1)
         for bad in ("not-a-key", k1.upper()):
             with pytest.raises(InvalidArgumentError):
-                reg.announce_in_order(a.id, bad, {})
-        with pytest.raises(InvalidArgumentError):
-            reg.announce_in_order(a.id, k2, {o: -1})
+                reg.announce_in_order(a.id, bad, 1)
+            with pytest.raises(InvalidArgumentError):
+                reg.in_order(bad, [0])
+        for bad_address in (-1, 1 << 64, 1.5, True):
+            with pytest.raises(InvalidArgumentError):
+                reg.announce_in_order(a.id, k2, bad_address)  # type: ignore[arg-type]
+        for bad_positions in ([-1], [1 << 53], [1.0], [True], "0", 3):
+            with pytest.raises(InvalidArgumentError):
+                reg.in_order(k1, bad_positions)  # type: ignore[arg-type]
         peers = [PEER(f"r{i}") for i in range(6)]
         handles = [opened() for _ in peers]
         for h, p in zip(handles, peers):
@@ -604,17 +623,16 @@ class RegistryTests:
         key = D("race")
 
         def join(h: Registry, p: Peer) -> None:
-            n = h.announce_in_order(p.id, key, {})
-            seen[p.id] = (n, {q.id for q, m in h.holders([key]).get(key, []) if m < n})
+            n = h.announce_in_order(p.id, key, 1)
+            seen[p.id] = (n, {q.id for q, _ in h.in_order(key, range(n))[1].values()})
 
         threads = [threading.Thread(target=join, args=hp) for hp in zip(handles, peers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        numbers = sorted(n for n, _ in seen.values())
-        assert len(set(numbers)) == len(peers)
-        for pid, (n, ahead) in seen.items():  # everyone with a smaller number was seen by this one
+        assert sorted(n for n, _ in seen.values()) == list(range(len(peers)))
+        for pid, (n, ahead) in seen.items():  # everyone with a smaller position was seen by this one
             assert ahead == {q for q, (m, _) in seen.items() if m < n}, pid
 
     def test_peer_arguments(self, reg: Registry) -> None:
