@@ -42,6 +42,7 @@ from .errors import CorruptObjectError, ObjectUnavailableError, RemoteError, Tra
 from .format import ITEMSIZE, PIECE_SIZE, piece_digest
 from .manifest import Chunk, Manifest
 from .peer import _contiguous
+from .relay import holders_of
 from .reports import FetchReport
 from .retire import retire
 from .staging import tmp_name
@@ -194,7 +195,7 @@ class LazyReads:
             else:
                 server = self._server()
                 me = server.peer.id if server is not None else None
-                holders = [h for h in reg.holders([part.digest]).get(part.digest, []) if h[0].id != me]
+                holders = holders_of(reg, [part.digest], me).get(part.digest, [])
                 random.shuffle(holders)  # readers spread over the holders
                 for peer, addr in holders:
                     if not pending:

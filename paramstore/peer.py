@@ -37,7 +37,7 @@ import blake3
 from . import liveness
 from .errors import ParamStoreError, TransferError
 from .format import ObjectHasher, rehash, tensor_spans
-from .relay import Relay, blame
+from .relay import Relay, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
 from .root import StoreRoot
@@ -436,9 +436,7 @@ class _Fetch:
         blame(self, peer, "bytes")
 
     def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
-        found = self.root.registry.holders(keys)
-        skip = self.bad | self.excluded
-        return {k: [(p, a) for p, a in v if p.id != self.me and p.id not in skip] for k, v in found.items()}
+        return holders_of(self.root.registry, keys, self.me, self.bad | self.excluded)
 
     def _swarm(self, announced: list[str]) -> bool:
         """Read every slice, each from a peer holding it; True once all arrived.

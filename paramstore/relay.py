@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Container, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Container, Mapping
 
 import blake3
 
@@ -35,13 +35,13 @@ from .retire import RETIRE_AFTER_S, later, retire
 from .root import StoreRoot
 from .staging import Slab, SlabPool
 
-from paramstore.backends.registries.base import Peer
+from paramstore.backends.registries.base import Peer, Registry
 from paramstore.backends.transports.base import Transport
 
 if TYPE_CHECKING:
     from .peer import PeerServer, _Fetch
 
-__all__ = ["Relay", "blame", "relay_depth", "relay_fanout", "relay_order"]
+__all__ = ["Relay", "blame", "holders_of", "relay_depth", "relay_fanout", "relay_order"]
 
 #: Logger of the relay's decisions at DEBUG (who served each block, why an upstream was passed
 #: over, why a block was read from a whole holder): ``logging.getLogger("paramstore.relay")``.
@@ -61,6 +61,8 @@ RELAY_WINDOW = 16
 #: 0.82 ms of redis-server's one thread per lookup, against 2.4 KiB and 0.07 ms by position;
 #: ``tools/bench_registry.py``, docs/benchmarks.md).
 RELAY_ASK = 12
+#: Holders of one key a lookup asks for at most (:func:`holders_of`), besides those it skips.
+HOLDERS_SAMPLE = 16
 #: Seconds (plus one block's time per host ahead, and 4 more) a relaying host waits on an upstream
 #: whose mark does not move and which still answers, before passing over it for this object; one
 #: that does not answer (its progress word cannot be read) is passed over at once.
@@ -233,7 +235,7 @@ class Relay:
         self.server, self.report, self.lock, self.excluded = server, report, lock, excluded
         self.start, self.blocks, self.spans = start, blocks, spans
         self.me = server.peer.id if server is not None else None
-        self.fetch_key = _block_key(digest, -1)
+        self.fetch_key = _fetch_key(digest)
         # its place among the fetchers (the registry's position); a host that does not serve
         # relays nothing: it has none, and goes last (reads from the chain's tail)
         self.position: int | None = None
@@ -446,7 +448,7 @@ class Relay:
                       self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up, q)  # it answers but makes no progress: the next one up
         if time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
-            self.whole = self._holders([self.digest]).get(self.digest, [])
+            self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
             self.whole_at = time.monotonic()
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
         whole = [(p, a) for p, a in self.whole if p.id not in skip]
@@ -538,10 +540,6 @@ class Relay:
     def _blame(self, peer: Peer, why: str) -> None:
         blame(self, peer, f"a block ({why})")
 
-    def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
-        found = self.root.registry.holders(keys)
-        return {k: [(p, a) for p, a in v if p.id != self.me] for k, v in found.items()}
-
     def _announce(self, new: dict[str, int]) -> None:
         self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
         self.announced.extend(new)
@@ -615,6 +613,15 @@ class _Space:
             self.thread.join()
 
 
+def holders_of(registry: Registry, keys: list[str], me: str | None, skip: Collection[str] = ()
+               ) -> dict[str, list[tuple[Peer, int]]]:
+    """The holders of ``keys`` a fetch may read from: neither ``me`` nor any in ``skip``, at most
+    :data:`HOLDERS_SAMPLE` of each key (a random sample where more hold it: a reply does not grow
+    with the number of hosts that finished)."""
+    found = registry.holders(keys, limit=HOLDERS_SAMPLE + len(skip) + 1)
+    return {k: [(p, a) for p, a in v if p.id != me and p.id not in skip] for k, v in found.items()}
+
+
 def blame(fetch: "_Fetch | Relay", peer: Peer, what: str) -> None:
     """``peer`` served ``what`` of ``fetch``'s object (a relay, or peer.py's whole-object fetch) that
     fails verification: counted in the
@@ -629,9 +636,7 @@ def blame(fetch: "_Fetch | Relay", peer: Peer, what: str) -> None:
                   "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=3)
 
 
-def _block_key(digest: str, index: int) -> str:
-    """The name verified block ``index`` of object ``digest`` is announced under by a host fetching
-    it (index -1: the host fetches the object; its "address" there is its order number among the
-    object's fetchers, :meth:`Registry.announce_in_order`)."""
-    return blake3.blake3(b"paramstore/block/v1\0" + bytes.fromhex(digest)
-                         + index.to_bytes(8, "big", signed=True)).hexdigest()
+def _fetch_key(digest: str) -> str:
+    """The key a host fetching object ``digest`` announces at its progress word's address, with its
+    position among the object's fetchers (:meth:`Registry.announce_in_order`)."""
+    return blake3.blake3(b"paramstore/fetch/v1\0" + bytes.fromhex(digest)).hexdigest()

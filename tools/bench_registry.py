@@ -9,7 +9,10 @@ does: ``announce_in_order``), then has every one of them look up once, two ways,
   for it (its parent, its ancestors, the nearest ahead: at most ``RELAY_ASK``);
 * ``holders``: what it asked until the lookup by position existed (session 17): ``holders`` of the
   object, its fetch key and a second per-fetcher key (the progress words, announced apart then),
-  each listing every fetcher.
+  each listing every fetcher. The whole-object path (objects the manifest does not cover: patch
+  objects) asked the same way for the object, its fetch key and its slices' keys;
+* ``sampled``: the same keys with a limit (:func:`paramstore.relay.holders_of`, as the
+  whole-object path, lazy reads and the relay's whole holders ask now): a random sample of each.
 
 Per lookup it reports the bytes redis-server sent (``INFO stats total_net_output_bytes``), the CPU
 it spent (``INFO cpu``: it runs Lua on one thread, so this is what bounds a registry's lookups per
@@ -39,7 +42,7 @@ from benchlib import machine, write_outputs  # noqa: E402
 
 from paramstore.backends.registries.base import Peer  # noqa: E402
 from paramstore.backends.registries.redis import RedisRegistry  # noqa: E402
-from paramstore.relay import BLOCK_BYTES, RELAY_ASK, _block_key, relay_fanout, relay_order  # noqa: E402
+from paramstore.relay import BLOCK_BYTES, HOLDERS_SAMPLE, RELAY_ASK, _fetch_key, holders_of, relay_fanout, relay_order  # noqa: E402
 
 
 def _server_cost(r: redis.Redis) -> tuple[int, float]:
@@ -54,7 +57,8 @@ def measure(url: str, hosts: int, blocks: int, rounds: int) -> dict[str, Any]:
     reg = RedisRegistry(url, f"bench-{hosts}-{uuid.uuid4().hex[:8]}")
     try:
         digest = blake3.blake3(uuid.uuid4().bytes).hexdigest()
-        fetch_key, words_key = _block_key(digest, -1), _block_key(digest, -2)
+        fetch_key = _fetch_key(digest)
+        words_key = blake3.blake3(fetch_key.encode()).hexdigest()  # a second key per fetcher, as before
         peers = [Peer(uuid.uuid4().hex, f"10.77.{i // 250}.{i % 250 + 2}:15012", f"host-{i}", os.getpid(), time.time())
                  for i in range(hosts)]
         t0 = time.perf_counter()
@@ -68,6 +72,7 @@ def measure(url: str, hosts: int, blocks: int, rounds: int) -> dict[str, Any]:
         kinds: dict[str, Callable[[int], int]] = {
             "in_order": lambda i: len(reg.in_order(fetch_key, relay_order(i, fanout))[1]),
             "holders": lambda i: sum(map(len, reg.holders([digest, fetch_key, words_key]).values())),
+            "sampled": lambda i: sum(map(len, holders_of(reg, [digest, fetch_key, words_key], peers[i].id).values())),
         }
         out: dict[str, Any] = {"hosts": hosts, "fanout": fanout, "announce_s": announce_s}
         for name, lookup in kinds.items():
@@ -110,7 +115,8 @@ def main() -> int:
           "| fetchers | fan-out | lookup | entries in the reply | bytes sent by redis | redis CPU | client wall |",
           "|---|---|---|---|---|---|---|"]
     for row in rows:
-        for name, label in (("in_order", "`in_order` (by position, now)"), ("holders", "`holders` (every fetcher, before)")):
+        for name, label in (("in_order", "`in_order`: the relay, now"), ("holders", "`holders`, every holder: the relay before, the whole-object path before"),
+                            ("sampled", f"`holders`, limit {HOLDERS_SAMPLE + 1}: the whole-object path now")):
             m = row[name]
             md.append(f"| {row['hosts']} | {row['fanout']} | {label} | {m['entries']:.1f} | {m['bytes'] / 1024:.1f} KiB | "
                       f"{m['cpu_s'] * 1e3:.3f} ms | {m['wall_s'] * 1e3:.3f} ms |")

@@ -158,6 +158,13 @@ def check_holdings(objects: Mapping[str, int]) -> dict[str, int]:
     return dict(objects)
 
 
+def check_limit(limit: object) -> int | None:
+    """``limit`` if it is None or an int >= 1 (:meth:`Registry.holders`), else InvalidArgumentError."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidArgumentError(f"a limit is None or an int >= 1, got {limit!r}")
+    return limit
+
+
 def check_positions(positions: Iterable[int]) -> list[int]:
     """The distinct ``positions``, in order, if each is an int in [0, 2**53)
     (:meth:`Registry.in_order`), else InvalidArgumentError."""
@@ -518,10 +525,14 @@ class Registry(abc.ABC):
         """Live peers, ordered by id. Records of dead peers are dropped here, with their objects."""
 
     @abc.abstractmethod
-    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+    def holders(self, digests: Iterable[str], limit: int | None = None) -> dict[str, list[tuple[Peer, int]]]:
         """For each digest some live peer announced: ``[(peer, address)]``, ordered by peer id.
 
-        Digests nobody (live) holds are absent. One consistent read (Redis: one round trip).
+        With ``limit`` (an int >= 1), at most that many per digest: a random sample where more
+        hold it, drawn anew by each call, so that a reply and the work behind it (Redis:
+        ``HRANDFIELD``) stay that small however many hosts hold the object; fewer where some of
+        the sample are found dead. Digests nobody (live) holds are absent. One consistent read
+        (Redis: one round trip).
         Removing versions or forgetting objects does not touch announcements: a peer withdraws
         what it no longer holds itself.
         """

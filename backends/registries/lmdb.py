@@ -55,6 +55,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import struct
 import threading
 import time
@@ -73,7 +74,7 @@ from paramstore.text import restore_advice
 from ._inotify import FileWatch
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
-    check_holdings, check_meta_key, check_patches, check_positions,
+    check_holdings, check_limit, check_meta_key, check_patches, check_positions,
     check_peer, check_peer_id, unregistered,
 )
 
@@ -801,8 +802,9 @@ class LmdbRegistry(Registry):
         return live
 
     @_guarded
-    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+    def holders(self, digests: Iterable[str], limit: int | None = None) -> dict[str, list[tuple[Peer, int]]]:
         digests = check_digests(digests)
+        limit = check_limit(limit)
         out: dict[str, list[tuple[Peer, int]]] = {}
         seen: dict[str, Peer | None] = {}  # peer id -> the peer, None if dead or unknown
         with self.env.begin() as txn:
@@ -821,6 +823,8 @@ class LmdbRegistry(Registry):
                             seen[peer_id] = peer if ok else None
                         if seen[peer_id] is not None:
                             row.append((seen[peer_id], _STEP.unpack(v[:8])[0]))
+                if limit is not None and len(row) > limit:  # one host's own peers: few, so all are read
+                    row = sorted(random.sample(row, limit), key=lambda x: x[0].id)
                 if row:
                     out[d] = row
         dead = [p for p, peer in seen.items() if peer is None]

@@ -96,7 +96,7 @@ from paramstore.validate import check_digest
 
 from .base import (
     Lease, ObjectInfo, Peer, Registry, TensorLocation, Watch, check_derived_key, check_derived_record, check_digests,
-    check_holdings, check_meta_key, check_patches, check_positions,
+    check_holdings, check_limit, check_meta_key, check_patches, check_positions,
     check_peer, check_peer_id, unregistered,
 )
 
@@ -362,12 +362,14 @@ end
 return out
 """)
 
-# ARGV: prefix, digests... Returns {rows, peers}: rows[i] = {id, address, ...} of the i-th digest's
-# live holders, peers = {id, record, ...} of those holders. Holders found dead are dropped.
+# ARGV: prefix, limit (0: none), digests... Returns {rows, peers}: rows[i] = {id, address, ...} of
+# the i-th digest's live holders (a random sample of at most limit), peers = {id, record, ...} of
+# those holders. Holders found dead are dropped.
 _HOLDERS = _script(_DROP_PEER + """
-local p, rows, recs = ARGV[1], {}, {}
-for i = 2, #ARGV do
-  local held, row = redis.call('hgetall', p .. 'holders:' .. ARGV[i]), {}
+local p, limit, rows, recs = ARGV[1], tonumber(ARGV[2]), {}, {}
+for i = 3, #ARGV do
+  local key, held, row = p .. 'holders:' .. ARGV[i], nil, {}
+  if limit > 0 then held = redis.call('hrandfield', key, limit, 'WITHVALUES') else held = redis.call('hgetall', key) end
   for j = 1, #held, 2 do
     local id = held[j]
     if recs[id] == nil then
@@ -376,7 +378,7 @@ for i = 2, #ARGV do
     end
     if recs[id] then row[#row + 1] = id; row[#row + 1] = held[j + 1] end
   end
-  rows[i - 1] = row
+  rows[i - 2] = row
 end
 local peers = {}
 for id, rec in pairs(recs) do
@@ -1024,11 +1026,12 @@ class RedisRegistry(Registry):
         return sorted((_peer(peer_id, raw) for peer_id, raw in _pairs(flat)), key=lambda peer: peer.id)
 
     @_translated
-    def holders(self, digests: Iterable[str]) -> dict[str, list[tuple[Peer, int]]]:
+    def holders(self, digests: Iterable[str], limit: int | None = None) -> dict[str, list[tuple[Peer, int]]]:
         digests = check_digests(digests)
+        limit = check_limit(limit)
         if not digests:
             return {}
-        rows, flat = self._run(_HOLDERS, [], [self._prefix, *digests])
+        rows, flat = self._run(_HOLDERS, [], [self._prefix, limit or 0, *digests])
         peers = {peer_id: _peer(peer_id, raw) for peer_id, raw in _pairs(flat)}
         out = {}
         for d, row in zip(digests, rows):

@@ -574,6 +574,30 @@ class RegistryTests:
         reg.withdraw_peer(c.id)
         assert other.holders([o1, o2, o3, o4]) == {o1: [(a, 11)], o4: [(a, 0)]}
 
+    def test_holders_limit(self, opened: Callable[..., Registry]) -> None:
+        """With a limit: at most that many per digest, ordered by peer id, a sample drawn anew each
+        call (every holder turns up), all of them where as few hold it; a bad limit is refused."""
+        reg, other = opened(), opened()
+        peers = [PEER(f"h{i}") for i in range(5)]
+        for i, p in enumerate(peers):
+            reg.announce_peer(p)
+            reg.announce_objects(p.id, {D("many"): i})
+        reg.announce_objects(peers[3].id, {D("one"): 33})
+        full = other.holders([D("many")])[D("many")]
+        assert len(full) == 5
+        seen = set()
+        for _ in range(60):  # a holder left out of 60 draws of 2 of 5: p = 0.6**60
+            got = other.holders([D("many"), D("one"), D("none")], limit=2)
+            assert set(got) == {D("many"), D("one")} and got[D("one")] == [(peers[3], 33)]
+            row = got[D("many")]
+            assert len(row) == 2 and row == sorted(row, key=lambda x: x[0].id) and set(row) <= set(full)
+            seen.update(row)
+        assert seen == set(full)
+        assert other.holders([D("many")], limit=5) == other.holders([D("many")], limit=99) == {D("many"): full}
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(InvalidArgumentError):
+                other.holders([D("many")], limit=bad)  # type: ignore[arg-type]
+
     def test_announce_in_order(self, opened: Callable[..., Registry]) -> None:
         """Positions count up per key across handles, only the top one is given again, a holder's
         position and address are found by position, and a lookup after a call returned sees that
