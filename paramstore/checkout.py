@@ -157,7 +157,7 @@ class Fetcher:
     def _from_peers(self, step: int, manifest: Manifest, missing: list[str], report: FetchReport,
                     excluded: set[str]) -> Exception | None:
         reg = self._root.registry
-        if not reg.peers():
+        if not reg.holders(missing, limit=1):  # nobody holds any of it whole: no relay has a source either
             return None
         spans = manifest.spans()
         extents = {o: max(end for _, end in spans[o]) for o in missing if spans[o]}
@@ -190,7 +190,7 @@ class Fetcher:
         """Move these objects (patches) here from peers, none from a peer in ``excluded``; returns the
         bytes moved (counted per peer in ``report.bytes_from``). What no peer delivers is simply not
         here afterwards."""
-        if not self._root.registry.peers():
+        if not self._root.registry.holders(sizes, limit=1):
             return 0
         sub = FetchReport(report.step)
         try:

@@ -187,15 +187,15 @@ class LazyReads:
         pending = pieces
         why: list[str] = []
         reg = self._root.registry
-        if reg.peers():
+        found = holders_of(reg, [part.digest], None).get(part.digest, [])
+        if found:
             try:
                 transport = self._transport()
             except TransferError as e:
                 why.append(f"no transfer engine here: {e}")
             else:
                 server = self._server()
-                me = server.peer.id if server is not None else None
-                holders = holders_of(reg, [part.digest], me).get(part.digest, [])
+                holders = [h for h in found if server is None or h[0].id != server.peer.id]
                 random.shuffle(holders)  # readers spread over the holders
                 for peer, addr in holders:
                     if not pending:

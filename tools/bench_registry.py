@@ -12,7 +12,10 @@ does: ``announce_in_order``), then has every one of them look up once, two ways,
   each listing every fetcher. The whole-object path (objects the manifest does not cover: patch
   objects) asked the same way for the object, its fetch key and its slices' keys;
 * ``sampled``: the same keys with a limit (:func:`paramstore.relay.holders_of`, as the
-  whole-object path, lazy reads and the relay's whole holders ask now): a random sample of each.
+  whole-object path, lazy reads and the relay's whole holders ask now): a random sample of each;
+* ``peers``: what a checkout asked before any peer fetch, whether there are peers at all (every
+  live peer's record), against ``any``: whether anyone holds a missing object, ``holders(missing,
+  limit=1)``, as it asks now.
 
 Per lookup it reports the bytes redis-server sent (``INFO stats total_net_output_bytes``), the CPU
 it spent (``INFO cpu``: it runs Lua on one thread, so this is what bounds a registry's lookups per
@@ -73,6 +76,8 @@ def measure(url: str, hosts: int, blocks: int, rounds: int) -> dict[str, Any]:
             "in_order": lambda i: len(reg.in_order(fetch_key, relay_order(i, fanout))[1]),
             "holders": lambda i: sum(map(len, reg.holders([digest, fetch_key, words_key]).values())),
             "sampled": lambda i: sum(map(len, holders_of(reg, [digest, fetch_key, words_key], peers[i].id).values())),
+            "peers": lambda i: len(reg.peers()),
+            "any": lambda i: len(reg.holders([digest], limit=1)),
         }
         out: dict[str, Any] = {"hosts": hosts, "fanout": fanout, "announce_s": announce_s}
         for name, lookup in kinds.items():
@@ -116,7 +121,9 @@ def main() -> int:
           "|---|---|---|---|---|---|---|"]
     for row in rows:
         for name, label in (("in_order", "`in_order`: the relay, now"), ("holders", "`holders`, every holder: the relay before, the whole-object path before"),
-                            ("sampled", f"`holders`, limit {HOLDERS_SAMPLE + 1}: the whole-object path now")):
+                            ("sampled", f"`holders`, limit {HOLDERS_SAMPLE + 1}: the whole-object path now"),
+                            ("peers", "`peers()`: a checkout's check for sources, before"),
+                            ("any", "`holders(missing, limit=1)`: that check now")):
             m = row[name]
             md.append(f"| {row['hosts']} | {row['fanout']} | {label} | {m['entries']:.1f} | {m['bytes'] / 1024:.1f} KiB | "
                       f"{m['cpu_s'] * 1e3:.3f} ms | {m['wall_s'] * 1e3:.3f} ms |")
