@@ -57,9 +57,9 @@ RELAY_INFLIGHT = 4
 RELAY_WINDOW = 16
 #: Fetchers ahead one registry lookup asks for by position (:func:`relay_order`: the parent, its
 #: ancestors, then the nearest), so that a reply stays this small whatever the number of hosts.
-#: Before, each lookup listed every fetcher of the object (with 512 fetchers: 132 KiB sent and
-#: 0.82 ms of redis-server's one thread per lookup, against 2.4 KiB and 0.07 ms by position;
-#: ``tools/bench_registry.py``, docs/benchmarks.md).
+#: Before, each lookup listed every fetcher of the object: with 512 fetchers, 131 KiB sent per
+#: lookup against 2.4 KiB by position, and ~10x the CPU of redis-server's one thread
+#: (``tools/bench_registry.py``; docs/benchmarks.md, its block).
 RELAY_ASK = 12
 #: Holders of one key a lookup asks for at most (:func:`holders_of`), besides those it skips.
 HOLDERS_SAMPLE = 16
@@ -184,7 +184,7 @@ class Relay:
     about once to each child, the first fetcher alone reads the origin) unless its word cannot be
     read (passed over at once) or its mark does not move for :data:`STALL_S` (plus a block's time
     per hop). With no fetcher ahead, it reads from a holder of the whole object,
-    preferring hosts seen fetching (:data:`_RELAYERS`) to the others (the origin). A finished
+    preferring hosts its lookups saw fetching (:data:`_RELAYERS`) to the others (the origin). A finished
     fetcher keeps its announcements for :data:`LINGER_S`, so late
     joiners and the tail of the chain read from it, not from the origin.
     """
@@ -386,14 +386,15 @@ class Relay:
                 self.relook_s = RELOOK_S
             elif periodic and not fresh and self.found_at >= 0:
                 self.relook_s = min(2 * self.relook_s, RELOOK_MAX_S)
-            for _ in range(2):  # again if the answer changes the fan-out (the parent is another)
-                fanout = self._fanout()
-                asked = relay_order(self._place(), fanout, self.gone)
+            for _ in range(2):  # again if the answer moves the tree (another fan-out; a host that
+                # does not serve: another place, behind the fetchers seen now)
+                place, fanout = self._place(), self._fanout()
+                asked = relay_order(place, fanout, self.gone)
                 self.end, self.ahead = self.root.registry.in_order(self.fetch_key, asked)
                 self.ahead = {q: (p, a) for q, (p, a) in self.ahead.items() if p.id != self.me}
                 if self.position is not None:  # below its own position, empty stays empty
                     self.gone.update(q for q in asked if q not in self.ahead)
-                if self._fanout() == fanout:
+                if (self._place(), self._fanout()) == (place, fanout):
                     break
             self.found_at = now
             for p, _ in self.ahead.values():
@@ -407,10 +408,13 @@ class Relay:
         """This fetcher's position (one that does not serve: behind every fetcher seen)."""
         return self.position if self.position is not None else self.end
 
+    def _fetchers(self) -> int:
+        """The fetchers of the object as last seen, this one included."""
+        return max(self.end, self._place() + 1)
+
     def _fanout(self) -> int:
         """The tree's fan-out for the fetchers seen (:func:`relay_fanout`)."""
-        fetchers = max(self.end, self._place() + 1)
-        return relay_fanout(fetchers, -(-(self.size - self.start) // BLOCK_BYTES))
+        return relay_fanout(self._fetchers(), -(-(self.size - self.start) // BLOCK_BYTES))
 
     def _choose(self, window: list[int], room: int) -> tuple[list[tuple[Peer, int, int]] | None, bool]:
         """What to read next: ``(peer, block, address of the object's first byte there)``; None to
@@ -419,7 +423,7 @@ class Relay:
         skip = self.bad | self.excluded
         if not any(p.id not in skip for p, _ in ahead.values()):
             ahead = self._lookup(fresh=True)  # nobody (usable) ahead, as last seen: ask again before the origin
-        crowd = max(self.end, self._place() + 1) > 1  # others fetch it
+        crowd = self._fetchers() > 1  # others fetch it
         fanout = self._fanout()
         ups = [(q, *ahead[q]) for q in relay_order(self._place(), fanout, self.gone) if q in ahead]
         hops = relay_depth(self._place(), fanout)  # fan-out 1: one hop per fetcher ahead (the chain)
@@ -447,11 +451,12 @@ class Relay:
             log.debug("relay %s: upstream %s stalled at block %d for %.2f s: passed over",
                       self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up, q)  # it answers but makes no progress: the next one up
-        if time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
+        whole = [(p, a) for p, a in self.whole if p.id not in skip]
+        if not whole or time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
             self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
             self.whole_at = time.monotonic()
+            whole = self.whole
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
-        whole = [(p, a) for p, a in self.whole if p.id not in skip]
         if not whole:
             return [], crowd
         known = [w for w in whole if w[0].id in _RELAYERS]
@@ -615,9 +620,9 @@ class _Space:
 
 def holders_of(registry: Registry, keys: list[str], me: str | None, skip: Collection[str] = ()
                ) -> dict[str, list[tuple[Peer, int]]]:
-    """The holders of ``keys`` a fetch may read from: neither ``me`` nor any in ``skip``, at most
-    :data:`HOLDERS_SAMPLE` of each key (a random sample where more hold it: a reply does not grow
-    with the number of hosts that finished)."""
+    """The holders of ``keys`` a fetch may read from: neither ``me`` nor any in ``skip``, a random
+    sample of each key where more hold it (``HOLDERS_SAMPLE + 1`` at most, ``me`` and ``skip`` left
+    out of a sample that makes room for them): a reply does not grow with the hosts that hold it."""
     found = registry.holders(keys, limit=HOLDERS_SAMPLE + len(skip) + 1)
     return {k: [(p, a) for p, a in v if p.id != me and p.id not in skip] for k, v in found.items()}
 

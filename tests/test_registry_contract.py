@@ -174,6 +174,36 @@ def test_namespaces_are_separate(redis_url):
         b.close()
 
 
+def test_lapsed_peer_gets_its_positions_back(redis_url):
+    """A peer announced again after a lapse (here by its next announcement, synchronously) takes its
+    positions back, unless another peer took one meanwhile (it was the top one), and not those of
+    keys it withdrew."""
+    namespace = uuid.uuid4().hex
+    reg, other = RedisRegistry(redis_url, namespace, lease_ttl_s=60), RedisRegistry(redis_url, namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        a, b, c = PEER("a"), PEER("b"), PEER("c")
+        reg.announce_peer(a)
+        other.announce_peer(b)
+        other.announce_peer(c)
+        assert [other.announce_in_order(b.id, D("k1"), 5), reg.announce_in_order(a.id, D("k1"), 6),
+                other.announce_in_order(c.id, D("k1"), 7), reg.announce_in_order(a.id, D("k2"), 8),
+                reg.announce_in_order(a.id, D("k3"), 9)] == [0, 1, 2, 0, 0]
+        reg.withdraw_objects(a.id, [D("k3")])
+        client.delete(f"ps:{{{namespace}}}:peer:{a.id}")  # as if it had expired
+        assert other.in_order(D("k1"), [0, 1, 2]) == (3, {0: (b, 5), 2: (c, 7)})  # a reader dropped it
+        assert other.in_order(D("k2"), [0]) == (0, {}) and other.announce_in_order(b.id, D("k2"), 10) == 0
+        with pytest.warns(RuntimeWarning, match="announced again"):
+            reg.announce_objects(a.id, {D("o"): 1})
+        assert other.in_order(D("k1"), [1]) == (3, {1: (a, 6)})  # back at its position
+        assert other.in_order(D("k2"), [0]) == (1, {0: (b, 10)})  # b's now: a holds k2 without one
+        assert other.holders([D("k2"), D("k3"), D("o")]) == {D("k2"): [(a, 8), (b, 10)], D("o"): [(a, 1)]}
+    finally:
+        client.close()
+        reg.close()
+        other.close()
+
+
 def test_lapsed_peer_is_announced_again(redis_url):
     """A peer whose key expired while its process lives (a stall) comes back with its objects."""
     namespace = uuid.uuid4().hex

@@ -512,7 +512,8 @@ class Registry(abc.ABC):
 
         One consistent read (Redis: one round trip) whose work and reply grow with the positions
         asked, not with the holders of ``key``: a relay of hundreds of hosts asks for a dozen.
-        Holders found dead are dropped (as :meth:`holders` does). Raises InvalidArgumentError for a
+        Holders found dead are dropped (as :meth:`holders` does; ``end`` may still count one that
+        this call found dead, or one not yet found dead). Raises InvalidArgumentError for a
         bad key or a position that is not an int in [0, 2**53).
         """
 

@@ -816,13 +816,9 @@ class LmdbRegistry(Registry):
                     for k, v in cur.iternext():
                         if k[:32] != key:
                             break
-                        peer_id = k[32:].decode()
-                        if peer_id not in seen:
-                            raw = txn.get(k[32:], db=self._dbs["peers"])
-                            peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
-                            seen[peer_id] = peer if ok else None
-                        if seen[peer_id] is not None:
-                            row.append((seen[peer_id], _STEP.unpack(v[:8])[0]))
+                        peer = self._live(txn, k[32:], seen)
+                        if peer is not None:
+                            row.append((peer, _STEP.unpack(v[:8])[0]))
                 if limit is not None and len(row) > limit:  # one host's own peers: few, so all are read
                     row = sorted(random.sample(row, limit), key=lambda x: x[0].id)
                 if row:
@@ -842,14 +838,7 @@ class LmdbRegistry(Registry):
             for position in positions:
                 pid = txn.get(raw_key + _STEP.pack(position), db=self._dbs["ranks"])
                 held = txn.get(raw_key + pid, db=self._dbs["holders"]) if pid is not None else None
-                if held is None:
-                    continue
-                peer_id = pid.decode()
-                if peer_id not in seen:
-                    raw = txn.get(pid, db=self._dbs["peers"])
-                    peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
-                    seen[peer_id] = peer if ok else None
-                peer = seen[peer_id]
+                peer = self._live(txn, pid, seen) if held is not None else None
                 if peer is not None:
                     found[position] = (peer, _STEP.unpack(held[:8])[0])
             end = self._end(txn, raw_key)
@@ -857,6 +846,16 @@ class LmdbRegistry(Registry):
         if dead:
             self._drop_dead(dead)
         return end, found
+
+    def _live(self, txn: lmdb.Transaction, pid: bytes, seen: dict[str, Peer | None]) -> Peer | None:
+        """The peer ``pid`` if it is live, else None; remembered in ``seen`` (the dead are dropped
+        by the caller after its read)."""
+        peer_id = pid.decode()
+        if peer_id not in seen:
+            raw = txn.get(pid, db=self._dbs["peers"])
+            peer, ok = self._peer_record(peer_id, raw) if raw is not None else (None, False)
+            seen[peer_id] = peer if ok else None
+        return seen[peer_id]
 
     def watch(self, what: str = "versions") -> Watch:
         return _EventsWatch(self._events[what])

@@ -28,7 +28,8 @@ key (after prefix)     type    content
                                (:meth:`~RedisRegistry.announce_in_order`)
 =====================  ======  ==========================================================
 
-The registry is as durable as the server is configured to be (``appendonly yes`` for a store that
+Needs Redis 6.2 or later (``HRANDFIELD``, :meth:`~RedisRegistry.holders` with a limit). The
+registry is as durable as the server is configured to be (``appendonly yes`` for a store that
 must survive a Redis restart); object bytes never pass through it.
 
 **Atomicity: Lua scripts, not WATCH/MULTI.** Every change that reads before it writes (publish's
@@ -306,12 +307,26 @@ local function drop_peer(p, id)
 end
 """
 
-# ARGV: prefix, id, record, ttl in ms, then digest, address pairs to announce with it.
+# rank_end(ranks) is one more than the largest position in the sorted set ``ranks`` (0: empty).
+_RANK_END = """
+local function rank_end(ranks)
+  local last = redis.call('zrevrange', ranks, 0, 0, 'WITHSCORES')
+  if #last > 0 then return tonumber(last[2]) + 1 end
+  return 0
+end
+"""
+
+# ARGV: prefix, id, record, ttl in ms, n, then n key, position pairs (the peer's positions, each
+# taken back unless another peer holds it now), then digest, address pairs to announce with it.
 _ANNOUNCE_PEER = _script("""
-local p, id = ARGV[1], ARGV[2]
+local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[5])
 redis.call('set', p .. 'peer:' .. id, ARGV[3], 'PX', ARGV[4])
 redis.call('sadd', p .. 'peers', id)
-for i = 5, #ARGV, 2 do
+for i = 6, 5 + 2 * n, 2 do
+  local ranks = p .. 'ranks:' .. ARGV[i]
+  if redis.call('zcount', ranks, ARGV[i + 1], ARGV[i + 1]) == 0 then redis.call('zadd', ranks, ARGV[i + 1], id) end
+end
+for i = 6 + 2 * n, #ARGV, 2 do
   redis.call('hset', p .. 'holders:' .. ARGV[i], id, ARGV[i + 1])
   redis.call('sadd', p .. 'peer-objects:' .. id, ARGV[i])
 end
@@ -321,13 +336,12 @@ return 1
 # ARGV: prefix, id, ordered key or "", then digest, address pairs (the ordered key's among them).
 # Returns -1 if the peer is not live; else the ordered key's position (one more than the largest
 # of its holders', 0 for the first), or 0 without one.
-_ANNOUNCE_OBJECTS = _script("""
+_ANNOUNCE_OBJECTS = _script(_RANK_END + """
 local p, id, key = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('exists', p .. 'peer:' .. id) == 0 then return -1 end
 local n = 0
 if key ~= '' then
-  local last = redis.call('zrevrange', p .. 'ranks:' .. key, 0, 0, 'WITHSCORES')
-  if #last > 0 then n = tonumber(last[2]) + 1 end
+  n = rank_end(p .. 'ranks:' .. key)
   redis.call('zadd', p .. 'ranks:' .. key, n, id)
 end
 for i = 4, #ARGV, 2 do
@@ -390,7 +404,7 @@ return {rows, peers}
 # ARGV: prefix, key, positions... Returns {end, rows, peers}: end = one more than the largest
 # position of the key's holders (0: none), rows = {position, id, address, ...} of live holders at
 # the positions asked, peers = {id, record, ...} of those holders. Holders found dead are dropped.
-_IN_ORDER = _script(_DROP_PEER + """
+_IN_ORDER = _script(_DROP_PEER + _RANK_END + """
 local p, key = ARGV[1], ARGV[2]
 local ranks, held = p .. 'ranks:' .. key, p .. 'holders:' .. key
 local rows, recs = {}, {}
@@ -404,11 +418,11 @@ for i = 3, #ARGV do
     if a then rows[#rows + 1] = tonumber(ARGV[i]); rows[#rows + 1] = id; rows[#rows + 1] = a end
   end
 end
-local last, peers = redis.call('zrevrange', ranks, 0, 0, 'WITHSCORES'), {}
+local peers = {}
 for id, rec in pairs(recs) do
   if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
 end
-return {#last > 0 and tonumber(last[2]) + 1 or 0, rows, peers}
+return {rank_end(ranks), rows, peers}
 """)
 
 
@@ -615,8 +629,9 @@ class RedisRegistry(Registry):
         self._r, self._db = r, r.connection_pool.connection_kwargs.get("db", 0)
         self._lock = threading.Lock()
         self._held: dict[str, tuple[int, str]] = {}  # lease id -> (step, record), renewed by _beat
-        # peer id -> (record, {digest: address}) of the peers this object announced, renewed by _beat
-        self._peers: dict[str, tuple[str, dict[str, int]]] = {}
+        # peer id -> (record, {digest: address}, {key: position}) of the peers this object
+        # announced, renewed by _beat (and announced again, positions included, after a lapse)
+        self._peers: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {}
         self._beat: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -950,8 +965,8 @@ class RedisRegistry(Registry):
                     warned = True
 
     # -- peers -------------------------------------------------------------------------------
-    def _announce(self, peer_id: str, record: str, objects: Mapping[str, int]) -> None:
-        args = [x for d, a in objects.items() for x in (d, a)]
+    def _announce(self, peer_id: str, record: str, objects: Mapping[str, int], ranks: Mapping[str, int]) -> None:
+        args = [len(ranks), *(x for k, n in ranks.items() for x in (k, n)), *(x for d, a in objects.items() for x in (d, a))]
         self._run(_ANNOUNCE_PEER, [], [self._prefix, peer_id, record, self._ttl_ms, *args], closed_ok=True)
 
     @_translated
@@ -962,9 +977,9 @@ class RedisRegistry(Registry):
                              "started_at": peer.started_at})
         with self._lock:  # registered under the lock, so a withdrawal cannot slip in before _peers knows it
             self._inherited_peers.discard(peer.id)
-            objects = self._peers[peer.id][1] if peer.id in self._peers else {}
-            self._announce(peer.id, record, objects)  # (what a lapse may have dropped comes back)
-            self._peers[peer.id] = (record, objects)
+            objects, ranks = self._peers[peer.id][1:] if peer.id in self._peers else ({}, {})
+            self._announce(peer.id, record, objects, ranks)  # (what a lapse may have dropped comes back)
+            self._peers[peer.id] = (record, objects, ranks)
             self._start_heartbeat()
 
     @_translated
@@ -1003,6 +1018,10 @@ class RedisRegistry(Registry):
                 raise InvalidArgumentError(f"peer {peer_id} is not announced (or its announcement expired)")
             if mine is not None:
                 mine[1].update(objects)  # renewed with the peer from now on
+                for d in objects:
+                    mine[2].pop(d, None)
+                if key is not None:
+                    mine[2][key] = n
         if first < 0:  # it had lapsed
             warnings.warn(f"peer {peer_id} expired (process stalled longer than {self._ttl_ms / 1000} s?) and was "
                           "announced again", RuntimeWarning, stacklevel=3)
@@ -1017,6 +1036,7 @@ class RedisRegistry(Registry):
             mine = self._peers.get(peer_id)
             for d in digests if mine is not None else ():
                 mine[1].pop(d, None)
+                mine[2].pop(d, None)
         if digests:
             self._run(_WITHDRAW_OBJECTS, [], [self._prefix, peer_id, *digests])
 
