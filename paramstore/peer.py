@@ -37,7 +37,7 @@ import blake3
 from . import liveness
 from .errors import ParamStoreError, TransferError
 from .format import ObjectHasher, rehash, tensor_spans
-from .relay import Relay, blame, holders_of
+from .relay import BLOCK_BYTES, Relay, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
 from .root import StoreRoot
@@ -173,8 +173,11 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     ``spans`` and ``pieces`` (a version's :meth:`~paramstore.manifest.Manifest.spans` and
     :meth:`~paramstore.manifest.Manifest.piece_spans`): an object whose tensors they cover, end to
     end, is *relayed* (:class:`~paramstore.relay.Relay`: blocks verified one by one against them, read from the
-    nearest fetcher ahead in a chain, and served on once verified); any other (patch objects, an
-    object the version references only part of) is fetched as a whole (:class:`_Fetch`).
+    nearest fetcher ahead in a chain, and served on once verified); so is any other of at most
+    :data:`~paramstore.relay.BLOCK_BYTES` (patch objects, mostly), as one block checked whole
+    against its name (:meth:`Relay.whole`), once its size is believed; a larger one (a large patch
+    object, an object the version references only part of) is fetched as a whole
+    (:class:`_Fetch`).
     """
     concurrency = FETCH_CONCURRENCY if concurrency is None else concurrency
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
@@ -184,15 +187,19 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-fetch") as readers, \
             ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="paramstore-hash") as hashers:
         def one(digest: str) -> None:
-            plan = Relay.plan(digest, objects[digest], spans, pieces)
+            size = objects[digest]
+            plan = Relay.plan(digest, size, spans, pieces)
+            job = None
+            if plan is None:
+                job = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded)
+                if not (extents is not None and extents.get(digest) == size or job.sized()):
+                    return
+                if size <= BLOCK_BYTES:  # one block, checked whole against its name (patch objects): relayed too
+                    plan = Relay.whole(size)
             if plan is not None:
-                relay = Relay(root, transport, pool, digest, objects[digest], server, report, lock, excluded, *plan)
-                if relay.run():
-                    with lock:
-                        report.from_peers.append(digest)
-                return
-            job = _Fetch(root, transport, pool, digest, objects[digest], server, report, lock, hashers, excluded)
-            ok = (extents is not None and extents.get(digest) == objects[digest] or job.sized()) and job.run()
+                ok = Relay(root, transport, pool, digest, size, server, report, lock, excluded, *plan).run()
+            else:
+                ok = job is not None and job.run()
             if ok:
                 with lock:
                     report.from_peers.append(digest)

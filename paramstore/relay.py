@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Container, Mapping
 import blake3
 
 from .errors import ParamStoreError, TransferError
-from .format import PIECE_SIZE, object_digest, piece_digest, tensor_spans
+from .format import PIECE_SIZE, object_digest, piece_digest, rehash, tensor_spans
 from .reports import FetchReport
 from .retire import RETIRE_AFTER_S, later, retire
 from .root import StoreRoot
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 #: Bytes of one relay block at most: a piece (the unit a receiver verifies alone), or small tensors
 #: grouped (the header is the first unit of the first block).
 BLOCK_BYTES = PIECE_SIZE
+#: The "piece digest" of a block that is a whole object (:meth:`Relay.whole`): checked by its name.
+WHOLE = ""
 #: Blocks of one object read at once (each its own transport read, verified as soon as it lands).
 RELAY_INFLIGHT = 4
 #: Missing blocks looked up per registry round.
@@ -226,6 +228,12 @@ class Relay:
             else:
                 blocks.append((u[0], u[1], [u]))
         return start, blocks, sp
+
+    @staticmethod
+    def whole(size: int) -> tuple[int, list[tuple[int, int, list[tuple[int, int, str | None]]]], Mapping[tuple[int, int], str]]:
+        """The plan of an object of at most :data:`BLOCK_BYTES` that no manifest covers (a patch
+        object): one block, the whole object, checked against the object's name (:data:`WHOLE`)."""
+        return 0, [(0, size, [(0, size, WHOLE)])], {}
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
                  server: PeerServer | None, report: FetchReport, lock: threading.Lock, excluded: set[str],
@@ -528,6 +536,13 @@ class Relay:
     def _verify(self, i: int) -> str | None:
         """Why block ``i`` (all of it in the slab) fails verification, or None."""
         for b, e, d in self.blocks[i][2]:
+            if d == WHOLE:  # the whole object (:meth:`whole`): its bytes must make its name
+                try:
+                    if rehash(self.buf[:self.size])[0] != self.digest:
+                        return "the object's bytes do not make its name"
+                except ValueError as err:
+                    return f"it is not a well-formed object ({err})"
+                continue
             if d is not None:
                 if piece_digest(self.buf[b:e]) != d:
                     return f"bytes {b}-{e} do not match their piece digest"

@@ -80,6 +80,51 @@ def test_hosts_that_start_at_once_read_each_object_from_the_trainer_once(hosts):
 
 
 @needs_mooncake
+def test_patch_objects_are_relayed_and_leave_the_trainer_about_once(hosts):
+    """Patch objects (no manifest covers them; each at most a block) are relayed too, one block
+    checked whole against the object's name: three hosts updating by patches at the same moment
+    read each patch from the trainer about once between them. (Fetched whole from a holder each,
+    as until session 17, the trainer sent every patch to every host: ~3x here, n x at n hosts.)"""
+    trainer = hosts("trainer")
+    rollouts = [hosts("rollout", block_delay=0.05) for _ in range(3)]
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    for r in rollouts:
+        assert r.ask("checkout 1 1 16")["ok"]
+    trainer.ask("commit 2 2 16 0.01")
+    for r in rollouts:
+        r.send("checkout 2 2 16 0.01")  # at once: each waits for the patches, then all fetch them
+    replies = [r.expect() for r in rollouts]
+    made = trainer.ask("patches")["patches"]
+    probes = 2 * 3 * 4096  # each host reads each patch's header first, to check its recorded size
+    for rep in replies:
+        assert rep["ok"] and rep["from_patches"] == 2 and rep["fetched"] == 0 and rep["rejected"] == {}, rep
+        assert made <= rep["patch_bytes"] <= made + 2 * 4096, rep  # every patch byte once
+    egress = sum(rep["bytes_from"].get(trainer.session, 0) for rep in replies)
+    print(f"3 hosts, patches of {made} bytes: trainer egress {egress / made:.2f}x the patches")
+    assert 0 < egress <= 1.05 * made + probes, (egress / made, replies)
+
+
+@needs_mooncake
+def test_a_host_relaying_a_corrupt_patch_is_blamed_and_the_update_completes(hosts):
+    """A host that fetched version 2's patches serves them corrupted (a byte of each flipped):
+    the next host, which follows it (its fetch is still announced), finds each patch's bytes do
+    not make its name, names it in ``rejected``, reads the patches from the trainer and rebuilds
+    version 2 bit for bit; the trainer is not blamed."""
+    trainer, bad, good = hosts("trainer"), hosts("rollout"), hosts("rollout")
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    for r in (bad, good):
+        assert r.ask("checkout 1 1 16")["ok"]
+    trainer.ask("commit 2 2 16 0.01")
+    first = bad.ask("checkout 2 2 16 0.01")
+    assert first["ok"] and first["from_patches"] == 2, first
+    assert bad.ask("corrupt")["corrupted"] > 0
+    reply = good.ask("checkout 2 2 16 0.01")  # within the first's linger: it follows that host
+    assert reply["ok"] and reply["from_patches"] == 2, reply  # the right bytes (the host compares every tensor)
+    assert set(reply["rejected"]) == {bad.session}, reply
+    assert reply["bytes_from"].get(bad.session, 0) > 0 and reply["bytes_from"].get(trainer.session, 0) > 0, reply
+
+
+@needs_mooncake
 def test_a_corrupt_origin_is_blamed_and_nothing_it_served_is_relayed(hosts, redis_url):
     """The trainer's served memory is corrupted after a good host took a copy. The next host reads
     blocks from both; each block of the trainer's fails its piece digest as it lands, so the trainer
