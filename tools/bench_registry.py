@@ -20,7 +20,8 @@ does: ``announce_in_order``), then has every one of them look up once, two ways,
 Per lookup it reports the bytes redis-server sent (``INFO stats total_net_output_bytes``), the CPU
 it spent (``INFO cpu``: it runs Lua on one thread, so this is what bounds a registry's lookups per
 second), the client's wall time, and the entries the reply held. No link, no transfer: the
-registry alone.
+registry alone. Then what the one per-version read that still grows with the model costs: the
+manifest (``get_manifest``) of a version laid out as Llama-2-70B.
 
     .venv/bin/python tools/bench_registry.py --json out/bench_registry.json --markdown out/bench_registry.md
     .venv/bin/python tools/docgen.py registry out/bench_registry.md --json out/bench_registry.json
@@ -29,6 +30,8 @@ registry alone.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import statistics
 import sys
@@ -43,7 +46,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import machine, write_outputs  # noqa: E402
 
-from paramstore.backends.registries.base import Peer  # noqa: E402
+from paramstore.backends.registries.base import ObjectInfo, Peer, TensorLocation  # noqa: E402
+from paramstore.format import PIECE_SIZE, pieces, pieces_root  # noqa: E402
+from paramstore.manifest import Manifest, TensorEntry, Version  # noqa: E402
+from paramstore.options import DEFAULT_SHARD_SIZE_BYTES  # noqa: E402
 from paramstore.backends.registries.redis import RedisRegistry  # noqa: E402
 from paramstore.relay import BLOCK_BYTES, HOLDERS_SAMPLE, RELAY_ASK, _fetch_key, holders_of, relay_fanout, relay_order  # noqa: E402
 
@@ -98,6 +104,68 @@ def measure(url: str, hosts: int, blocks: int, rounds: int) -> dict[str, Any]:
         r.close()
 
 
+def llama_70b() -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a Llama-2-70B checkpoint (723 tensors, 69B parameters)."""
+    h, ffn, vocab, kv = 8192, 28672, 32000, 1024
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(80):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (ffn, h)), (p + "mlp.up_proj.weight", (ffn, h)),
+                (p + "mlp.down_proj.weight", (h, ffn)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def manifest_cost(url: str, rounds: int) -> dict[str, Any]:
+    """Publish one version laid out as Llama-2-70B in bf16 (tensors packed into objects of the
+    default shard size, a piece digest per 8 MiB as a commit records them) and time reading its
+    manifest back (``get_manifest``), as every host does once per version."""
+    reg = RedisRegistry(url, f"bench-manifest-{uuid.uuid4().hex[:8]}")
+    r = redis.Redis.from_url(url)
+    try:
+        entries, placement, objects = {}, {}, {}
+        obj, used, held = None, 0, []
+
+        def close_object() -> None:
+            if obj is not None:
+                objects[obj] = ObjectInfo(used, tuple(held))
+
+        for name, shape in llama_70b():
+            nbytes = 2 * math.prod(shape)
+            if obj is None or used + nbytes > DEFAULT_SHARD_SIZE_BYTES:
+                close_object()
+                obj, used, held = blake3.blake3(uuid.uuid4().bytes).hexdigest(), 64, []
+            npieces = len(pieces(nbytes)) if nbytes > PIECE_SIZE else 0
+            piece_digests = tuple(blake3.blake3(f"{name}/{k}".encode()).hexdigest() for k in range(npieces))
+            d = pieces_root(piece_digests, nbytes) if npieces else blake3.blake3(name.encode()).hexdigest()
+            entries[name] = TensorEntry("bfloat16", shape, d, obj, used, nbytes, (), piece_digests)
+            placement[d] = TensorLocation(obj, used, nbytes)
+            held.append(d)
+            used += nbytes
+        close_object()
+        manifest = Manifest(entries)
+        version = Version(1, time.time(), manifest.nbytes, manifest.digest(), len(entries), (), {}, {})
+        reg.publish(version, manifest, objects, placement)
+        size = len(json.dumps(manifest.to_json(), separators=(",", ":")))
+        per = []
+        for _ in range(rounds):
+            b0, c0 = _server_cost(r)
+            t0 = time.perf_counter()
+            assert reg.get_manifest(1).nbytes == manifest.nbytes
+            wall = time.perf_counter() - t0
+            b1, c1 = _server_cost(r)
+            per.append((b1 - b0, c1 - c0, wall))
+        return {"tensors": len(entries), "objects": len(objects), "nbytes": manifest.nbytes, "json_bytes": size,
+                "pieces": sum(len(e.piece_digests) for e in entries.values()),
+                "bytes": statistics.median(x[0] for x in per), "cpu_s": statistics.median(x[1] for x in per),
+                "wall_s": statistics.median(x[2] for x in per)}
+    finally:
+        reg.close()
+        r.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", default="8,64,512", help="fetcher counts, comma-separated")
@@ -114,7 +182,8 @@ def main() -> int:
     t0 = time.monotonic()
     with running() as url:
         rows = [measure(url, int(n), blocks, args.rounds) for n in args.hosts.split(",")]
-    res.update(rows=rows, blocks=blocks, total_seconds=time.monotonic() - t0)
+        big = manifest_cost(url, max(3, args.rounds))
+    res.update(rows=rows, blocks=blocks, manifest=big, total_seconds=time.monotonic() - t0)
     md = [f"One {args.mib} MiB object ({blocks} blocks), every fetcher looking up once per round, {args.rounds} rounds, "
           f"medians per lookup; redis-server {'on 127.0.0.1'}, `RELAY_ASK` = {RELAY_ASK}:", "",
           "| fetchers | fan-out | lookup | entries in the reply | bytes sent by redis | redis CPU | client wall |",
@@ -130,6 +199,11 @@ def main() -> int:
     md += ["", "Announcing (`announce_peer`, `announce_in_order`, `announce_objects`) took "
            + ", ".join(f"{row['announce_s'] * 1e3:.2f} ms" for row in rows) + " per fetcher at "
            + ", ".join(str(row["hosts"]) for row in rows) + " fetchers."]
+    md += ["", f"A manifest laid out as Llama-2-70B in bf16 ({big['tensors']} tensors, {big['nbytes'] / 2**30:.0f} GiB in "
+           f"{big['objects']} objects of at most {DEFAULT_SHARD_SIZE_BYTES >> 20} MiB, {big['pieces']:,} piece digests): "
+           f"{big['json_bytes'] / 2**20:.2f} MiB of JSON; one `get_manifest`, as every host makes once per version, had "
+           f"redis-server send {big['bytes'] / 2**20:.2f} MiB and spend {big['cpu_s'] * 1e3:.1f} ms of CPU "
+           f"(client wall {big['wall_s'] * 1e3:.0f} ms; medians of {max(3, args.rounds)})."]
     write_outputs(args.json, res, args.markdown, "\n".join(md))
     print("\n".join(md))
     return 0
