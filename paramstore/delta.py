@@ -70,6 +70,7 @@ from .errors import CorruptObjectError, VersionNotFoundError
 from .format import (PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
                      piece_hasher, pieces, pieces_root, read_header, tensor_digest, tensor_spans)
 from .patch import Frame, encode, open_frame, run_all
+from .objects import read_manifest
 from .reports import FetchReport, PatchReport
 from .staging import storage_error, tmp_name
 from .writer import Writer
@@ -514,7 +515,7 @@ def plan_chain(root: "StoreRoot", step: int, missing: set[str], *, depth: int = 
     def objects_of(s: int) -> set[str] | None:
         if s not in objects:
             try:
-                objects[s] = reg.get_manifest(s).objects()
+                objects[s] = read_manifest(root, s).objects()  # the base's: read at its checkout, cached
             except VersionNotFoundError:
                 objects[s] = None
         return objects[s]

@@ -189,18 +189,18 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
         def one(digest: str) -> None:
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
-            job = None
+            placed = False
             if plan is None:
                 job = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded)
                 if not (extents is not None and extents.get(digest) == size or job.sized()):
                     return
-                if size <= BLOCK_BYTES:  # one block, checked whole against its name (patch objects): relayed too
+                if size <= BLOCK_BYTES:  # one block, checked whole against its name (patch objects, mostly): relayed too
                     plan = Relay.whole(size)
+                else:  # fetched whole, slice by slice, checked at the end
+                    placed = job.run()
             if plan is not None:
-                ok = Relay(root, transport, pool, digest, size, server, report, lock, excluded, *plan).run()
-            else:
-                ok = job is not None and job.run()
-            if ok:
+                placed = Relay(root, transport, pool, digest, size, server, report, lock, excluded, *plan).run()
+            if placed:
                 with lock:
                     report.from_peers.append(digest)
 
@@ -281,10 +281,13 @@ class _Fetch:
         Reads the header (at most :data:`PROBE_BYTES` first, then the rest its length field names,
         never more than the size claimed nor the format's 100 MB header cap) from a host holding
         the object or its first slice, into a small buffer: nothing of the claimed size is
-        allocated before this. A mismatch (a registry record that lies, or is stale) is warned
-        about and the object is left to other sources.
+        allocated before this. A holder whose header says otherwise is not asked again in this
+        fetch and the next one is (one corrupt host does not make the others' copies unusable);
+        where none agrees (a registry record that lies, or is stale) that is warned about and the
+        object is left to other sources.
         """
         found = self._holders([self.digest, self.keys[0]])
+        denied = None
         for peer, addr in found.get(self.digest, []) + found.get(self.keys[0], []):
             try:
                 if self.size < 8:
@@ -299,12 +302,17 @@ class _Fetch:
                 with self.lock:
                     self.bad.add(peer.id)
             except ValueError as e:
-                warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
-                              f"its holder {peer.session} serves says otherwise ({e}): not fetched from peers",
-                              RuntimeWarning, stacklevel=2)
                 with self.lock:
-                    self.report.rejected["size"] += 1
-                return False
+                    self.bad.add(peer.id)
+                denied = denied or (peer, e)
+                if self.size < 8:
+                    break
+        if denied is not None:
+            warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
+                          f"its holder {denied[0].session} serves says otherwise ({denied[1]}), and no holder asked "
+                          "agrees: not fetched from peers", RuntimeWarning, stacklevel=2)
+            with self.lock:
+                self.report.rejected["size"] += 1
         return False
 
     def _head(self, peer: Peer, addr: int, nbytes: int) -> bytes:

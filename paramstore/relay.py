@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 #: Bytes of one relay block at most: a piece (the unit a receiver verifies alone), or small tensors
 #: grouped (the header is the first unit of the first block).
 BLOCK_BYTES = PIECE_SIZE
-#: The "piece digest" of a block that is a whole object (:meth:`Relay.whole`): checked by its name.
-WHOLE = ""
+#: The "piece digest" of a block that is a whole object (:meth:`Relay.whole`), checked by its
+#: name: not hex, so no digest a manifest holds (each checked as 64 hex digits) is ever taken for it.
+WHOLE = "<the whole object>"
 #: Blocks of one object read at once (each its own transport read, verified as soon as it lands).
 RELAY_INFLIGHT = 4
 #: Missing blocks looked up per registry round.

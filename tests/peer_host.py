@@ -48,12 +48,12 @@ def model(seed: int, changed: int = TENSORS, sparse: float = 0.0) -> dict[str, t
     return out
 
 
-def corrupt_served(store: ParamStore, server: object) -> int:
-    """Flip a byte every MiB (from byte 4096) of every object ``server`` serves, in this host's
-    shared memory; returns how many objects."""
+def corrupt_served(store: ParamStore, server: object, first: int = 4096) -> int:
+    """Flip a byte every MiB (from byte ``first``: 8, the header's first) of every object ``server``
+    serves, in this host's shared memory; returns how many objects."""
     for digest in server.served:  # type: ignore[attr-defined]
         with open(store._root.tier.object_path(digest), "r+b") as f:
-            for pos in range(4096, os.fstat(f.fileno()).st_size, 1 << 20):
+            for pos in range(first, os.fstat(f.fileno()).st_size, 1 << 20):
                 f.seek(pos)
                 byte = f.read(1)
                 f.seek(pos)
@@ -122,6 +122,8 @@ def main() -> None:
                     largest_slab=max(slabs, default=0))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 say(corrupted=corrupt_served(store, server))
+            elif cmd == "corrupt-header":  # the same, from the header's first byte on
+                say(corrupted=corrupt_served(store, server, 8))
             elif cmd == "quit":
                 break
 

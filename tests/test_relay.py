@@ -125,6 +125,24 @@ def test_a_host_relaying_a_corrupt_patch_is_blamed_and_the_update_completes(host
 
 
 @needs_mooncake
+def test_a_holder_serving_a_corrupt_header_does_not_stop_a_patch_update(hosts):
+    """A host that fetched version 2's patches serves them with their headers corrupted: the next
+    host's size check (a holder's header must say the recorded size) moves on to another holder
+    instead of giving the patches up (before, when the corrupt host was the one asked, the update
+    fell back to whole objects), and the relay blames the host for what it served."""
+    trainer, bad, good = hosts("trainer"), hosts("rollout"), hosts("rollout")
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    for r in (bad, good):
+        assert r.ask("checkout 1 1 16")["ok"]
+    trainer.ask("commit 2 2 16 0.01")
+    assert bad.ask("checkout 2 2 16 0.01")["from_patches"] == 2
+    assert bad.ask("corrupt-header")["corrupted"] > 0
+    reply = good.ask("checkout 2 2 16 0.01")
+    assert reply["ok"] and reply["from_patches"] == 2 and reply["fetched"] == 0, reply
+    assert set(reply["rejected"]) <= {bad.session}, reply  # the trainer is never blamed
+
+
+@needs_mooncake
 def test_a_corrupt_origin_is_blamed_and_nothing_it_served_is_relayed(hosts, redis_url):
     """The trainer's served memory is corrupted after a good host took a copy. The next host reads
     blocks from both; each block of the trainer's fails its piece digest as it lands, so the trainer
