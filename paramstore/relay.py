@@ -60,8 +60,8 @@ RELAY_INFLIGHT = 4
 RELAY_WINDOW = 16
 #: Fetchers ahead one registry lookup asks for by position (:func:`relay_order`: the parent, its
 #: ancestors, then the nearest), so that a reply stays this small whatever the number of hosts.
-#: Before, each lookup listed every fetcher of the object: with 512 fetchers, 132 KiB sent per
-#: lookup against 2.4 KiB by position, and ~12x the CPU of redis-server's one thread
+#: Before, each lookup listed every fetcher of the object: with 512 fetchers, ~131 KiB sent per
+#: lookup against 2.4 KiB by position, and ~10x the CPU of redis-server's one thread
 #: (``tools/bench_registry.py``; docs/benchmarks.md, its block).
 RELAY_ASK = 12
 #: Holders of one key a lookup asks for at most (:func:`holders_of`), besides those it skips.
