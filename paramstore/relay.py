@@ -97,6 +97,11 @@ FANOUT_ENV = "PARAMSTORE_RELAY_FANOUT"
 #: object, so the origin serves each block about once even after the chain is gone.
 _RELAYERS: dict[str, None] = {}
 _TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
+#: A relay's plan (:meth:`Relay.plan`): the data's start; the blocks, each ``(begin, end, units)``
+#: with a unit ``(begin, end, piece digest)`` (None: the header; :data:`WHOLE`: the whole object);
+#: the manifest's tensor spans of the object (digest by ``(begin, end)``).
+_Block = tuple[int, int, list[tuple[int, int, str | None]]]
+_Plan = tuple[int, list[_Block], Mapping[tuple[int, int], str]]
 
 
 def relay_fanout(fetchers: int, blocks: int = 1) -> int:
@@ -194,8 +199,7 @@ class Relay:
 
     @staticmethod
     def plan(digest: str, size: int, spans: Mapping[str, Mapping[tuple[int, int], str]] | None,
-             pieces: Mapping[str, Mapping[tuple[int, int], str]] | None
-             ) -> tuple[int, list[tuple[int, int, list[tuple[int, int, str | None]]]], Mapping[tuple[int, int], str]] | None:
+             pieces: Mapping[str, Mapping[tuple[int, int], str]] | None) -> _Plan | None:
         """``(data start, blocks, tensor spans)`` if the manifest's tensors of ``digest`` tile the
         object's data up to ``size`` (every byte but the header has a piece digest), else None.
         A block: ``(begin, end, units)``, a unit ``(begin, end, piece digest)`` (None: the header)."""
@@ -222,7 +226,7 @@ class Relay:
             pos = e
         if pos != size:
             return None
-        blocks: list[tuple[int, int, list[tuple[int, int, str | None]]]] = []
+        blocks: list[_Block] = []
         for u in units:
             if blocks and blocks[-1][1] - blocks[-1][0] + u[1] - u[0] <= BLOCK_BYTES:
                 blocks[-1] = (blocks[-1][0], u[1], blocks[-1][2] + [u])
@@ -231,14 +235,14 @@ class Relay:
         return start, blocks, sp
 
     @staticmethod
-    def whole(size: int) -> tuple[int, list[tuple[int, int, list[tuple[int, int, str | None]]]], Mapping[tuple[int, int], str]]:
+    def whole(size: int) -> _Plan:
         """The plan of an object of at most :data:`BLOCK_BYTES` that no manifest covers (a patch
         object): one block, the whole object, checked against the object's name (:data:`WHOLE`)."""
         return 0, [(0, size, [(0, size, WHOLE)])], {}
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
                  server: PeerServer | None, report: FetchReport, lock: threading.Lock, excluded: set[str],
-                 start: int, blocks: list[tuple[int, int, list[tuple[int, int, str | None]]]],
+                 start: int, blocks: list[_Block],
                  spans: Mapping[tuple[int, int], str]) -> None:
         self.root, self.transport, self.pool, self.digest, self.size = root, transport, pool, digest, size
         self.server, self.report, self.lock, self.excluded = server, report, lock, excluded

@@ -307,6 +307,26 @@ local function drop_peer(p, id)
 end
 """
 
+# live(p, recs, id): the record of peer ``id`` if it is live, else false (a dead one is dropped),
+# cached in ``recs``; records(recs): {id, record, ...} of the live peers in ``recs``. Shared by the
+# scripts that look holders up.
+_LIVE = _DROP_PEER + """
+local function live(p, recs, id)
+  if recs[id] == nil then
+    recs[id] = redis.call('get', p .. 'peer:' .. id)
+    if not recs[id] then drop_peer(p, id) end
+  end
+  return recs[id]
+end
+local function records(recs)
+  local out = {}
+  for id, rec in pairs(recs) do
+    if rec then out[#out + 1] = id; out[#out + 1] = rec end
+  end
+  return out
+end
+"""
+
 # rank_end(ranks) is one more than the largest position in the sorted set ``ranks`` (0: empty).
 _RANK_END = """
 local function rank_end(ranks)
@@ -379,50 +399,33 @@ return out
 # ARGV: prefix, limit (0: none), digests... Returns {rows, peers}: rows[i] = {id, address, ...} of
 # the i-th digest's live holders (a random sample of at most limit), peers = {id, record, ...} of
 # those holders. Holders found dead are dropped.
-_HOLDERS = _script(_DROP_PEER + """
+_HOLDERS = _script(_LIVE + """
 local p, limit, rows, recs = ARGV[1], tonumber(ARGV[2]), {}, {}
 for i = 3, #ARGV do
   local key, held, row = p .. 'holders:' .. ARGV[i], nil, {}
   if limit > 0 then held = redis.call('hrandfield', key, limit, 'WITHVALUES') else held = redis.call('hgetall', key) end
   for j = 1, #held, 2 do
-    local id = held[j]
-    if recs[id] == nil then
-      recs[id] = redis.call('get', p .. 'peer:' .. id)
-      if not recs[id] then drop_peer(p, id) end
-    end
-    if recs[id] then row[#row + 1] = id; row[#row + 1] = held[j + 1] end
+    if live(p, recs, held[j]) then row[#row + 1] = held[j]; row[#row + 1] = held[j + 1] end
   end
   rows[i - 2] = row
 end
-local peers = {}
-for id, rec in pairs(recs) do
-  if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
-end
-return {rows, peers}
+return {rows, records(recs)}
 """)
 
 # ARGV: prefix, key, positions... Returns {end, rows, peers}: end = one more than the largest
 # position of the key's holders (0: none), rows = {position, id, address, ...} of live holders at
 # the positions asked, peers = {id, record, ...} of those holders. Holders found dead are dropped.
-_IN_ORDER = _script(_DROP_PEER + _RANK_END + """
+_IN_ORDER = _script(_LIVE + _RANK_END + """
 local p, key = ARGV[1], ARGV[2]
 local ranks, held = p .. 'ranks:' .. key, p .. 'holders:' .. key
 local rows, recs = {}, {}
 for i = 3, #ARGV do
   for _, id in ipairs(redis.call('zrangebyscore', ranks, ARGV[i], ARGV[i])) do
-    if recs[id] == nil then
-      recs[id] = redis.call('get', p .. 'peer:' .. id)
-      if not recs[id] then drop_peer(p, id) end
-    end
-    local a = recs[id] and redis.call('hget', held, id)
+    local a = live(p, recs, id) and redis.call('hget', held, id)
     if a then rows[#rows + 1] = tonumber(ARGV[i]); rows[#rows + 1] = id; rows[#rows + 1] = a end
   end
 end
-local peers = {}
-for id, rec in pairs(recs) do
-  if rec then peers[#peers + 1] = id; peers[#peers + 1] = rec end
-end
-return {rank_end(ranks), rows, peers}
+return {rank_end(ranks), rows, records(recs)}
 """)
 
 
