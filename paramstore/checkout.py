@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 
 from .errors import (
@@ -42,7 +42,7 @@ from .errors import (
 )
 from .delta import fetch_by_patches, rebuild_all
 from .lazy import LazyReads
-from .manifest import Manifest
+from .manifest import Manifest, TensorEntry, object_ranges
 from .objects import quarantine, read_manifest
 from .peer import fetch as peer_fetch
 from .reports import FetchReport, TransferReport
@@ -186,16 +186,19 @@ class Fetcher:
                 report.bytes_from[self._remote.url] += got.bytes
         return None
 
-    def _get(self, report: FetchReport, excluded: set[str], sizes: "dict[str, int]") -> int:
-        """Move these objects (patches) here from peers, none from a peer in ``excluded``; returns the
-        bytes moved (counted per peer in ``report.bytes_from``). What no peer delivers is simply not
-        here afterwards."""
+    def _get(self, report: FetchReport, excluded: set[str], sizes: "dict[str, int]",
+             spans: "Mapping[str, Mapping[tuple[int, int], str]] | None" = None,
+             pieces: "Mapping[str, Mapping[tuple[int, int], str]] | None" = None) -> int:
+        """Move these objects (patches, derived objects) here from peers, none from a peer in
+        ``excluded``; returns the bytes moved (counted per peer in ``report.bytes_from``). What no
+        peer delivers is simply not here afterwards. ``spans``, ``pieces``: the digests of their
+        tensors and pieces where known (:func:`paramstore.peer.fetch`)."""
         if not self._root.registry.holders(sizes, limit=1):
             return 0
         sub = FetchReport(report.step)
         try:
             peer_fetch(self._root, self._transport(), sizes, pool=self._pool, report=sub, server=self._server(),
-                       excluded=excluded)
+                       excluded=excluded, spans=spans, pieces=pieces)
         except TransferError:
             pass  # no transfer engine here: the objects move whole from the remote, if any
         report.bytes_from.update(sub.bytes_from)
@@ -220,9 +223,9 @@ class _Elsewhere:
         rebuild_all(f._root, f.write_pool, todo, wanted, self._report,
                     functools.partial(f._get, self._report, set()))
 
-    def objects(self, sizes: "dict[str, int]") -> None:
+    def objects(self, sizes: "dict[str, int]", entries: "Iterable[TensorEntry]" = ()) -> None:
         f, tier = self._fetcher, self._fetcher._root.tier
-        f._get(self._report, set(), sizes)
+        f._get(self._report, set(), sizes, *object_ranges(entries))
         left = {o: n for o, n in sizes.items() if not tier.exists(o)}
         if left and f._remote is not None:
             moved = f._remote.fetch_objects(f._root, left)

@@ -34,7 +34,11 @@ object digest), so tiers, peers, push/pull and ``verify`` treat it like any othe
   dtype or length, a block stored on another host) or its changes would not be smaller;
 * ``__metadata__``: ``paramstore_patch`` (this format), ``target`` (object digest), ``base``
   (step), ``size`` (the target's bytes) and ``spans``: a JSON list, per target tensor, of
-  ``[begin, end, dtype, base object or "", base offset, changed elements, gap width]``.
+  ``[begin, end, dtype, base object or "", base offset, changed elements, gap width]``; and
+  ``paramstore_digests`` (:data:`paramstore.format.DIGESTS_KEY`): the piece digests of its own
+  tensors, so that hosts fetching it at once relay it block by block, each block verified alone
+  (:func:`paramstore.format.listed_digests`), as they do the objects a manifest lists. Patch
+  objects written before it are fetched as a whole.
 
 Example:
     >>> import torch
@@ -67,8 +71,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CorruptObjectError, VersionNotFoundError
-from .format import (PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
-                     piece_hasher, pieces, pieces_root, read_header, tensor_digest, tensor_spans)
+from .format import (DIGESTS_KEY, PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
+                     piece_hasher, pieces, pieces_root, read_header, tensor_pieces, tensor_spans)
 from .patch import Frame, encode, open_frame, run_all
 from .objects import read_manifest
 from .reports import FetchReport, PatchReport
@@ -121,7 +125,13 @@ def make_patches(root: "StoreRoot", base: int, target: int, *, max_ratio: float 
         return out if reg.add_patches(base, target, out) else {}
 
 
-_Encoded = tuple[bytes, list[bytes], dict[str, str]]  # a patch object's header, blobs and metadata
+class _Encoded(NamedTuple):
+    """A patch object made, not yet written (:func:`write_patches`)."""
+
+    header: bytes
+    blobs: list[bytes]  # its tensors' bytes, in file order
+    meta: dict[str, str]  # its header's ``__metadata__``
+    digests: list[str]  # its tensors' digests, in file order
 
 
 def encode_patches(root: "StoreRoot", base_m: "Manifest", target_m: "Manifest", base: int,
@@ -150,13 +160,13 @@ def encode_patches(root: "StoreRoot", base_m: "Manifest", target_m: "Manifest", 
 def write_patches(root: "StoreRoot", made: Mapping[str, _Encoded]) -> dict[str, tuple[str, int]]:
     """Place the patch objects of :func:`encode_patches` in the tier: ``{object: (patch, size)}``.
     The caller holds the GC lock (shared) until a record names them."""
-    return {obj: _write(root, *patch) for obj, patch in made.items()}
+    return {obj: _write(root, patch) for obj, patch in made.items()}
 
 
 def _make_one(maps: "_Maps", obj: str, base: int, where: Mapping[tuple[str, int], _Key],
               bases: Mapping[_Key, tuple[str, Any]], max_ratio: float
-              ) -> tuple[bytes, list[bytes], dict[str, str]] | None:
-    """The header, blobs and metadata of the patch object for ``obj``, or None if not worth it."""
+              ) -> _Encoded | None:
+    """The header, blobs and tensor digests of the patch object for ``obj``, or None if not worth it."""
     buf = maps.get(obj)
     size = len(buf)
     start, entries = parse_header(buf)
@@ -182,16 +192,19 @@ def _make_one(maps: "_Maps", obj: str, base: int, where: Mapping[tuple[str, int]
         total += len(blobs[-1])
         if total > budget:
             return None
+    hashed = [tensor_pieces(b) for b in blobs]  # in file order: tensors of one item size keep theirs
     meta = {"paramstore_patch": PATCH_OBJECT_FORMAT, "target": obj, "base": str(base), "size": str(size),
-            "spans": json.dumps(spans, separators=(",", ":"))}
+            "spans": json.dumps(spans, separators=(",", ":")),
+            DIGESTS_KEY: json.dumps([list(p) or [d] for d, p in hashed], separators=(",", ":"))}
     plan = layout([TensorSpec("head", "U8", (len(blobs[0]),)),
                    *(TensorSpec(f"t{i}", "U8", (len(b),)) for i, b in enumerate(blobs[1:]))], meta)
-    return plan.header, blobs, meta
+    return _Encoded(plan.header, blobs, meta, [d for d, _ in hashed])
 
 
-def _write(root: "StoreRoot", header: bytes, blobs: list[bytes], meta: dict[str, str]) -> tuple[str, int]:
+def _write(root: "StoreRoot", patch: _Encoded) -> tuple[str, int]:
     """Place a patch object in the tier (written, fsynced, renamed); returns (digest, size)."""
-    digest = object_digest(header, [tensor_digest(b) for b in blobs])
+    header, blobs = patch.header, patch.blobs
+    digest = object_digest(header, patch.digests)
     path = os.path.join(root.tier.tmp_dir, tmp_name())
     try:
         with open(path, "xb") as f:

@@ -65,7 +65,7 @@ import blake3
 
 from . import delta
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
-from .format import DATA_ALIGN, TensorSpec, layout, loads, object_digest, read_header, tensor_digest
+from .format import DATA_ALIGN, TensorSpec, layout, loads, object_digest, read_header, tensor_pieces
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
 from .objects import quarantine
 from .root import StoreRoot
@@ -90,9 +90,12 @@ class Elsewhere(Protocol):
     def record(self, key: str) -> bytes | None:
         """The derived record ``key`` as another store keeps it (the remote), or None."""
 
-    def objects(self, sizes: dict[str, int]) -> None:
+    def objects(self, sizes: dict[str, int], entries: Iterable[TensorEntry] = ()) -> None:
         """Bring these derived objects here (peers, the remote), each verified against its digest;
-        what nobody delivers stays absent (then it is derived here)."""
+        what nobody delivers stays absent (then it is derived here). ``entries``: their tensors
+        (their records' outputs): an object whose tensors they list end to end, with piece
+        digests, is relayed between the hosts that want it block by block
+        (:func:`paramstore.peer.fetch`)."""
 
     def patches(self, todo: dict[str, tuple[str, int]], wanted: dict[str, int]) -> None:
         """Rebuild derived objects from patches (``object: (patch, object size)``), after bringing
@@ -249,7 +252,7 @@ def _here(root: StoreRoot, record: _Record, elsewhere: Elsewhere | None) -> bool
                                   {p: n for p, n, _ in todo.values() if not tier.exists(p)})
                 missing = absent()
         if missing and elsewhere is not None:
-            elsewhere.objects(missing)
+            elsewhere.objects(missing, [e for outs in record.outputs.values() for e in outs.values()])
             missing = absent()
     except CorruptObjectError:
         return False
@@ -467,7 +470,7 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
                                f"may not write its objects ({e.strerror}); in a group store only its owner "
                                "derives: prefetch the version with the recipe in the trainer's process first") from None
     reading.made.append(plan.size)
-    obj = object_digest(plan.header, [digests[p.spec.name] for p in plan.placements])
+    obj = object_digest(plan.header, [digests[p.spec.name][0] for p in plan.placements])
     try:
         placed = root.tier.put(obj, path, move=True)
     except BaseException:
@@ -482,26 +485,28 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
     record.objects[obj] = plan.size
     for p in plan.placements:
         src, n = where[p.spec.name]
-        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, digests[p.spec.name], obj,
-                                                            p.offset, p.nbytes)
+        digest, pieces = digests[p.spec.name]
+        record.outputs.setdefault(src, {})[n] = TensorEntry(p.spec.dtype, p.spec.shape, digest, obj,
+                                                            p.offset, p.nbytes, (), pieces)
     return record
 
 
 def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-               report: DeriveReport, scratch: _Scratch) -> tuple[str, dict[str, str]]:
+               report: DeriveReport, scratch: _Scratch) -> tuple[str, dict[str, tuple[str, tuple[str, ...]]]]:
     """The derived object written into a new file of ``tmp/`` (``pwrite``: no mapping set up),
-    deferred conversions into ``scratch`` first; returns its path and each output's digest."""
+    deferred conversions into ``scratch`` first; returns its path and each output's digest and
+    piece digests."""
     import torch
 
     path = os.path.join(root.tier.tmp_dir, tmp_name())
-    digests: dict[str, str] = {}
+    digests: dict[str, tuple[str, tuple[str, ...]]] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         out = delta._File(fd)  # (all of each write, pwrite by pwrite)
         out.write(plan.header, 0)
         for key, t in _filled(recipe, produced, eager, lambda i, shapes: scratch.views(shapes), report):
             with memoryview(t.reshape(-1).view(torch.uint8).numpy()) as mv:
-                digests[key] = tensor_digest(mv)
+                digests[key] = tensor_pieces(mv)
                 out.write(mv, at[key].offset)
         os.close(fd)
         fd = -1
@@ -534,11 +539,11 @@ def _filled(recipe: "Recipe", produced: list, eager: "dict[str, torch.Tensor]",
 
 
 def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-               report: DeriveReport) -> tuple["Slab", dict[str, str]]:
+               report: DeriveReport) -> tuple["Slab", dict[str, tuple[str, tuple[str, ...]]]]:
     """The derived object written into a slab of ``pool`` (one it prepared, faulted ahead, if there
     is one of this size): deferred conversions straight into its place, eager outputs copied there,
     each hashed from there. Returns the slab (its file renamed into the tier by the caller, then
-    retired) and each output's digest."""
+    retired) and each output's digest and piece digests (:func:`~paramstore.format.tensor_pieces`)."""
     slab = pool.take(plan.size)
     try:
         digests = _fill(slab.map, recipe, produced, plan, at, eager, report)
@@ -549,7 +554,7 @@ def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at
 
 
 def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-          report: DeriveReport) -> dict[str, str]:
+          report: DeriveReport) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Write the object into ``mapping`` (its header, deferred conversions into their places, eager
     outputs copied) and hash each output there. Nothing viewing ``mapping`` outlives the call."""
     import torch
@@ -569,7 +574,7 @@ def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, e
     with memoryview(mapping) as mv:
         for key, p in at.items():
             with mv[p.offset:p.offset + p.nbytes] as part:
-                digests[key] = tensor_digest(part)
+                digests[key] = tensor_pieces(part)
     return digests
 
 
@@ -760,7 +765,7 @@ def make_patches(root: StoreRoot, recipe: "str | Recipe", base: int, target: int
             if now is None or now.objects != record.objects:
                 continue  # replaced meanwhile: its objects are not these
             for o, (p, n) in mine.items():
-                reads = sorted({sp[3] for sp in json.loads(made[o][2]["spans"]) if sp[3]})
+                reads = sorted({sp[3] for sp in json.loads(made[o].meta["spans"]) if sp[3]})
                 now.patches[o] = (p, n, tuple(reads))
             mine_raw = _encode(recipe, now)
             if reg.swap_derived(key, raw, mine_raw) == mine_raw:

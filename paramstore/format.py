@@ -30,6 +30,10 @@ tensor larger than :data:`PIECE_SIZE` says ``{"paramstore_pieces": "<P>"}`` in i
 written before pieces existed (format v1: every tensor ``blake3(bytes)``, however large) or holds
 only tensors of one piece, for which both rules agree; an object naming another piece size was
 written by a newer paramstore and is refused (:func:`piece_size_of`).
+
+An object may also list its own piece digests in its header (:data:`DIGESTS_KEY`: patch objects,
+which no manifest lists): checked against its name (:func:`listed_digests`), that list lets a
+receiver verify each piece alone as it arrives, as a manifest's piece digests do.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import blake3
+
+from .validate import is_digest
 
 __all__ = [
     "rehash",
@@ -73,6 +79,8 @@ __all__ = [
     "tensor_pieces",
     "bad_pieces",
     "piece_size_of",
+    "DIGESTS_KEY",
+    "listed_digests",
 ]
 
 #: Bytes per element of every safetensors dtype paramstore stores.
@@ -98,6 +106,10 @@ PIECE_SIZE = 8 << 20
 PIECES_DOMAIN = b"paramstore/pieces/v1\0"
 #: The ``__metadata__`` key of an object header naming the piece size of its tensor digests.
 PIECES_KEY = "paramstore_pieces"
+#: The ``__metadata__`` key of an object header that lists the object's own piece digests (patch
+#: objects, which no manifest lists): a JSON array with, per tensor in file order, the array of its
+#: piece digests (hex; one, its digest, for a tensor of one piece). See :func:`listed_digests`.
+DIGESTS_KEY = "paramstore_digests"
 
 
 @dataclass(frozen=True)
@@ -387,6 +399,54 @@ def piece_size_of(meta: dict[str, Any]) -> int:
                          f"paramstore knows pieces of {PIECE_SIZE} bytes only: written by a newer paramstore "
                          "(upgrade paramstore) or damaged")
     return PIECE_SIZE
+
+
+def listed_digests(header: bytes | memoryview, size: int, digest: str
+                   ) -> tuple[dict[tuple[int, int], str], dict[tuple[int, int], str]] | None:
+    """What the header of object ``digest`` (``size`` bytes) says of its bytes when it lists its own
+    piece digests (:data:`DIGESTS_KEY`), checked against the object's name: ``(tensor digests,
+    piece digests)``, each keyed by absolute ``(begin, end)`` (as :meth:`paramstore.manifest.Manifest.spans`
+    and :meth:`~paramstore.manifest.Manifest.piece_spans` give them for one object), so that each
+    piece can be verified alone as it arrives though no manifest lists it. ``header``: the
+    object's first bytes, its whole header at least. None when the header lists no digests.
+
+    The object digest covers the header, the list in it and the tensor digests the list makes, so
+    a list that makes ``digest`` is the object's own: ValueError for a malformed header or list,
+    or one that does not make ``digest`` (a damaged or hostile copy).
+
+    Example:
+        >>> blobs = [b"ab", bytes(PIECE_SIZE + 1)]
+        >>> listed = [[tensor_digest(blobs[0])], list(tensor_pieces(blobs[1])[1])]
+        >>> head, _ = build_header([TensorSpec("a", "U8", (2,)), TensorSpec("b", "U8", (PIECE_SIZE + 1,))],
+        ...                        {DIGESTS_KEY: json.dumps(listed)})
+        >>> name = object_digest(head, [tensor_digest(b) for b in blobs])
+        >>> tensors, piece_digests = listed_digests(head, len(head) + 3 + PIECE_SIZE, name)
+        >>> len(tensors), len(piece_digests)
+        (2, 3)
+        >>> listed_digests(head, len(head) + 3 + PIECE_SIZE, "0" * 64)
+        Traceback (most recent call last):
+        ...
+        ValueError: the piece digests its header lists do not make the object's name 000000000000…
+    """
+    start, spans, meta = _spans(memoryview(header), size)
+    raw = meta.get(DIGESTS_KEY)
+    if raw is None:
+        return None
+    listed = loads(raw, list, "the header's piece digests")
+    if len(listed) != len(spans):
+        raise ValueError(f"the header lists piece digests for {len(listed)} tensors, it has {len(spans)}")
+    piece_size = piece_size_of(meta)
+    tensors: dict[tuple[int, int], str] = {}
+    by_piece: dict[tuple[int, int], str] = {}
+    for (b, e), ds in zip(spans, listed):
+        ranges = pieces(e - b, piece_size)
+        if not isinstance(ds, list) or len(ds) != len(ranges) or not all(is_digest(d) for d in ds):
+            raise ValueError(f"the header's piece digests of the tensor at byte {b} are malformed")
+        tensors[(b, e)] = ds[0] if len(ranges) == 1 else pieces_root(ds, e - b)
+        by_piece.update({(b + pb, b + pe): d for (pb, pe), d in zip(ranges, ds)})
+    if object_digest(memoryview(header)[:start], [tensors[s] for s in spans]) != digest:
+        raise ValueError(f"the piece digests its header lists do not make the object's name {digest[:12]}…")
+    return tensors, by_piece
 
 
 def object_digest(header: bytes | memoryview, tensor_digests: Iterable[str]) -> str:

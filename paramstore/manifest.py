@@ -42,7 +42,7 @@ import gc
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import blake3
 
@@ -52,7 +52,7 @@ from .validate import check_asset_name, check_digest, check_name
 
 
 __all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "ASSET_PREFIX", "check_manifest",
-           "check_tiling"]
+           "check_tiling", "object_ranges"]
 
 #: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
 #: tensors chunked), 3 (with assets) or 4 (with piece digests: tensors larger than a piece, whose
@@ -196,6 +196,27 @@ class TensorEntry:
                    _parse_pieces("tensor entry", d))
 
 
+def object_ranges(entries: Iterable[TensorEntry]) -> tuple[dict[str, dict[tuple[int, int], str]],
+                                                          dict[str, dict[tuple[int, int], str]]]:
+    """Per object, the digest of each tensor (or chunk) the ``entries`` place in it, and of each
+    piece (:meth:`Chunk.hash_pieces`), by absolute byte range ``(begin, end)``: what
+    :meth:`Manifest.spans` and :meth:`Manifest.piece_spans` give for a version, for any entries
+    (a derived record's, say), and what :func:`paramstore.peer.fetch` relays an object by.
+
+    Example:
+        >>> e = TensorEntry("U8", (4,), "ab" * 32, "cd" * 32, 64, 4)
+        >>> object_ranges([e]) == ({"cd" * 32: {(64, 68): "ab" * 32}}, {"cd" * 32: {(64, 68): "ab" * 32}})
+        True
+    """
+    spans: dict[str, dict[tuple[int, int], str]] = {}
+    by_piece: dict[str, dict[tuple[int, int], str]] = {}
+    for e in entries:
+        for c in e.pieces():
+            spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
+            by_piece.setdefault(c.object, {}).update(((b, end), d) for b, end, d in c.hash_pieces())
+    return spans, by_piece
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Every tensor of a version, the names that alias another one, and the version's assets
@@ -238,26 +259,12 @@ class Manifest:
     def spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
         """Per object, the digest of each tensor (or chunk) it holds, by byte range ``(begin, end)``:
         what a check of the object's bytes compares against. Computed once; do not modify."""
-        def make() -> dict[str, dict[tuple[int, int], str]]:
-            out: dict[str, dict[tuple[int, int], str]] = {}
-            for _, e in self.stored():
-                for obj, offset, nbytes, digest in e.ranges():
-                    out.setdefault(obj, {})[(offset, offset + nbytes)] = digest
-            return out
-
-        return self.memo("spans", make)
+        return self.memo("ranges", lambda: object_ranges(e for _, e in self.stored()))[0]
 
     def piece_spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
         """Per object, the digest of each piece it holds (:meth:`Chunk.hash_pieces`), by byte range
         ``(begin, end)``: what a receiver checks each piece against as it arrives. Computed once."""
-        def make() -> dict[str, dict[tuple[int, int], str]]:
-            out: dict[str, dict[tuple[int, int], str]] = {}
-            for _, e in self.stored():
-                for c in e.pieces():
-                    out.setdefault(c.object, {}).update(((b, end), d) for b, end, d in c.hash_pieces())
-            return out
-
-        return self.memo("piece_spans", make)
+        return self.memo("ranges", lambda: object_ranges(e for _, e in self.stored()))[1]
 
     @property
     def pieced(self) -> bool:

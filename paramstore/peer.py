@@ -36,7 +36,7 @@ import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
-from .format import ObjectHasher, rehash, tensor_spans
+from .format import ObjectHasher, listed_digests, rehash
 from .relay import BLOCK_BYTES, Relay, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
@@ -173,11 +173,12 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     ``spans`` and ``pieces`` (a version's :meth:`~paramstore.manifest.Manifest.spans` and
     :meth:`~paramstore.manifest.Manifest.piece_spans`): an object whose tensors they cover, end to
     end, is *relayed* (:class:`~paramstore.relay.Relay`: blocks verified one by one against them, read from the
-    nearest fetcher ahead in a chain, and served on once verified); so is any other of at most
-    :data:`~paramstore.relay.BLOCK_BYTES` (patch objects, mostly), as one block checked whole
-    against its name (:meth:`Relay.whole`), once its size is believed; a larger one (a large patch
-    object, an object the version references only part of) is fetched as a whole
-    (:class:`_Fetch`).
+    nearest fetcher ahead in a chain, and served on once verified); so is an object whose own
+    header lists its piece digests (patch objects: :func:`~paramstore.format.listed_digests`,
+    checked against its name) and any other of at most :data:`~paramstore.relay.BLOCK_BYTES`, as
+    one block checked whole against its name (:meth:`Relay.whole`), once its size is believed; a
+    larger one (an older patch object, an object the version references only part of) is fetched
+    as a whole (:class:`_Fetch`).
     """
     concurrency = FETCH_CONCURRENCY if concurrency is None else concurrency
     todo = sorted((d for d in objects if not root.tier.exists(d)), key=lambda d: -objects[d])
@@ -194,9 +195,11 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
                 job = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded)
                 if not (extents is not None and extents.get(digest) == size or job.sized()):
                     return
-                if size <= BLOCK_BYTES:  # one block, checked whole against its name (patch objects, mostly): relayed too
+                if job.listed is not None:  # its header lists its piece digests (a patch object): relayed by blocks
+                    plan = Relay.plan(digest, size, {digest: job.listed[0]}, {digest: job.listed[1]})
+                if plan is None and size <= BLOCK_BYTES:  # one block, checked whole against its name: relayed too
                     plan = Relay.whole(size)
-                else:  # fetched whole, slice by slice, checked at the end
+                elif plan is None:  # fetched whole, slice by slice, checked at the end
                     placed = job.run()
             if plan is not None:
                 placed = Relay(root, transport, pool, digest, size, server, report, lock, excluded, *plan).run()
@@ -241,6 +244,9 @@ class _Fetch:
         # A read that timed out may leave slices in flight that write later: the file is then
         # never verified nor published (the object is left to another source).
         self.tainted = False
+        #: What the header :meth:`sized` read lists of the object's bytes, checked against its
+        #: name (:func:`~paramstore.format.listed_digests`), or None: no list (not read, or none).
+        self.listed: tuple[dict[tuple[int, int], str], dict[tuple[int, int], str]] | None = None
 
     def run(self) -> bool:
         slab = self.pool.take(self.size)
@@ -276,7 +282,9 @@ class _Fetch:
         return placed
 
     def sized(self) -> bool:
-        """Whether a holder's own safetensors header says the object is ``self.size`` bytes long.
+        """Whether a holder's own safetensors header says the object is ``self.size`` bytes long
+        (and, where it lists the object's piece digests, whether they make its name: then kept
+        in :attr:`listed`, so the object can be relayed block by block).
 
         Reads the header (at most :data:`PROBE_BYTES` first, then the rest its length field names,
         never more than the size claimed nor the format's 100 MB header cap) from a host holding
@@ -296,7 +304,7 @@ class _Fetch:
                 (length,) = struct.unpack_from("<Q", head)
                 if len(head) < 8 + length <= min(self.size, _HEADER_CAP):
                     head = self._head(peer, addr, 8 + length)
-                tensor_spans(memoryview(head), self.size)
+                self.listed = listed_digests(head, self.size, self.digest)
                 return True
             except TransferError:
                 with self.lock:

@@ -391,6 +391,29 @@ def _one_big_patch(store: ParamStore) -> tuple[dict[str, str], str, str]:
     return pairs, target, base
 
 
+def test_a_patch_object_lists_its_own_piece_digests(store_root):
+    """Each patch object's header lists its tensors' piece digests, and they make its name
+    (``format.listed_digests``): what lets hosts relay a patch larger than a block piece by piece.
+    Here one tensor changed whole, so the patch carries its 12 MiB as they are: two pieces."""
+    from paramstore.format import PIECE_SIZE, listed_digests, piece_digest, rehash
+
+    with ParamStore(store_root, patches=True) as store:
+        store.commit(1, big_weights(1))
+        step2 = big_weights(2)
+        step2["mid"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(9))
+        store.commit(2, step2)
+        store.flush()
+        [pairs] = store._root.registry.patches().values()
+        [patch] = set(pairs.values())
+        with open(store._root.tier.object_path(patch), "rb") as f:
+            data = f.read()
+        tensors, pieces = listed_digests(data, len(data), patch)
+        assert tensors == rehash(memoryview(data))[1]
+        assert any(e - b > PIECE_SIZE for b, e in tensors), "the whole tensor is over a piece"
+        assert len(pieces) > len(tensors)
+        assert all(piece_digest(data[b:e]) == d for (b, e), d in pieces.items())
+
+
 def test_an_object_of_many_pieces_is_rebuilt_bit_exact_with_every_piece_checked(store_root):
     """Pieces of a tensor over 8 MiB are decoded and hashed one by one (on the threads): the rebuilt
     object is the committed one, byte for byte; a byte flipped in the base inside the second piece of

@@ -595,3 +595,39 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
         assert s.verify()["ok"]
     finally:
         s.close()
+
+
+def test_a_header_that_lists_its_piece_digests_is_checked_against_the_name():
+    """An object whose header lists its own piece digests (patch objects: ``DIGESTS_KEY``) gives
+    each piece's digest keyed by its absolute range once the list makes the object's name; a list
+    changed in any way (a digest, a count, its shape) cannot make the name and is refused, and an
+    object without a list gives None."""
+    from paramstore.format import DIGESTS_KEY, PIECE_SIZE, listed_digests, piece_digest, tensor_pieces
+
+    blobs = [bytes(range(256)) * 3, os.urandom(2 * PIECE_SIZE + 100), b""]
+    hashed = [tensor_pieces(b) for b in blobs]
+    listed = [list(p) or [d] for d, p in hashed]
+    specs = [TensorSpec(f"t{i}", "U8", (len(b),)) for i, b in enumerate(blobs)]
+
+    def made(lst: object) -> tuple[bytes, int, str]:
+        head, _ = build_header(specs, {DIGESTS_KEY: json.dumps(lst)})
+        data = head + b"".join(blobs)
+        return data, len(data), rehash(memoryview(data))[0]
+
+    data, size, name = made(listed)
+    tensors, pieces = listed_digests(data[:4096], size, name)  # the header alone is enough
+    assert tensors == rehash(memoryview(data))[1]
+    assert len(pieces) == 1 + 3 + 1
+    for (b, e), d in pieces.items():
+        assert piece_digest(data[b:e]) == d
+    assert sorted(pieces)[1] == (sorted(tensors)[1][0], sorted(tensors)[1][0] + PIECE_SIZE)
+
+    bad = [listed[0], listed[1][:2] + [listed[1][2][::-1]], listed[2]]
+    with pytest.raises(ValueError, match="do not make the object's name"):
+        listed_digests(*made(bad)[:2], name)  # the damaged list's own header: not the name
+    for wrong in ([listed[0], listed[1][:2], listed[2]], listed[:2], [listed[0], listed[1], "ab"],
+                  [listed[0], listed[1], ["AB" * 32]]):
+        with pytest.raises(ValueError, match="piece digests"):
+            listed_digests(*made(wrong)[:2], name)
+    head, _ = build_header(specs)
+    assert listed_digests(head, len(head) + sum(map(len, blobs)), name) is None
