@@ -222,6 +222,37 @@ def test_an_upstream_killed_mid_relay_the_downstream_finishes_from_the_next_one_
     assert rb["bytes_from"].get(a.session, 0) > 0 and rb["bytes_from"].get(trainer.session, 0) > 0, rb
 
 
+@needs_mooncake
+def test_an_upstream_hung_mid_relay_costs_the_engines_progress_timeout_not_a_hang(hosts):
+    """A (slow) relays to B; A hangs mid-fetch (SIGSTOP: its connections stay open, nothing it
+    serves moves). B's read in flight from A, or of A's progress word, fails after the transfer
+    engine's progress timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``, 5 s here); B then passes over A and
+    finishes from the next one up (the trainer), from its own verified blocks. Continued, A
+    finishes too. Every byte verified, none read twice."""
+    trainer = hosts("trainer")
+    a, b = hosts("rollout", block_delay=0.4), hosts("rollout")
+    trainer.ask("commit 1 1 16")
+    v1 = stored_bytes(trainer.root)
+    a.send("checkout 1 1 16")
+    time.sleep(0.3)
+    b.send("checkout 1 1 16")
+    time.sleep(0.8)
+    a.proc.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        rb = b.expect()
+        took = time.monotonic() - t0
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    ra = a.expect()
+    print(f"upstream hung: b read {rb['bytes_from']}, done {took:.2f} s after the stop")
+    assert rb["ok"] and rb["rejected"] == {}, rb
+    assert sum(rb["bytes_from"].values()) == v1, rb  # nothing read twice: it went on from its own blocks
+    assert rb["bytes_from"].get(a.session, 0) > 0 and rb["bytes_from"].get(trainer.session, 0) > 0, rb
+    assert took < 9.0, took  # the engine's 5 s, then the rest from the trainer (not STALL_S, nor a hang)
+    assert ra["ok"] and ra["rejected"] == {}, ra
+
+
 FULL_CHILD = textwrap.dedent("""
     import os, sys, traceback, paramstore
     root, registry, name = sys.argv[1:4]

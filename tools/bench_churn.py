@@ -1,16 +1,18 @@
 """Hosts joining late and dying mid-relay, on the simulated cluster (issue 27, item 3).
 
 One cluster of 1 trainer + N rollout hosts (network namespaces, ``tc``-limited links; see
-tools/bench_cluster.py and tools/netcluster.py), one store (``patches=False``), and four fresh
+tools/bench_cluster.py and tools/netcluster.py), one store (``patches=False``), and five fresh
 versions of the same model (every byte new), each checked out by every rollout host:
 
 1. **all at once**: the baseline of this run;
 2. **one joins late**: the last host starts its checkout ``--late-at`` × the baseline's time after
    the others (it goes to the end of the order and reads from the hosts ahead);
-3. **one killed**: all at once, and ``--kill-at`` × the baseline's time after the start one host is
-   killed (SIGKILL, its whole process group; not restarted): the one that had received the median
-   number of bytes then, so a host in the middle of the relay, with hosts behind it;
-4. **after the kill**: the N − 1 survivors check out one more version while the dead host's
+3. **one stopped**: all at once, and ``--kill-at`` × the baseline's time after the start one host
+   is stopped (SIGSTOP, its whole process group: a hung host, its connections open): the one that
+   had received the median number of bytes then, so a host in the middle of the relay, with hosts
+   behind it; continued (SIGCONT) once the others are done, it must finish right too;
+4. **one killed**: the same with SIGKILL (not restarted);
+5. **after the kill**: the N − 1 survivors check out one more version while the dead host's
    announcements are still in the registry (until its lease lapses).
 
 Per scenario: time to all (the survivors'), over the baseline's; the trainer's egress over the
@@ -67,26 +69,54 @@ def late(run: ClusterRun, step: int, check: Any, after_s: float, timeout: float)
     return _answers(rs, t0, timeout)
 
 
-def killed(run: ClusterRun, step: int, check: Any, after_s: float, timeout: float,
-           out: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rollout host checks ``step`` out at once; ``after_s`` later the one that has received
-    the median number of bytes is killed (SIGKILL, its process group) and dropped from ``run``."""
+def _victim(run: ClusterRun, step: int, check: Any, after_s: float, t0: float) -> tuple[ClusterHost, float]:
+    """Every rollout host checks ``step`` out at once (from ``t0``); ``after_s`` later, the one that
+    has received the median number of bytes so far (a host in the middle of the relay)."""
     rs = list(run.rollouts)
     before = [run._counters(h.index)["rx"] for h in rs]
-    t0 = time.time()
     _started(step, check, rs)
-    time.sleep(after_s)
+    time.sleep(max(0.0, t0 + after_s - time.time()))
     got = [run._counters(h.index)["rx"] - b for h, b in zip(rs, before)]
-    order = sorted(range(len(rs)), key=lambda i: got[i])
-    victim = rs[order[len(order) // 2]]
+    i = sorted(range(len(rs)), key=lambda k: got[k])[len(rs) // 2]
+    return rs[i], got[i]
+
+
+def killed(run: ClusterRun, step: int, check: Any, after_s: float, timeout: float,
+           out: dict[str, Any]) -> list[dict[str, Any]]:
+    """All check ``step`` out at once; ``after_s`` later one in the middle of the relay is killed
+    (SIGKILL, its process group) and dropped from ``run``; the others' answers."""
+    t0 = time.time()
+    victim, got = _victim(run, step, check, after_s, t0)
     os.killpg(victim.proc.pid, signal.SIGKILL)
-    killed_at = time.time() - t0
+    out.update(victim=victim.index, victim_session=victim.session, at_s=time.time() - t0, victim_rx_mib=got / MiB)
     victim.proc.wait(30)
     run.rollouts.remove(victim)
-    out.update(victim=victim.index, victim_session=victim.session, killed_at_s=killed_at,
-               victim_rx_mib=got[order[len(order) // 2]] / MiB, rx_mib_at_kill=[g / MiB for g in got])
-    log(f"  killed host {victim.index} at {killed_at:.2f} s ({got[order[len(order) // 2]] / MiB:.0f} MiB received)")
+    log(f"  killed host {victim.index} at {out['at_s']:.2f} s ({got / MiB:.0f} MiB received)")
     return _answers(run.rollouts, t0, timeout)
+
+
+def stopped(run: ClusterRun, step: int, check: Any, after_s: float, timeout: float,
+            out: dict[str, Any]) -> list[dict[str, Any]]:
+    """All check ``step`` out at once; ``after_s`` later one in the middle of the relay is stopped
+    (SIGSTOP: it hangs, its connections stay open) until the others are done; their answers. The
+    stopped host is continued then (:func:`resumed`)."""
+    t0 = time.time()
+    victim, got = _victim(run, step, check, after_s, t0)
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    out.update(victim=victim.index, victim_session=victim.session, at_s=time.time() - t0, victim_rx_mib=got / MiB,
+               t0=t0)
+    log(f"  stopped host {victim.index} at {out['at_s']:.2f} s ({got / MiB:.0f} MiB received)")
+    return _answers([h for h in run.rollouts if h is not victim], t0, timeout)
+
+
+def resumed(run: ClusterRun, out: dict[str, Any], timeout: float) -> None:
+    """Continue the host :func:`stopped` stopped; its checkout's answer goes into ``out``."""
+    victim = next(h for h in run.rollouts if h.index == out["victim"])
+    os.killpg(victim.proc.pid, signal.SIGCONT)
+    t = time.time()
+    rep = _answers([victim], out["t0"], timeout)[0]
+    out.update(victim_ok=rep.get("ok"), victim_after_cont_s=rep["end"] - t,
+               victim_received=sum(rep["fetch"]["bytes_from"].values()))
 
 
 def _row(name: str, m: dict[str, Any], model: int, base: float | None) -> dict[str, Any]:
@@ -133,20 +163,26 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         log(f"late joiner: all in {m['time_all_s']:.2f} s; the late host took {own:.2f} s, "
             f"{from_rollouts / model:.2f} of the model from rollout hosts")
 
-        check = version(2)
-        info: dict[str, Any] = {}
-        m = meter(lambda: killed(run, 2, check, a.kill_at * b, timeout, info), settle=False)
-        row = _row("one killed mid-relay", m, model, b)
-        children = [r for r in m["replies"] if r["fetch"]["bytes_from"].get(info["victim_session"], 0) > 0]
-        row.update(info, delay_s=m["time_all_s"] - b, children=len(children),
-                   children_done_s=sorted(r["done_s"] for r in children),
-                   from_victim_mib=sum(r["fetch"]["bytes_from"].get(info["victim_session"], 0) for r in children) / MiB)
-        res["rows"].append(row)
-        log(f"kill: survivors all in {m['time_all_s']:.2f} s ({m['time_all_s'] - b:+.2f} s against the baseline), "
-            f"{len(children)} of them had read from the victim")
+        for step, (name, fn) in enumerate((("one stopped mid-relay (SIGSTOP)", stopped),
+                                           ("one killed mid-relay (SIGKILL)", killed)), 2):
+            check = version(step)
+            info: dict[str, Any] = {}
+            m = meter(lambda: fn(run, step, check, a.kill_at * b, timeout, info), settle=False)
+            if fn is stopped:
+                resumed(run, info, timeout)
+                info["victim_received"] /= model
+            row = _row(name, m, model, b)
+            children = [r for r in m["replies"] if r["fetch"]["bytes_from"].get(info["victim_session"], 0) > 0]
+            row.update({k: v for k, v in info.items() if k != "t0"}, delay_s=m["time_all_s"] - b,
+                       children=len(children), children_done_s=sorted(r["done_s"] for r in children),
+                       from_victim_mib=sum(r["fetch"]["bytes_from"].get(info["victim_session"], 0)
+                                           for r in children) / MiB)
+            res["rows"].append(row)
+            log(f"{name}: the others all in {m['time_all_s']:.2f} s ({m['time_all_s'] - b:+.2f} s against the "
+                f"baseline), {len(children)} of them had read from it")
 
-        check = version(3)
-        m = meter(lambda: run.checkout_all(3, check=check, timeout=timeout, settle=0), settle=False)
+        check = version(4)
+        m = meter(lambda: run.checkout_all(4, check=check, timeout=timeout, settle=0), settle=False)
         res["rows"].append(_row(f"after the kill ({len(run.rollouts)} hosts)", m, model, b))
         log(f"after the kill: all {len(run.rollouts)} in {m['time_all_s']:.2f} s")
     res["block_s"] = 8 * MiB * 8 / rate_bits
@@ -170,23 +206,27 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"| {r['scenario']} | {r['hosts']} | {r['time_all_s']:.2f} s | {vs} | {r['egress']:.2f}× | "
                      f"{r['received'][0]:.2f}–{r['received'][1]:.2f} | {'yes' if r['ok'] else 'NO'} | {r['busy_pct']:.0f}% |")
     late_row = next(r for r in res["rows"] if "late_own_s" in r)
-    kill = next(r for r in res["rows"] if "victim" in r)
     base, after = res["rows"][0], res["rows"][-1]
     lines += ["",
               f"The late joiner started {late_row['late_at_s']:.1f} s after the others and took {late_row['late_own_s']:.2f} s "
               f"from its start ({late_row['late_vs_baseline_host']:.2f}× a baseline host's median), reading "
-              f"{late_row['late_from_rollouts']:.2f} of the model from rollout hosts.",
-              "",
-              f"Host {kill['victim']} was killed {kill['killed_at_s']:.2f} s after the start, having received "
-              f"{kill['victim_rx_mib']:.0f} MiB (the median of the hosts then). {kill['children']} survivor(s) had read "
-              f"from it ({kill['from_victim_mib']:.0f} MiB in all), finishing at "
-              f"{', '.join(f'{t:.2f}' for t in kill['children_done_s']) or '—'} s; the survivors' time to all was "
-              f"{kill['delay_s']:+.2f} s against the baseline's ({base['time_all_s']:.2f} s, {res['hosts']} hosts) and "
-              f"{kill['time_all_s'] - after['time_all_s']:+.2f} s against the run after the kill "
-              f"({after['time_all_s']:.2f} s, the same {after['hosts']} hosts, one hop fewer): "
-              f"{(kill['time_all_s'] - after['time_all_s']) / block:+.1f} pieces' time. Finishing times, baseline: "
-              f"{', '.join(f'{t:.2f}' for t in base['done_s'])} s; with the kill: "
-              f"{', '.join(f'{t:.2f}' for t in kill['done_s'])} s."]
+              f"{late_row['late_from_rollouts']:.2f} of the model from rollout hosts."]
+    for r in (r for r in res["rows"] if "victim" in r):
+        how = "stopped" if "victim_ok" in r else "killed"
+        lines += ["",
+                  f"**{how.capitalize()}.** Host {r['victim']} was {how} {r['at_s']:.2f} s after the start, having received "
+                  f"{r['victim_rx_mib']:.0f} MiB (the median of the hosts then). {r['children']} of the others had read "
+                  f"from it ({r['from_victim_mib']:.0f} MiB in all), finishing at "
+                  f"{', '.join(f'{t:.2f}' for t in r['children_done_s']) or '—'} s; the others' time to all was "
+                  f"{r['delay_s']:+.2f} s against the baseline's ({base['time_all_s']:.2f} s, {res['hosts']} hosts) and "
+                  f"{r['time_all_s'] - after['time_all_s']:+.2f} s against the last run ({after['time_all_s']:.2f} s, "
+                  f"{after['hosts']} hosts, one hop fewer): {(r['time_all_s'] - after['time_all_s']) / block:+.1f} "
+                  f"pieces' time. Finishing times, baseline: {', '.join(f'{t:.2f}' for t in base['done_s'])} s; "
+                  f"with the host {how}: {', '.join(f'{t:.2f}' for t in r['done_s'])} s."]
+        if how == "stopped":
+            lines[-1] += (f" Continued once the others were done, it finished {r['victim_after_cont_s']:.2f} s later "
+                          f"with its tensors {'right' if r['victim_ok'] else 'WRONG'}, having received "
+                          f"{r['victim_received']:.2f}× the model in all.")
     return "\n".join(lines)
 
 
