@@ -8,11 +8,14 @@
   read straight into a slab of the local tier (registered memory, no intermediate copy). An
   object the version's manifest covers end to end is *relayed* (``paramstore/relay.py``: blocks
   verified the moment they land and passed on along a chain or tree of the hosts that fetch it, in
-  the order the registry gave them). Other objects (patch objects, objects a version references
-  only part of) are read whole here (:class:`_Fetch`): slices from every peer that announced the
-  object or the slice, hashed as they arrive, verified whole, with blame found by re-reading
-  (:meth:`_Fetch.recover`). Objects no peer could deliver are left for the remote tier. Then the
-  object is announced by this process's server, if it runs one.
+  the order the registry gave them); so is one whose digests something else lists (a patch
+  object's own header, a derived object's record) and any other of at most a block, checked
+  whole. The rest (an object over a block that nothing lists the digests of: a patch object
+  written before they did, an object a version references only part of) are read whole here
+  (:class:`_Fetch`): slices from every peer that announced the object or the slice, hashed as they
+  arrive, verified whole, with blame found by re-reading (:meth:`_Fetch.recover`). Objects no peer
+  could deliver are left for the remote tier. Then the object is announced by this process's
+  server, if it runs one.
 
 Delta comes from content addressing: unchanged tensors stay in the objects a host already holds, so
 only objects with changed tensors move.
@@ -56,9 +59,9 @@ _HEADER_CAP = 8 + 100_000_000  # the format's header length cap (format.read_hea
 
 SLICE_BYTES = 4 << 20  # unit of spreading one object over several peers (a read batches its slices)
 #: Whether a whole-object fetch (:class:`_Fetch`) announces its slices as they arrive, before the
-#: object verified (a swarm of unverified bytes). Off: nothing unverified is served; only objects a
-#: manifest does not cover whole (patch objects, mostly small) take that path, each host reading
-#: them from whole holders. It still reads slices that other (older) hosts announce.
+#: object verified (a swarm of unverified bytes). Off: nothing unverified is served; only objects
+#: over a block that nothing lists the digests of take that path (see :func:`fetch`), each host
+#: reading them from whole holders. It still reads slices that other (older) hosts announce.
 ANNOUNCE_SLICES = False
 
 

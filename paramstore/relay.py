@@ -2,7 +2,8 @@
 verified before it is passed on. No torch.
 
 :func:`paramstore.peer.fetch` relays every object a version's manifest covers end to end
-(:meth:`Relay.plan`). The object is cut into *blocks* (its header, then its pieces, grouped up to
+(:meth:`Relay.plan`), and the others whose piece digests something lists (a patch object's own
+header, a derived object's record). The object is cut into *blocks* (its header, then its pieces, grouped up to
 :data:`BLOCK_BYTES`); each is checked alone the moment it lands (pieces against the manifest's piece
 digests, the header against the object's name) and only then counted in this host's *progress
 word*, which the hosts behind it read straight from here. Fetchers of one object are ordered by the
@@ -236,8 +237,9 @@ class Relay:
 
     @staticmethod
     def whole(size: int) -> _Plan:
-        """The plan of an object of at most :data:`BLOCK_BYTES` that no manifest covers (a patch
-        object): one block, the whole object, checked against the object's name (:data:`WHOLE`)."""
+        """The plan of an object of at most :data:`BLOCK_BYTES` whose piece digests nothing lists
+        (a patch object written before they did): one block, the whole object, checked against
+        the object's name (:data:`WHOLE`)."""
         return 0, [(0, size, [(0, size, WHOLE)])], {}
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
