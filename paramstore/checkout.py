@@ -42,7 +42,7 @@ from .errors import (
 )
 from .delta import fetch_by_patches, rebuild_all
 from .lazy import LazyReads
-from .manifest import Manifest, TensorEntry, object_ranges
+from .manifest import Manifest, TensorEntry, object_piece_spans, object_spans
 from .objects import quarantine, read_manifest
 from .peer import fetch as peer_fetch
 from .reports import FetchReport, TransferReport
@@ -225,7 +225,8 @@ class _Elsewhere:
 
     def objects(self, sizes: "dict[str, int]", entries: "Iterable[TensorEntry]" = ()) -> None:
         f, tier = self._fetcher, self._fetcher._root.tier
-        f._get(self._report, set(), sizes, *object_ranges(entries))
+        entries = list(entries)
+        f._get(self._report, set(), sizes, object_spans(entries), object_piece_spans(entries))
         left = {o: n for o, n in sizes.items() if not tier.exists(o)}
         if left and f._remote is not None:
             moved = f._remote.fetch_objects(f._root, left)

@@ -65,7 +65,7 @@ import blake3
 
 from . import delta
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
-from .format import DATA_ALIGN, TensorSpec, layout, loads, object_digest, read_header, tensor_pieces
+from .format import DATA_ALIGN, PIECE_SIZE, TensorSpec, layout, loads, object_digest, read_header, tensor_pieces
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
 from .objects import quarantine
 from .root import StoreRoot
@@ -93,9 +93,9 @@ class Elsewhere(Protocol):
     def objects(self, sizes: dict[str, int], entries: Iterable[TensorEntry] = ()) -> None:
         """Bring these derived objects here (peers, the remote), each verified against its digest;
         what nobody delivers stays absent (then it is derived here). ``entries``: their tensors
-        (their records' outputs): an object whose tensors they list end to end, with piece
-        digests, is relayed between the hosts that want it block by block
-        (:func:`paramstore.peer.fetch`)."""
+        (their records' outputs, with piece digests): an object whose tensors they list end to
+        end is relayed between the hosts that want it block by block, its size and layout taken
+        from them as from a manifest (:func:`paramstore.peer.fetch`)."""
 
     def patches(self, todo: dict[str, tuple[str, int]], wanted: dict[str, int]) -> None:
         """Rebuild derived objects from patches (``object: (patch, object size)``), after bringing
@@ -252,11 +252,21 @@ def _here(root: StoreRoot, record: _Record, elsewhere: Elsewhere | None) -> bool
                                   {p: n for p, n, _ in todo.values() if not tier.exists(p)})
                 missing = absent()
         if missing and elsewhere is not None:
-            elsewhere.objects(missing, [e for outs in record.outputs.values() for e in outs.values()])
+            elsewhere.objects(missing, _pieced(record))
             missing = absent()
     except CorruptObjectError:
         return False
     return not missing
+
+
+def _pieced(record: _Record) -> list[TensorEntry]:
+    """The record's outputs, if each one larger than a piece lists its piece digests (records
+    written since they do), so its objects can be relayed block by block; else none (an older
+    record: its objects are fetched as a whole, checked against their names)."""
+    entries = [e for outs in record.outputs.values() for e in outs.values()]
+    if any(c.nbytes > PIECE_SIZE and not c.piece_digests for e in entries for c in e.pieces()):
+        return []
+    return entries
 
 
 def records(root: StoreRoot) -> Iterable[tuple[str, _Record | None]]:

@@ -432,9 +432,11 @@ def listed_digests(header: bytes | memoryview, size: int, digest: str
     raw = meta.get(DIGESTS_KEY)
     if raw is None:
         return None
+    if not isinstance(raw, str):
+        raise ValueError("the header's piece digests are malformed (not a JSON string)")
     listed = loads(raw, list, "the header's piece digests")
     if len(listed) != len(spans):
-        raise ValueError(f"the header lists piece digests for {len(listed)} tensors, it has {len(spans)}")
+        raise ValueError(f"the header's piece digests are malformed ({len(listed)} lists for {len(spans)} tensors)")
     piece_size = piece_size_of(meta)
     tensors: dict[tuple[int, int], str] = {}
     by_piece: dict[tuple[int, int], str] = {}

@@ -52,7 +52,7 @@ from .validate import check_asset_name, check_digest, check_name
 
 
 __all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "ASSET_PREFIX", "check_manifest",
-           "check_tiling", "object_ranges"]
+           "check_tiling", "object_spans", "object_piece_spans"]
 
 #: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
 #: tensors chunked), 3 (with assets) or 4 (with piece digests: tensors larger than a piece, whose
@@ -196,25 +196,37 @@ class TensorEntry:
                    _parse_pieces("tensor entry", d))
 
 
-def object_ranges(entries: Iterable[TensorEntry]) -> tuple[dict[str, dict[tuple[int, int], str]],
-                                                          dict[str, dict[tuple[int, int], str]]]:
-    """Per object, the digest of each tensor (or chunk) the ``entries`` place in it, and of each
-    piece (:meth:`Chunk.hash_pieces`), by absolute byte range ``(begin, end)``: what
-    :meth:`Manifest.spans` and :meth:`Manifest.piece_spans` give for a version, for any entries
-    (a derived record's, say), and what :func:`paramstore.peer.fetch` relays an object by.
+def object_spans(entries: Iterable[TensorEntry]) -> dict[str, dict[tuple[int, int], str]]:
+    """Per object, the digest of each tensor (or chunk) the ``entries`` place in it, by absolute
+    byte range ``(begin, end)``: :meth:`Manifest.spans` for any entries (a derived record's, say).
 
     Example:
         >>> e = TensorEntry("U8", (4,), "ab" * 32, "cd" * 32, 64, 4)
-        >>> object_ranges([e]) == ({"cd" * 32: {(64, 68): "ab" * 32}}, {"cd" * 32: {(64, 68): "ab" * 32}})
+        >>> object_spans([e]) == {"cd" * 32: {(64, 68): "ab" * 32}}
         True
     """
-    spans: dict[str, dict[tuple[int, int], str]] = {}
-    by_piece: dict[str, dict[tuple[int, int], str]] = {}
+    out: dict[str, dict[tuple[int, int], str]] = {}
+    for e in entries:
+        for obj, offset, nbytes, digest in e.ranges():
+            out.setdefault(obj, {})[(offset, offset + nbytes)] = digest
+    return out
+
+
+def object_piece_spans(entries: Iterable[TensorEntry]) -> dict[str, dict[tuple[int, int], str]]:
+    """Per object, the digest of each piece the ``entries`` place in it (:meth:`Chunk.hash_pieces`),
+    by absolute byte range: :meth:`Manifest.piece_spans` for any entries; with
+    :func:`object_spans`, what :func:`paramstore.peer.fetch` relays an object by.
+
+    Example:
+        >>> e = TensorEntry("U8", (4,), "ab" * 32, "cd" * 32, 64, 4)
+        >>> object_piece_spans([e]) == {"cd" * 32: {(64, 68): "ab" * 32}}
+        True
+    """
+    out: dict[str, dict[tuple[int, int], str]] = {}
     for e in entries:
         for c in e.pieces():
-            spans.setdefault(c.object, {})[(c.offset, c.offset + c.nbytes)] = c.digest
-            by_piece.setdefault(c.object, {}).update(((b, end), d) for b, end, d in c.hash_pieces())
-    return spans, by_piece
+            out.setdefault(c.object, {}).update(((b, end), d) for b, end, d in c.hash_pieces())
+    return out
 
 
 @dataclass(frozen=True)
@@ -259,12 +271,12 @@ class Manifest:
     def spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
         """Per object, the digest of each tensor (or chunk) it holds, by byte range ``(begin, end)``:
         what a check of the object's bytes compares against. Computed once; do not modify."""
-        return self.memo("ranges", lambda: object_ranges(e for _, e in self.stored()))[0]
+        return self.memo("spans", lambda: object_spans(e for _, e in self.stored()))
 
     def piece_spans(self) -> Mapping[str, Mapping[tuple[int, int], str]]:
         """Per object, the digest of each piece it holds (:meth:`Chunk.hash_pieces`), by byte range
         ``(begin, end)``: what a receiver checks each piece against as it arrives. Computed once."""
-        return self.memo("ranges", lambda: object_ranges(e for _, e in self.stored()))[1]
+        return self.memo("piece_spans", lambda: object_piece_spans(e for _, e in self.stored()))
 
     @property
     def pieced(self) -> bool:

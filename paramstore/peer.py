@@ -174,7 +174,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     the same version ask it again.
 
     ``spans`` and ``pieces`` (a version's :meth:`~paramstore.manifest.Manifest.spans` and
-    :meth:`~paramstore.manifest.Manifest.piece_spans`): an object whose tensors they cover, end to
+    :meth:`~paramstore.manifest.Manifest.piece_spans`, or the same of a derived record's outputs:
+    :func:`~paramstore.manifest.object_spans`): an object whose tensors they cover, end to
     end, is *relayed* (:class:`~paramstore.relay.Relay`: blocks verified one by one against them, read from the
     nearest fetcher ahead in a chain, and served on once verified); so is an object whose own
     header lists its piece digests (patch objects: :func:`~paramstore.format.listed_digests`,
@@ -320,8 +321,9 @@ class _Fetch:
                     break
         if denied is not None:
             warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
-                          f"its holder {denied[0].session} serves says otherwise ({denied[1]}), and no holder asked "
-                          "agrees: not fetched from peers", RuntimeWarning, stacklevel=2)
+                          f"its holder {denied[0].session} serves does not agree with that size or the object's name "
+                          f"({denied[1]}), and no holder asked agrees: not fetched from peers", RuntimeWarning,
+                          stacklevel=2)
             with self.lock:
                 self.report.rejected["size"] += 1
         return False

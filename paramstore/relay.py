@@ -201,8 +201,9 @@ class Relay:
     @staticmethod
     def plan(digest: str, size: int, spans: Mapping[str, Mapping[tuple[int, int], str]] | None,
              pieces: Mapping[str, Mapping[tuple[int, int], str]] | None) -> _Plan | None:
-        """``(data start, blocks, tensor spans)`` if the manifest's tensors of ``digest`` tile the
-        object's data up to ``size`` (every byte but the header has a piece digest), else None.
+        """``(data start, blocks, tensor spans)`` if the tensors ``spans`` lists for ``digest`` (a
+        manifest's, a derived record's, or the object's own header's: :func:`~paramstore.format.listed_digests`)
+        tile the object's data up to ``size`` (every byte but the header has a piece digest), else None.
         A block: ``(begin, end, units)``, a unit ``(begin, end, piece digest)`` (None: the header)."""
         sp = spans.get(digest) if spans is not None else None
         pc = pieces.get(digest) if pieces is not None else None

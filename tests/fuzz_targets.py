@@ -370,7 +370,7 @@ def patch_objects(draw: Any) -> dict[str, Any]:
     """A patch object (``delta._make_one``'s layout) rebuilding a target object from a base object,
     mutated; and the base objects the reader has."""
     from paramstore.delta import PATCH_OBJECT_FORMAT
-    from paramstore.format import ITEMSIZE, TensorSpec, layout
+    from paramstore.format import DIGESTS_KEY, ITEMSIZE, TensorSpec, layout, tensor_digest
     from paramstore.patch import encode
 
     dtype, base, target = draw(_tensor_pair())
@@ -441,12 +441,15 @@ def _patch_object_bound(i: dict[str, Any]) -> int:
 @st.composite
 def safetensors_objects(draw: Any) -> bytes:
     """An object (header + tensors), mutated as bytes or as header JSON."""
-    from paramstore.format import ITEMSIZE, TensorSpec, layout
+    from paramstore.format import DIGESTS_KEY, ITEMSIZE, TensorSpec, layout, tensor_digest
 
     specs = [TensorSpec(f"t{i}", draw(st.sampled_from(sorted(ITEMSIZE))),
                         tuple(draw(st.lists(st.integers(0, 5), max_size=3))))
              for i in range(draw(st.integers(0, 4)))]
     meta = draw(st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)))
+    if draw(st.booleans()):  # it lists its own piece digests, as a patch object does (then mutated)
+        order = [p.spec for p in sorted(layout(specs, meta).placements, key=lambda p: p.offset)]
+        meta = {**(meta or {}), DIGESTS_KEY: json.dumps([[tensor_digest(bytes(s.nbytes))] for s in order])}
     plan = layout(specs, meta)
     data = plan.header + bytes(sum(s.nbytes for s in specs))
     if draw(st.booleans()):
@@ -459,7 +462,7 @@ def safetensors_objects(draw: Any) -> bytes:
 
 
 def _feed_safetensors(buf: bytes) -> None:
-    from paramstore.format import ObjectHasher, parse_header, read_header, rehash, tensor_spans
+    from paramstore.format import ObjectHasher, listed_digests, parse_header, read_header, rehash, tensor_spans
 
     mv = memoryview(buf)
     start, entries, meta = read_header(mv)
@@ -467,7 +470,9 @@ def _feed_safetensors(buf: bytes) -> None:
     parse_header(mv)
     spans = tensor_spans(mv)[1]
     _expect(all(start <= b <= e <= len(buf) for b, e in spans), "spans outside the object")
-    digest, _ = rehash(mv)
+    digest, digests = rehash(mv)
+    listed = listed_digests(mv, len(buf), digest)  # what a receiver would relay it by, checked by its name
+    _expect(listed is None or listed[0] == digests, "a listed digest that makes the name differs from the bytes'")
     h = ObjectHasher(mv)  # bytes arriving out of order
     half = len(buf) // 2
     h.arrived(half, len(buf))

@@ -522,3 +522,32 @@ def test_derived_objects_written_into_slabs_or_files_are_the_same(shm_dir, prepa
     with paramstore.ParamStore(os.path.join(shm_dir, f"s{prepare}")) as again:
         with again.checkout(1, recipe="fp8-block128") as snap:
             assert snap.derived.derived == 0 and all(same(snap[k], v) for k, v in want.items())
+
+
+def test_a_record_lists_piece_digests_so_hosts_relay_its_objects_and_an_older_record_does_not(store_root):
+    """A derived output over a piece (a 4096 x 4096 weight in FP8: 16 MiB) is recorded with its
+    piece digests, so hosts that want its object relay it block by block (``derived._pieced`` gives
+    the record's outputs, which tile the object: ``Relay.plan`` plans it). A record written before
+    (its outputs without piece digests) gives none: its objects are then fetched whole, checked
+    against their names, instead of each block failing against a tensor digest taken for a piece's
+    and every honest peer being blamed."""
+    import dataclasses
+
+    from paramstore.format import PIECE_SIZE
+    from paramstore.manifest import object_piece_spans, object_spans
+    from paramstore.relay import Relay
+
+    with paramstore.ParamStore(store_root) as store:
+        w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(1)).bfloat16()
+        store.commit(1, {"model.layers.0.mlp.up_proj.weight": w}).result()
+        with store.checkout(1, recipe="fp8-block128") as snap:
+            assert snap.derived.derived == 1
+        [(_, record)] = list(derived.records(store._root))
+    entries = derived._pieced(record)
+    big = [e for e in entries if e.nbytes > PIECE_SIZE]
+    assert big and all(len(e.piece_digests) == 2 for e in big), entries
+    [(obj, size)] = record.objects.items()
+    assert Relay.plan(obj, size, object_spans(entries), object_piece_spans(entries)) is not None
+    old = dataclasses.replace(record, outputs={k: {n: dataclasses.replace(e, piece_digests=()) for n, e in outs.items()}
+                                               for k, outs in record.outputs.items()})
+    assert derived._pieced(old) == []

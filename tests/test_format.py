@@ -627,7 +627,10 @@ def test_a_header_that_lists_its_piece_digests_is_checked_against_the_name():
         listed_digests(*made(bad)[:2], name)  # the damaged list's own header: not the name
     for wrong in ([listed[0], listed[1][:2], listed[2]], listed[:2], [listed[0], listed[1], "ab"],
                   [listed[0], listed[1], ["AB" * 32]]):
-        with pytest.raises(ValueError, match="piece digests"):
+        with pytest.raises(ValueError, match="malformed"):  # refused for its shape, before the name is checked
             listed_digests(*made(wrong)[:2], name)
+    head, _ = build_header(specs, {DIGESTS_KEY: listed})  # type: ignore[dict-item]  # a list, not a JSON string
+    with pytest.raises(ValueError, match="malformed"):
+        listed_digests(head, len(head) + sum(map(len, blobs)), name)
     head, _ = build_header(specs)
     assert listed_digests(head, len(head) + sum(map(len, blobs)), name) is None

@@ -73,10 +73,14 @@ def _victim(run: ClusterRun, step: int, check: Any, after_s: float, t0: float) -
     """Every rollout host checks ``step`` out at once (from ``t0``); ``after_s`` later, the one that
     has received the median number of bytes so far (a host in the middle of the relay)."""
     rs = list(run.rollouts)
-    before = [run._counters(h.index)["rx"] for h in rs]
+    def rx() -> dict[int, int]:  # each rollout host's received bytes, by its index in the cluster
+        return {h.index: c["rx"] for h, c in zip(run.hosts, run.counters()) if h in rs}
+
+    before = rx()
     _started(step, check, rs)
     time.sleep(max(0.0, t0 + after_s - time.time()))
-    got = [run._counters(h.index)["rx"] - b for h, b in zip(rs, before)]
+    now = rx()
+    got = [now[h.index] - before[h.index] for h in rs]
     i = sorted(range(len(rs)), key=lambda k: got[k])[len(rs) // 2]
     return rs[i], got[i]
 
@@ -226,7 +230,8 @@ def report(res: dict[str, Any]) -> str:
         if how == "stopped":
             lines[-1] += (f" Continued once the others were done, it finished {r['victim_after_cont_s']:.2f} s later "
                           f"with its tensors {'right' if r['victim_ok'] else 'WRONG'}, having received "
-                          f"{r['victim_received']:.2f}× the model in all.")
+                          f"{r['victim_received']:.2f}× the model in all (what it read after it was continued "
+                          "is not in the row's egress).")
     return "\n".join(lines)
 
 
