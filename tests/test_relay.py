@@ -309,6 +309,29 @@ def test_the_reservation_stays_ahead_of_the_reads(shm_dir):
         pool.close()
 
 
+@pytest.mark.parametrize("unit, n", [(256 << 10, 44), (4 << 20, 8), (8 << 20, 32), (100_000, 7)])
+def test_a_small_objects_units_are_grouped_into_small_blocks(unit, n):
+    """Units (pieces, small tensors) are grouped into blocks of up to ``relay_block_bytes`` of the
+    object: a piece for a large object, about a sixteenth (at least 1 MiB) for a small one such as
+    an 11 MiB patch of 256 KiB frames, so that it crosses a chain in small blocks; a unit larger
+    than that stays whole, and none is ever cut."""
+    from paramstore.relay import BLOCK_BYTES, MIN_BLOCK_BYTES, Relay, relay_block_bytes
+
+    start, obj = 64, "cd" * 32
+    units = {(start + i * unit, start + (i + 1) * unit): f"{i:064x}" for i in range(n)}
+    size = start + n * unit
+    _, blocks, _ = Relay.plan(obj, size, {obj: units}, {obj: units})
+    most = relay_block_bytes(size)
+    assert MIN_BLOCK_BYTES <= most <= BLOCK_BYTES
+    got = [(b, e) for _, _, us in blocks for b, e, _ in us]
+    assert got == [(0, start), *sorted(units)]  # every unit once, in order, none cut
+    for b, e, us in blocks:
+        assert e - b <= most or len(us) == 1, (e - b, len(us))
+    if unit < most:  # small units: about size / most blocks, not a piece's worth each
+        assert len(blocks) <= -(-size // most) + 1
+    print(f"{n} units of {unit} B: {len(blocks)} blocks of at most {most >> 10} KiB")
+
+
 # -- the plan: a chain or a tree, whichever reaches the last fetcher first ------------------------
 @pytest.mark.parametrize("n", range(301))
 def test_the_relay_order_of_a_chain_is_the_nearest_first(n):
