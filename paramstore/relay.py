@@ -133,7 +133,7 @@ def relay_fanout(fetchers: int, blocks: int = 1) -> int:
     and the fill takes ``depth`` hops of up to ``f`` blocks' time each; ties go to the smaller
     ``f``. :data:`FANOUT_ENV`, where set to an int >= 1, fixes it (another value is ignored).
 
-    ``blocks``: the object's data in :data:`BLOCK_BYTES` blocks (its header aside). A chain wherever
+    ``blocks``: the object's relay blocks (:meth:`Relay.plan`: its header, then its pieces grouped). A chain wherever
     the object has many blocks next to its fetchers (8 hosts, a 256 MiB object of 32 blocks: 39
     blocks' time, against 70 for f = 2), a tree where it has few (16 hosts, a
     one-block object: the chain's 16 against 10 for f = 2; 256 hosts, 32 blocks: the chain's 287
