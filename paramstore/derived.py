@@ -101,6 +101,8 @@ class Elsewhere(Protocol):
         """Rebuild derived objects from patches (``object: (patch, object size)``), after bringing
         the patch objects this host lacks (``wanted``: their sizes) from peers
         (:func:`paramstore.delta.rebuild_all`); what is not rebuilt stays absent."""
+#: An output's digest and its piece digests (:func:`paramstore.format.tensor_pieces`), by its key in the object.
+_Hashed = tuple[str, tuple[str, ...]]
 #: The records' format (a record of another format is derived again).
 RECORD_FORMAT = 1
 _UNIT_DOMAIN = b"paramstore/derived-unit/v1\0"
@@ -502,14 +504,14 @@ def _store_outputs(root: StoreRoot, recipe: "Recipe", produced: list[tuple[tuple
 
 
 def _into_file(root: StoreRoot, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-               report: DeriveReport, scratch: _Scratch) -> tuple[str, dict[str, tuple[str, tuple[str, ...]]]]:
+               report: DeriveReport, scratch: _Scratch) -> tuple[str, dict[str, _Hashed]]:
     """The derived object written into a new file of ``tmp/`` (``pwrite``: no mapping set up),
     deferred conversions into ``scratch`` first; returns its path and each output's digest and
     piece digests."""
     import torch
 
     path = os.path.join(root.tier.tmp_dir, tmp_name())
-    digests: dict[str, tuple[str, tuple[str, ...]]] = {}
+    digests: dict[str, _Hashed] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         out = delta._File(fd)  # (all of each write, pwrite by pwrite)
@@ -549,7 +551,7 @@ def _filled(recipe: "Recipe", produced: list, eager: "dict[str, torch.Tensor]",
 
 
 def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-               report: DeriveReport) -> tuple["Slab", dict[str, tuple[str, tuple[str, ...]]]]:
+               report: DeriveReport) -> tuple["Slab", dict[str, _Hashed]]:
     """The derived object written into a slab of ``pool`` (one it prepared, faulted ahead, if there
     is one of this size): deferred conversions straight into its place, eager outputs copied there,
     each hashed from there. Returns the slab (its file renamed into the tier by the caller, then
@@ -564,7 +566,7 @@ def _into_slab(pool: "SlabPool", recipe: "Recipe", produced: list, plan: Any, at
 
 
 def _fill(mapping: Any, recipe: "Recipe", produced: list, plan: Any, at: dict, eager: dict,
-          report: DeriveReport) -> dict[str, tuple[str, tuple[str, ...]]]:
+          report: DeriveReport) -> dict[str, _Hashed]:
     """Write the object into ``mapping`` (its header, deferred conversions into their places, eager
     outputs copied) and hash each output there. Nothing viewing ``mapping`` outlives the call."""
     import torch
