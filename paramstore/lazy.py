@@ -35,6 +35,7 @@ import mmap
 import os
 import random
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
@@ -42,7 +43,7 @@ from .errors import CorruptObjectError, ObjectUnavailableError, RemoteError, Tra
 from .format import ITEMSIZE, PIECE_SIZE, piece_digest
 from .manifest import Chunk, Manifest
 from .peer import _contiguous
-from .relay import holders_of
+from .relay import PEER_RETRIES, RETRY_S, holders_of
 from .reports import FetchReport
 from .retire import retire
 from .staging import tmp_name
@@ -184,36 +185,53 @@ class LazyReads:
 
     # -- sources ---------------------------------------------------------------------------
     def _fetch(self, part: _Partial, pieces: list[Piece], what: str) -> None:
+        """Move ``pieces`` of ``part`` here from its holders, else the remote. Without a remote,
+        holders whose reads failed (not those caught serving bad pieces) are asked again after a
+        back-off, up to :data:`~paramstore.relay.PEER_RETRIES` times: a stall longer than the
+        transfer engine's progress timeout does not fail the caller's read."""
         pending = pieces
         why: list[str] = []
-        reg = self._root.registry
-        found = holders_of(reg, [part.digest], None).get(part.digest, [])
-        if found:
-            try:
-                transport = self._transport()
-            except TransferError as e:
-                why.append(f"no transfer engine here: {e}")
-            else:
-                server = self._server()
-                holders = [h for h in found if server is None or h[0].id != server.peer.id]
-                random.shuffle(holders)  # readers spread over the holders
-                for peer, addr in holders:
-                    if not pending:
-                        break
-                    with self._lock:
-                        if peer.id in self.excluded:
-                            continue
-                    pending = self._from_peer(part, transport, peer, addr, pending, why)
+        for attempt in range(1 + (PEER_RETRIES if self._remote is None else 0)):
+            if attempt:
+                time.sleep(RETRY_S * 2 ** (attempt - 1))
+            asked, pending = self._from_peers(part, pending, why)
+            if not pending or not asked:
+                break
         if pending and self._remote is not None:
             pending = self._from_remote(part, pending, why)
         if pending:
             b, e = pending[0][0], pending[-1][1]
-            where = ("; ".join(why) if why else
+            where = ("; ".join(dict.fromkeys(why)) if why else
                      "no live host serves it" + ("" if self._remote is not None else " and no remote is open"))
             raise ObjectUnavailableError(
                 f"tensor {what!r} of version {self._step}: {len(pending)} piece(s) of object {part.digest[:12]}… "
                 f"(bytes {b}-{e}) could not be read lazily: {where}; run `paramstore serve` (or store.serve()) on a "
                 "host that holds the version, or open the store with remote=URL")
+
+    def _from_peers(self, part: _Partial, pending: list[Piece], why: list[str]) -> tuple[int, list[Piece]]:
+        """One round over the holders of ``part`` (none caught serving bad pieces): how many were
+        asked, and what is still missing."""
+        found = holders_of(self._root.registry, [part.digest], None).get(part.digest, [])
+        if not found:
+            return 0, pending
+        try:
+            transport = self._transport()
+        except TransferError as e:
+            why.append(f"no transfer engine here: {e}")
+            return 0, pending
+        server = self._server()
+        holders = [h for h in found if server is None or h[0].id != server.peer.id]
+        random.shuffle(holders)  # readers spread over the holders
+        asked = 0
+        for peer, addr in holders:
+            if not pending:
+                break
+            with self._lock:
+                if peer.id in self.excluded:
+                    continue
+            asked += 1
+            pending = self._from_peer(part, transport, peer, addr, pending, why)
+        return asked, pending
 
     def _from_peer(self, part: _Partial, transport: "Transport", peer: object, addr: int, pending: list[Piece],
                    why: list[str]) -> list[Piece]:

@@ -42,7 +42,7 @@ from paramstore.backends.transports.base import Transport
 if TYPE_CHECKING:
     from .peer import PeerServer, _Fetch
 
-__all__ = ["Relay", "blame", "holders_of", "relay_block_bytes", "relay_depth", "relay_fanout", "relay_order"]
+__all__ = ["Relay", "PEER_RETRIES", "RETRY_S", "blame", "holders_of", "relay_block_bytes", "relay_depth", "relay_fanout", "relay_order"]
 
 #: Logger of the relay's decisions at DEBUG (who served each block, why an upstream was passed
 #: over, why a block was read from a whole holder): ``logging.getLogger("paramstore.relay")``.
@@ -75,6 +75,14 @@ HOLDERS_SAMPLE = 16
 #: whose mark does not move and which still answers, before passing over it for this object; one
 #: that does not answer (its progress word cannot be read) is passed over at once.
 STALL_S = 10.0
+#: Reads a peer may fail (a transport error, not bad bytes) before it is not asked again for an
+#: object even when nobody else holds it; after its ``n``-th failure it is asked again only once
+#: no other source is left, and :data:`RETRY_S` × 2^(n-1) seconds later (a relay; a lazy read,
+#: :mod:`paramstore.lazy`, alike where no remote is open). The transfer engine fails a read that
+#: made no progress for 1 s (``MC_TCP_PROGRESS_TIMEOUT_SEC``), so a holder that is only stalled
+#: for a moment (a loss burst, a busy host) is not given up for good.
+PEER_RETRIES = 3
+RETRY_S = 1.0
 #: Seconds between two registry lookups of who fetches an object while a fetch follows its
 #: upstream (whose progress it reads from that host itself, not from the registry), doubling after
 #: each such lookup up to :data:`RELOOK_MAX_S`, and back to this when an upstream is put aside. What
@@ -284,6 +292,10 @@ class Relay:
         self.busy: set[int] = set()  # blocks being read or verified
         self.reading: set[int] = set()  # blocks being read
         self.bad: set[str] = set()  # peers that failed to serve or stalled: not asked again for this object
+        # of them, those that only failed reads: id -> (reads failed, when last); asked again
+        # (:meth:`_retry`) when nobody else can serve, after a back-off
+        self.failed: dict[str, tuple[int, float]] = {}
+        self.retry_at = 0.0  # no holder is looked up before then (a back-off)
         self.culprits: set[str] = set()  # peers blamed for this object
         self.waiting: tuple[tuple[str, int], float] | None = None  # ((upstream, its progress), since)
         self.bad_at = 0.0  # when a peer was last put aside (the registry is asked again)
@@ -491,13 +503,22 @@ class Relay:
                       self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up, q)  # it answers but makes no progress: the next one up
         whole = [(p, a) for p, a in self.whole if p.id not in skip]
+        if not whole and time.monotonic() < self.retry_at:
+            return None, crowd  # a back-off (:meth:`_retry`) is not over
         if not whole or time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
             self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
             self.whole_at = time.monotonic()
             whole = self.whole
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
         if not whole:
-            return [], crowd
+            again = self._retry()
+            if not again:  # nobody left at all (False), or wait for a back-off (None)
+                return (None if again is None else []), crowd
+            self.whole = holders_of(self.root.registry, [self.digest], self.me, self.bad | self.excluded).get(self.digest, [])
+            self.whole_at = time.monotonic()
+            whole = self.whole
+            if not whole:
+                return [], crowd
         known = [w for w in whole if w[0].id in _RELAYERS]
         out = []
         for i in window[:room]:
@@ -508,6 +529,24 @@ class Relay:
                       self.digest[:12], [i for _, i, _ in out], sorted({p.session for p, _, _ in out}),
                       self._place(), self.end, len(skip))
         return out, crowd
+
+    def _retry(self) -> bool | None:
+        """Nobody usable holds the object: the peers put aside that failed reads (not those caught
+        serving bad bytes), at most :data:`PEER_RETRIES` failed reads each, may be asked again
+        once their back-off is over. True: some are (taken out of :attr:`bad`: look the holders
+        up again); None: one will be, at :attr:`retry_at` (wait); False: none is left to ask."""
+        now = time.monotonic()
+        with self.cond:
+            left = {p: RETRY_S * 2 ** (n - 1) - (now - at) for p, (n, at) in self.failed.items()
+                    if n <= PEER_RETRIES and p in self.bad and p not in self.excluded}
+            due = [p for p, wait in left.items() if wait <= 0]
+            self.bad.difference_update(due)
+            self.retry_at = now + min(left.values(), default=0.0)
+        if due:
+            log.debug("relay %s: nobody else holds it: asking %d peer(s) that failed a read again",
+                      self.digest[:12], len(due))
+            return True
+        return None if left else False
 
     def _put_aside(self, peer: Peer, position: int) -> None:
         with self.cond:
@@ -532,6 +571,7 @@ class Relay:
             except TransferError as err:
                 with self.cond:
                     self.bad.add(peer.id)
+                    self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
                     self.tainted = self.tainted or err.code == -2
                 self.bad_at = time.monotonic()
                 return

@@ -8,7 +8,9 @@ peers (separate processes with Mooncake transfer engines over TCP, ``lazy_host.p
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -226,6 +228,25 @@ def test_a_rank_reading_a_quarter_from_a_peer_moves_its_slice(hosts):
     eager = rollout.ask("eager 1")  # unchanged: whole objects, verified, placed
     assert eager["ok"] and not eager["lazy"] and eager["lazy_bytes"] == 0 and eager["fetched"] >= 1, eager
     assert tensors < sum(eager["bytes_from"].values()) < tensors + (64 << 10), eager
+
+
+def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_again(hosts):
+    """No remote, and the only peer holding the version hangs for 1.6 s (SIGSTOP, then SIGCONT)
+    as a lazy read starts: the read fails after the transfer engine's progress timeout (1 s), is
+    asked again after a back-off (``relay.RETRY_S``), and the caller's read succeeds, with nothing
+    blamed (before, it raised ObjectUnavailableError at the first failure)."""
+    trainer, rollout = hosts(), hosts()
+    assert trainer.ask("commit 1") == {"committed": 1}
+    assert rollout.ask("lazy 1 0 512")["ok"]  # connected (a stopped peer's handshake just waits)
+    trainer.proc.send_signal(signal.SIGSTOP)
+    try:
+        rollout.send("lazy 1 1000 2024")
+        time.sleep(1.6)
+    finally:
+        trainer.proc.send_signal(signal.SIGCONT)
+    got = rollout.expect()
+    assert got["ok"] and got["rejected"] == {}, got
+    assert got["bytes_from"] == {trainer.session: 4 * PIECE_SIZE}, got  # a failed read is not counted
 
 
 def test_a_corrupt_peer_is_rejected_and_the_piece_comes_from_the_remote(hosts):

@@ -10,9 +10,11 @@ only looks at a batch's first task, so one task per batch is the only way to see
 outcome without a busy-spinning wait), and completions are polled with short sleeps. On TCP the
 engine spreads slices over 4 connections per peer (``MC_TCP_LANES_PER_PEER``).
 
-Failures (never a hang): a dead peer fails the read in tens of milliseconds; a frozen peer after
-``MC_TCP_PROGRESS_TIMEOUT_SEC`` (set to 5 here unless the environment says otherwise) or the
-read's ``timeout``, whichever comes first; a range the peer has not registered fails at once. A
+Failures (never a hang): a dead peer fails the read in tens of milliseconds; a frozen peer once
+the read has made no progress for ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (whole seconds; set to 1 here
+unless the environment says otherwise: the engine's own default, 30 s, is what a hung relay host
+would cost every host behind it), or after the read's ``timeout``, whichever comes first; a range
+the peer has not registered fails at once. A
 peer that failed may fail the next read at once too, then takes ~1 s to reconnect: fail over to
 another peer rather than retrying the same one straight away. On the first failure no further
 slice is submitted and the read waits for the slices in flight to finish, so that nothing writes
@@ -50,7 +52,12 @@ DEFAULT_SLICE_BYTES = 32 << 20
 # peer fails after (window / lanes) progress timeouts: 1 here, 2 with 8, 5 with 16 in flight. The
 # price is ~65 us per small read (4000 scattered 16 KiB reads: 0.26 s; 0.13 s with 256 in flight).
 DEFAULT_WINDOW = 4
-_ENV_DEFAULTS = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
+# The engine's deadline slides with every completion that moves bytes: 1 s without one is a
+# stopped peer (or a burst of losses: TCP's back-off 0.2 + 0.4 + 0.8 s), which a relay passes over
+# (a holder nobody else replaces is asked again after a back-off: paramstore.relay.PEER_RETRIES).
+# 5 s before: a hung relay host cost the hosts behind it 5.97 s at 100 Mbit/s; 1 s: 2.07 s
+# (tools/bench_churn.py, docs/benchmarks.md).
+_ENV_DEFAULTS = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
 # glog severities (FLAGS_minloglevel): 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL.
 _QUIET_LEVEL, _VERBOSE_LEVEL = 3, 1
 _MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's ``int FLAGS_minloglevel``, mangled
