@@ -27,7 +27,6 @@ import contextlib
 import mmap
 import os
 import random
-import struct
 import threading
 import time
 import uuid
@@ -39,7 +38,7 @@ import blake3
 
 from . import liveness
 from .errors import ParamStoreError, TransferError
-from .format import ObjectHasher, listed_digests, rehash
+from .format import ObjectHasher, rehash
 from .relay import BLOCK_BYTES, Relay, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
@@ -53,9 +52,6 @@ __all__ = ["PeerServer", "fetch", "FETCH_CONCURRENCY"]
 
 #: Objects a fetch reads at once.
 FETCH_CONCURRENCY = 4
-#: Bytes first read of an object's header to check the size a registry records (:meth:`_Fetch.sized`).
-PROBE_BYTES = 4 << 10
-_HEADER_CAP = 8 + 100_000_000  # the format's header length cap (format.read_header), plus its length field
 
 SLICE_BYTES = 4 << 20  # unit of spreading one object over several peers (a read batches its slices)
 #: Whether a whole-object fetch (:class:`_Fetch`) announces its slices as they arrive, before the
@@ -163,8 +159,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     is reserved and faulted just ahead of the blocks that arrive, see :class:`paramstore.relay._Space`). A size (the registry's word)
     is believed before anything of that size is allocated only where it is the object's extent in
     the version's manifest (``extents``: digest -> end of the last byte range it references);
-    otherwise a holder's own safetensors header must say the same size first (:meth:`_Fetch.sized`),
-    so a wrong or hostile size allocates nothing. ``server``: this process's
+    otherwise the object's own safetensors header must say the same size first (read by its
+    relay, :meth:`Relay.run`), so a wrong or hostile size allocates nothing. ``server``: this process's
     peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
     the same version read it from here: a swarm) and each object once verified. ``report`` (the
     checkout's) gets the objects delivered intact (``from_peers``), bytes per peer and rejections;
@@ -179,7 +175,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     end, is *relayed* (:class:`~paramstore.relay.Relay`: blocks verified one by one against them, read from the
     nearest fetcher ahead in a chain, and served on once verified); so is an object whose own
     header lists its piece digests (patch objects: :func:`~paramstore.format.listed_digests`,
-    checked against its name) and any other of at most :data:`~paramstore.relay.BLOCK_BYTES`, as
+    checked against its name; the header itself is relayed too, so hosts fetching it at once
+    read it from the origin once) and any other of at most :data:`~paramstore.relay.BLOCK_BYTES`, as
     one block checked whole against its name (:meth:`Relay.whole`), once its size is believed; a
     larger one (an older patch object, an object the version references only part of) is fetched
     as a whole (:class:`_Fetch`).
@@ -194,19 +191,15 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
         def one(digest: str) -> None:
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
-            placed = False
-            if plan is None:
-                job = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded)
-                if not (extents is not None and extents.get(digest) == size or job.sized()):
-                    return
-                if job.listed is not None:  # its header lists its piece digests (a patch object): relayed by blocks
-                    plan = Relay.plan(digest, size, {digest: job.listed[0]}, {digest: job.listed[1]})
-                if plan is None and size <= BLOCK_BYTES:  # one block, checked whole against its name: relayed too
-                    plan = Relay.whole(size)
-                elif plan is None:  # fetched whole, slice by slice, checked at the end
-                    placed = job.run()
-            if plan is not None:
-                placed = Relay(root, transport, pool, digest, size, server, report, lock, excluded, *plan).run()
+            believed = extents is not None and extents.get(digest) == size  # the version's manifest says so
+            if plan is None and believed and size <= BLOCK_BYTES:  # one block, checked whole against its name
+                plan = Relay.whole(size)
+            placed, whole = False, plan is None and believed
+            if not whole:  # planned, or its own header gives the plan (and says its size first)
+                relay = Relay(root, transport, pool, digest, size, server, report, lock, excluded, plan)
+                placed, whole = relay.run(), relay.unlisted
+            if whole:  # fetched whole, slice by slice, checked at the end
+                placed = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded).run()
             if placed:
                 with lock:
                     report.from_peers.append(digest)
@@ -248,9 +241,6 @@ class _Fetch:
         # A read that timed out may leave slices in flight that write later: the file is then
         # never verified nor published (the object is left to another source).
         self.tainted = False
-        #: What the header :meth:`sized` read lists of the object's bytes, checked against its
-        #: name (:func:`~paramstore.format.listed_digests`), or None: no list (not read, or none).
-        self.listed: tuple[dict[tuple[int, int], str], dict[tuple[int, int], str]] | None = None
 
     def run(self) -> bool:
         slab = self.pool.take(self.size)
@@ -284,62 +274,6 @@ class _Fetch:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slab.path)
         return placed
-
-    def sized(self) -> bool:
-        """Whether a holder's own safetensors header says the object is ``self.size`` bytes long
-        (and, where it lists the object's piece digests, whether they make its name: then kept
-        in :attr:`listed`, so the object can be relayed block by block).
-
-        Reads the header (at most :data:`PROBE_BYTES` first, then the rest its length field names,
-        never more than the size claimed nor the format's 100 MB header cap) from a host holding
-        the object or its first slice, into a small buffer: nothing of the claimed size is
-        allocated before this. A holder whose header says otherwise is not asked again in this
-        fetch and the next one is (one corrupt host does not make the others' copies unusable);
-        where none agrees (a registry record that lies, or is stale) that is warned about and the
-        object is left to other sources.
-        """
-        found = self._holders([self.digest, self.keys[0]])
-        denied = None
-        for peer, addr in found.get(self.digest, []) + found.get(self.keys[0], []):
-            try:
-                if self.size < 8:
-                    raise ValueError("shorter than a safetensors header")
-                head = self._head(peer, addr, min(self.size, PROBE_BYTES))
-                (length,) = struct.unpack_from("<Q", head)
-                if len(head) < 8 + length <= min(self.size, _HEADER_CAP):
-                    head = self._head(peer, addr, 8 + length)
-                self.listed = listed_digests(head, self.size, self.digest)
-                return True
-            except TransferError:
-                with self.lock:
-                    self.bad.add(peer.id)
-            except ValueError as e:
-                with self.lock:
-                    self.bad.add(peer.id)
-                denied = denied or (peer, e)
-                if self.size < 8:
-                    break
-        if denied is not None:
-            warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
-                          f"its holder {denied[0].session} serves does not agree with that size or the object's name "
-                          f"({denied[1]}), and no holder asked agrees: not fetched from peers", RuntimeWarning,
-                          stacklevel=2)
-            with self.lock:
-                self.report.rejected["size"] += 1
-        return False
-
-    def _head(self, peer: Peer, addr: int, nbytes: int) -> bytes:
-        """The first ``nbytes`` of the object a peer serves at ``addr``, read into a fresh buffer
-        (counted in the report's ``bytes_from``: they crossed the wire too)."""
-        view = memoryview(bytearray(nbytes))
-        local = self.transport.register(view)
-        try:
-            self.transport.read(peer.session, [(local, addr, nbytes)])
-        finally:
-            retire(self.transport, local, lambda: None)  # a late write still lands in live memory
-        with self.lock:
-            self.report.bytes_from[peer.session] += nbytes
-        return bytes(view)
 
     def _hashed(self) -> str:
         wait(self.hashing)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Container, Mapping
 import blake3
 
 from .errors import ParamStoreError, TransferError
-from .format import PIECE_SIZE, object_digest, piece_digest, rehash, tensor_spans
+from .format import PIECE_SIZE, header_layout, listed_digests, object_digest, piece_digest, rehash, tensor_spans
 from .reports import FetchReport
 from .retire import RETIRE_AFTER_S, later, retire
 from .root import StoreRoot
@@ -59,6 +59,9 @@ MIN_BLOCK_BYTES = 1 << 20
 #: The "piece digest" of a block that is a whole object (:meth:`Relay.whole`), checked by its
 #: name: not hex, so no digest a manifest holds (each checked as 64 hex digits) is ever taken for it.
 WHOLE = "<the whole object>"
+#: Bytes of an object's header at most: the format's cap (:func:`paramstore.format.read_header`)
+#: and its length field.
+HEADER_CAP = 8 + 100_000_000
 #: Blocks of one object read at once (each its own transport read, verified as soon as it lands).
 RELAY_INFLIGHT = 4
 #: Missing blocks looked up per registry round.
@@ -228,12 +231,13 @@ class Relay:
 
     @staticmethod
     def plan(digest: str, size: int, spans: Mapping[str, Mapping[tuple[int, int], str]] | None,
-             pieces: Mapping[str, Mapping[tuple[int, int], str]] | None) -> _Plan | None:
+             pieces: Mapping[str, Mapping[tuple[int, int], str]] | None, header_alone: bool = False) -> _Plan | None:
         """``(data start, blocks, tensor spans)`` if the tensors ``spans`` lists for ``digest`` (a
         manifest's, a derived record's, or the object's own header's: :func:`~paramstore.format.listed_digests`)
         tile the object's data up to ``size`` (every byte but the header has a piece digest), else None.
         A block: ``(begin, end, units)``, a unit ``(begin, end, piece digest)`` (None: the header);
-        units are grouped up to :func:`relay_block_bytes` of the object."""
+        units are grouped up to :func:`relay_block_bytes` of the object; ``header_alone``: the
+        header is a block of its own (a plan its header gave: :meth:`run`)."""
         sp = spans.get(digest) if spans is not None else None
         pc = pieces.get(digest) if pieces is not None else None
         if not sp or not pc:
@@ -259,8 +263,8 @@ class Relay:
             return None
         most = relay_block_bytes(size)
         blocks: list[_Block] = []
-        for u in units:
-            if blocks and blocks[-1][1] - blocks[-1][0] + u[1] - u[0] <= most:
+        for k, u in enumerate(units):
+            if blocks and (k > 1 or not header_alone) and blocks[-1][1] - blocks[-1][0] + u[1] - u[0] <= most:
                 blocks[-1] = (blocks[-1][0], u[1], blocks[-1][2] + [u])
             else:
                 blocks.append((u[0], u[1], [u]))
@@ -275,14 +279,19 @@ class Relay:
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
                  server: PeerServer | None, report: FetchReport, lock: threading.Lock, excluded: set[str],
-                 start: int, blocks: list[_Block],
-                 spans: Mapping[tuple[int, int], str]) -> None:
+                 plan: _Plan | None) -> None:
         self.root, self.transport, self.pool, self.digest, self.size = root, transport, pool, digest, size
         self.server, self.report, self.lock, self.excluded = server, report, lock, excluded
-        self.start, self.blocks, self.spans = start, blocks, spans
-        self.block_bytes = max(e - b for b, e, _ in blocks)  # the plan's largest block
+        self.start, self.blocks, self.spans = plan if plan is not None else (0, [], {})
+        # the plan's largest block (before a header gives it: what it will be about)
+        self.block_bytes = max((e - b for b, e, _ in self.blocks), default=relay_block_bytes(size))
         self.me = server.peer.id if server is not None else None
-        self.fetch_key = _fetch_key(digest)
+        # relays of a plan the header gives (their own key: every block boundary must agree along a chain)
+        self.fetch_key = _fetch_key(digest, own=plan is None)
+        #: True once the object's header (read by :meth:`run`, for want of a plan) agrees with its
+        #: size and name but lists no piece digests and the object is over a block: it is not
+        #: relayed; the caller reads it whole (:class:`paramstore.peer._Fetch`).
+        self.unlisted = False
         # its place among the fetchers (the registry's position); a host that does not serve
         # relays nothing: it has none, and goes last (reads from the chain's tail)
         self.position: int | None = None
@@ -311,35 +320,58 @@ class Relay:
         self.tainted = False  # a read timed out: a late write may still land; nothing here is trusted
 
     def run(self) -> bool:
-        # None ready: a slab made now is reserved and faulted on a thread of its own, just ahead of
-        # the blocks that arrive, not before the first read (256 MiB: 0.13 s on the hot path).
-        slab = self.pool.take(self.size, reserve=False)
-        self.space = _Space(slab)
-        try:
-            self.addr = self.transport.register(slab.map)
-        except BaseException:
-            self.space.close()
-            slab.discard()
-            raise
-        self.buf = memoryview(slab.map)
+        """Fetch the object; True once every block is verified and the object is in the local tier.
+
+        Without a plan the object's own header gives it (a patch object lists its piece digests:
+        :func:`~paramstore.format.listed_digests`), read first (:meth:`_header`) from the fetcher
+        ahead that verified it, else from a holder of the whole object: so that of hosts
+        fetching it at once only the first reads it from the origin, and nothing of the size the
+        registry claims is allocated before a header agrees with it."""
         # progress: (slab address, blocks verified from the first on), read by the hosts behind
-        # this one straight through the transport; scratch: where this host reads others' into
+        # this one straight through the transport, (0, 0) until its slab is ready; scratch: where
+        # this host reads others' into
         self.progress = memoryview(bytearray(16))
         self.scratch = memoryview(bytearray(16))
         self.paddr = self.transport.register(self.progress)
         self.saddr = self.transport.register(self.scratch)
-        struct.pack_into("<QQ", self.progress, 0, self.addr, 0)
+        slab: Slab | None = None
         placed = False
         try:
+            if self.me is not None:  # its place among the fetchers, given by the registry with the announcement
+                self.position = self.root.registry.announce_in_order(self.me, self.fetch_key, self.paddr)
+                self.announced.append(self.fetch_key)
+            head = b"" if self.blocks else self._header()
+            if not self.blocks:
+                return False  # no header agreed, or it lists no digests (:attr:`unlisted`)
+            # None ready: a slab made now is reserved and faulted on a thread of its own, just ahead
+            # of the blocks that arrive, not before the first read (256 MiB: 0.13 s on the hot path).
+            slab = self.pool.take(self.size, reserve=False)
+            self.space = _Space(slab)
+            try:
+                self.addr = self.transport.register(slab.map)
+            except BaseException:
+                self.space.close()
+                slab.discard()
+                slab = None
+                raise
+            self.buf = memoryview(slab.map)
+            if head and self.blocks[0][2][0][2] is None:  # the header, verified, is block 0
+                if not self.space.wait(self.start):
+                    raise self.space.error  # type: ignore[misc]
+                self.buf[:self.start] = head[:self.start]
+                self.done.add(0)
+            struct.pack_into("<QQ", self.progress, 0, self.addr, len(self.done))
             with ThreadPoolExecutor(RELAY_INFLIGHT, thread_name_prefix="paramstore-relay") as readers:
                 placed = self._relay(readers)
             placed = placed and not self.tainted and len(self.done) == len(self.blocks)
             if self.space.error is not None and not placed:
                 raise self.space.error  # the local tier is full: the checkout says so
         finally:
-            self.space.close()
-            self.buf.release()
+            if slab is not None:
+                self.space.close()
+                self.buf.release()
             if placed:
+                assert slab is not None
                 self.root.tier.put(self.digest, slab.path, move=True)  # the mapping stays: same pages
                 if self.server is not None:
                     self.server.serve([self.digest])
@@ -348,12 +380,89 @@ class Relay:
                 if self.announced:
                     with contextlib.suppress(ParamStoreError, OSError):
                         self.root.registry.withdraw_objects(self.me, self.announced)  # type: ignore[arg-type]
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(slab.path)
-                retire(self.transport, self.addr, slab.close, RELAY_RETIRE_S)
+                if slab is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(slab.path)
+                    retire(self.transport, self.addr, slab.close, RELAY_RETIRE_S)
                 retire(self.transport, self.paddr, lambda: None, RELAY_RETIRE_S)
             retire(self.transport, self.saddr, lambda: None)
         return placed
+
+    def _header(self) -> bytes:
+        """The object's header, from the nearest fetcher ahead that verified it (its progress
+        word's mark: block 0, the header alone) or a holder of the whole object, checked against
+        the object's size and name; sets the plan it gives (its piece digests; one block checked
+        whole for an object of at most a block that lists none; none, and :attr:`unlisted`, for a
+        larger one). A peer whose header lists digests that do not make the name is blamed; one
+        whose header disagrees with the size (or is malformed) is not asked again, and when no
+        peer's agrees that is warned about and counted (``rejected["size"]``): the registry's
+        record is wrong, or stale. b"" when none agrees."""
+        denied: tuple[Peer, ValueError] | None = None
+        misses = 0
+        while True:
+            picks, _ = self._choose([0], 1)
+            if picks is None:  # the fetcher ahead has not verified the header yet
+                time.sleep(min(0.01, 0.0005 * (1 << min(misses, 8))))
+                misses += 1
+                continue
+            if not picks:
+                break
+            peer, _, base = picks[0]
+            try:
+                head = self._read_header(peer, base)
+                start, _, _ = header_layout(memoryview(head), self.size)
+            except TransferError:
+                with self.cond:
+                    self.bad.add(peer.id)
+                    self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
+                self.bad_at = time.monotonic()
+                continue
+            except ValueError as e:  # not this object's size, or no header at all
+                with self.cond:
+                    self.bad.add(peer.id)
+                self.bad_at = time.monotonic()
+                denied = denied or (peer, e)
+                continue
+            try:
+                listed = listed_digests(head, self.size, self.digest)
+            except ValueError as e:
+                self._blame(peer, f"its header ({e})")
+                continue
+            if listed is not None:
+                plan = Relay.plan(self.digest, self.size, {self.digest: listed[0]}, {self.digest: listed[1]},
+                                  header_alone=True)
+            else:
+                plan = Relay.whole(self.size) if self.size <= BLOCK_BYTES else None
+                self.unlisted = plan is None
+            if plan is not None:
+                self.start, self.blocks, self.spans = plan
+                self.block_bytes = max(e - b for b, e, _ in self.blocks)
+            return head
+        if denied is not None:
+            warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
+                          f"its holder {denied[0].session} serves does not agree with that size ({denied[1]}), and "
+                          "no peer asked serves one that does: not fetched from peers", RuntimeWarning, stacklevel=3)
+            with self.lock:
+                self.report.rejected["size"] += 1
+        return b""
+
+    def _read_header(self, peer: Peer, base: int) -> bytes:
+        """The header of the object ``peer`` serves at ``base``: its length field, then the rest
+        (never more than the size claimed nor the format's cap), each read into memory of its
+        own (counted in the report: they crossed the wire too)."""
+        self.transport.read(peer.session, [(self.saddr, base, 8)])
+        (length,) = struct.unpack_from("<Q", self.scratch, 0)
+        if not 8 < 8 + length <= min(self.size, HEADER_CAP):
+            raise ValueError(f"its header's length field says {length} bytes")
+        view = memoryview(bytearray(8 + length))
+        local = self.transport.register(view)
+        try:
+            self.transport.read(peer.session, [(local, base, 8 + length)])
+        finally:
+            retire(self.transport, local, lambda: None)  # a late write still lands in live memory
+        with self.lock:
+            self.report.bytes_from[peer.session] += 16 + length
+        return bytes(view)
 
     def _linger(self, close: Callable[[], None]) -> None:
         """Keep this fetch's announcements for :data:`LINGER_S`, then withdraw them and retire the slab."""
@@ -375,9 +484,6 @@ class Relay:
         order (a block that arrives whole sooner is served on sooner; two at once would both land
         late), the next one's read starting while the last one is verified; alone, from a whole
         holder, one more block at once per block landed (up to :data:`RELAY_INFLIGHT`)."""
-        if self.me is not None:  # its place, given by the registry with the announcement, once the slab is ready
-            self.position = self.root.registry.announce_in_order(self.me, self.fetch_key, self.paddr)
-            self.announced.append(self.fetch_key)
         futures: list[Future[None]] = []
         crowd = True  # until the registry says otherwise: one read at a time
         misses = 0  # looks at the upstream's mark in a row that found no new block
@@ -464,8 +570,9 @@ class Relay:
         return max(self.end, self._place() + 1)
 
     def _fanout(self) -> int:
-        """The tree's fan-out for the fetchers seen (:func:`relay_fanout`)."""
-        return relay_fanout(self._fetchers(), len(self.blocks))
+        """The tree's fan-out for the fetchers seen (:func:`relay_fanout`; before a header gives
+        the plan, for the blocks it will have about)."""
+        return relay_fanout(self._fetchers(), len(self.blocks) or 1 + -(-self.size // self.block_bytes))
 
     def _choose(self, window: list[int], room: int) -> tuple[list[tuple[Peer, int, int]] | None, bool]:
         """What to read next: ``(peer, block, address of the object's first byte there)``; None to
@@ -727,7 +834,10 @@ def blame(fetch: "_Fetch | Relay", peer: Peer, what: str) -> None:
                   "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=3)
 
 
-def _fetch_key(digest: str) -> str:
+def _fetch_key(digest: str, own: bool = False) -> str:
     """The key a host fetching object ``digest`` announces at its progress word's address, with its
-    position among the object's fetchers (:meth:`Registry.announce_in_order`)."""
-    return blake3.blake3(b"paramstore/fetch/v1\0" + bytes.fromhex(digest)).hexdigest()
+    position among the object's fetchers (:meth:`Registry.announce_in_order`); ``own``: a relay
+    whose plan the object's header gives (block 0 is the header alone), kept apart from relays
+    of a plan a manifest or record gives, whose blocks may be cut elsewhere."""
+    tag = b"paramstore/fetch-own/v1\0" if own else b"paramstore/fetch/v1\0"
+    return blake3.blake3(tag + bytes.fromhex(digest)).hexdigest()

@@ -54,7 +54,7 @@ def test_a_host_reads_what_another_derived_from_it_instead_of_deriving(redis_url
     # what moved (from the maker, the only peer): the committed object and the derived one, once each
     assert got["derived_bytes"] > 0 and got["from_peers"] == 1, got
     # Both relayed by their digests (the manifest's; the record's outputs, with piece digests), so
-    # neither had its header probed first (one read whole would have: peer.PROBE_BYTES more)
+    # neither had its header read first (a relay whose plan its header gives reads it first: ~its length more)
     want = got["committed_bytes"] + got["derived_bytes"]
     assert sum(got["bytes_from"].values()) == want, got
 
