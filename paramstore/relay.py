@@ -3,10 +3,11 @@ verified before it is passed on. No torch.
 
 :func:`paramstore.peer.fetch` relays every object a version's manifest covers end to end
 (:meth:`Relay.plan`), and the others whose piece digests something lists (a patch object's own
-header, a derived object's record). The object is cut into *blocks* (its header, then its pieces, grouped up to
-:data:`BLOCK_BYTES`); each is checked alone the moment it lands (pieces against the manifest's piece
-digests, the header against the object's name) and only then counted in this host's *progress
-word*, which the hosts behind it read straight from here. Fetchers of one object are ordered by the
+header, read first and relayed as a block of its own; a derived object's record). The object is cut
+into *blocks* (its header, then its pieces, grouped up to :data:`BLOCK_BYTES`); each is checked
+alone the moment it lands (pieces against their piece digests, the header against the object's
+name) and only then counted in this host's *progress word*, which the hosts behind it read
+straight from here. Fetchers of one object are ordered by the
 registry (:meth:`~paramstore.backends.registries.base.Registry.announce_in_order`) into a chain or
 a tree (:func:`relay_fanout`: whichever reaches the last one first); each reads from its parent, the first from a
 holder of the whole object. A dead or stalled upstream is passed over and the fetch goes on from
@@ -59,6 +60,9 @@ MIN_BLOCK_BYTES = 1 << 20
 #: The "piece digest" of a block that is a whole object (:meth:`Relay.whole`), checked by its
 #: name: not hex, so no digest a manifest holds (each checked as 64 hex digits) is ever taken for it.
 WHOLE = "<the whole object>"
+#: A progress word's mark once its relay ended without the object (:meth:`Relay.run`): the hosts
+#: behind it pass over it at once instead of waiting for a registry lookup to miss it.
+GONE = (1 << 64) - 1
 #: Bytes of an object's header at most: the format's cap (:func:`paramstore.format.read_header`)
 #: and its length field.
 HEADER_CAP = 8 + 100_000_000
@@ -78,9 +82,9 @@ HOLDERS_SAMPLE = 16
 #: whose mark does not move and which still answers, before passing over it for this object; one
 #: that does not answer (its progress word cannot be read) is passed over at once.
 STALL_S = 10.0
-#: Reads a peer may fail (a transport error, not bad bytes) before it is not asked again for an
-#: object even when nobody else holds it; after its ``n``-th failure it is asked again only once
-#: no other source is left, and :data:`RETRY_S` × 2^(n-1) seconds later (a relay; a lazy read,
+#: Times a peer whose reads failed (a transport error, not bad bytes) is asked again for an object
+#: when nobody else can serve it: after its ``n``-th failure (the reads in flight to it when it
+#: failed count once), :data:`RETRY_S` × 2^(n-1) seconds later (a relay; a lazy read,
 #: :mod:`paramstore.lazy`, alike where no remote is open). The transfer engine fails a read that
 #: made no progress for 1 s (``MC_TCP_PROGRESS_TIMEOUT_SEC``), so a holder that is only stalled
 #: for a moment (a loss burst, a busy host) is not given up for good.
@@ -210,8 +214,9 @@ class Relay:
     and a block that fails names exactly the peer that served it.
 
     *Plan: a chain, or a tree, in order of arrival.* Each fetcher announces the object's fetch key
-    at the address of its *progress word* (16 registered bytes: its slab's address and how many
-    blocks, from the first on, it verified) and gets its *position* with it
+    at the address of its *progress word* (16 registered bytes: its slab's address, 0 until it has
+    one, and how many blocks, from the first on, it verified; :data:`GONE` once it ended without
+    the object) and gets its *position* with it
     (:meth:`Registry.announce_in_order`: the order of arrival every host sees alike); by position
     the fetchers form a tree of fan-out :func:`relay_fanout` (1: a chain, where the object has
     many blocks next to its fetchers): the ``i``-th reads from the ``(i - 1) // f``-th
@@ -286,8 +291,8 @@ class Relay:
         # the plan's largest block (before a header gives it: what it will be about)
         self.block_bytes = max((e - b for b, e, _ in self.blocks), default=relay_block_bytes(size))
         self.me = server.peer.id if server is not None else None
-        # relays of a plan the header gives (their own key: every block boundary must agree along a chain)
-        self.fetch_key = _fetch_key(digest, own=plan is None)
+        # fetchers of one key follow each other: every block boundary must agree along a chain
+        self.fetch_key = _fetch_key(digest, self.blocks if plan is not None else None)
         #: True once the object's header (read by :meth:`run`, for want of a plan) agrees with its
         #: size and name but lists no piece digests and the object is over a block: it is not
         #: relayed; the caller reads it whole (:class:`paramstore.peer._Fetch`).
@@ -360,7 +365,8 @@ class Relay:
                     raise self.space.error  # type: ignore[misc]
                 self.buf[:self.start] = head[:self.start]
                 self.done.add(0)
-            struct.pack_into("<QQ", self.progress, 0, self.addr, len(self.done))
+            struct.pack_into("<Q", self.progress, 0, self.addr)  # the address first: never (0, mark > 0)
+            struct.pack_into("<Q", self.progress, 8, len(self.done))
             with ThreadPoolExecutor(RELAY_INFLIGHT, thread_name_prefix="paramstore-relay") as readers:
                 placed = self._relay(readers)
             placed = placed and not self.tainted and len(self.done) == len(self.blocks)
@@ -377,6 +383,7 @@ class Relay:
                     self.server.serve([self.digest])
                 self._linger(slab.close)
             else:
+                struct.pack_into("<Q", self.progress, 8, GONE)  # the hosts behind pass over it at once
                 if self.announced:
                     with contextlib.suppress(ParamStoreError, OSError):
                         self.root.registry.withdraw_objects(self.me, self.announced)  # type: ignore[arg-type]
@@ -410,12 +417,11 @@ class Relay:
             peer, _, base = picks[0]
             try:
                 head = self._read_header(peer, base)
-                start, _, _ = header_layout(memoryview(head), self.size)
-            except TransferError:
-                with self.cond:
-                    self.bad.add(peer.id)
-                    self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
-                self.bad_at = time.monotonic()
+                header_layout(memoryview(head), self.size)
+            except TransferError as err:
+                self._read_failed(peer, err)
+                if self.tainted:
+                    break
                 continue
             except ValueError as e:  # not this object's size, or no header at all
                 with self.cond:
@@ -428,10 +434,9 @@ class Relay:
             except ValueError as e:
                 self._blame(peer, f"its header ({e})")
                 continue
-            if listed is not None:
-                plan = Relay.plan(self.digest, self.size, {self.digest: listed[0]}, {self.digest: listed[1]},
-                                  header_alone=True)
-            else:
+            plan = None if listed is None else Relay.plan(self.digest, self.size, {self.digest: listed[0]},
+                                                          {self.digest: listed[1]}, header_alone=True)
+            if plan is None:  # no digests listed (or none that tile it): one block checked whole, or read whole
                 plan = Relay.whole(self.size) if self.size <= BLOCK_BYTES else None
                 self.unlisted = plan is None
             if plan is not None:
@@ -448,20 +453,23 @@ class Relay:
 
     def _read_header(self, peer: Peer, base: int) -> bytes:
         """The header of the object ``peer`` serves at ``base``: its length field, then the rest
-        (never more than the size claimed nor the format's cap), each read into memory of its
-        own (counted in the report: they crossed the wire too)."""
-        self.transport.read(peer.session, [(self.saddr, base, 8)])
-        (length,) = struct.unpack_from("<Q", self.scratch, 0)
+        (never more than the size claimed nor the format's cap)."""
+        (length,) = struct.unpack("<Q", self._read_small(peer, base, 8))
         if not 8 < 8 + length <= min(self.size, HEADER_CAP):
             raise ValueError(f"its header's length field says {length} bytes")
-        view = memoryview(bytearray(8 + length))
+        return self._read_small(peer, base, 8 + length)
+
+    def _read_small(self, peer: Peer, remote: int, nbytes: int) -> bytes:
+        """``nbytes`` from ``remote`` at ``peer``, read into memory of their own (a read that timed
+        out may still write there later), counted in the report (they crossed the wire too)."""
+        view = memoryview(bytearray(nbytes))
         local = self.transport.register(view)
         try:
-            self.transport.read(peer.session, [(local, base, 8 + length)])
+            self.transport.read(peer.session, [(local, remote, nbytes)])
         finally:
             retire(self.transport, local, lambda: None)  # a late write still lands in live memory
         with self.lock:
-            self.report.bytes_from[peer.session] += 16 + length
+            self.report.bytes_from[peer.session] += nbytes
         return bytes(view)
 
     def _linger(self, close: Callable[[], None]) -> None:
@@ -579,7 +587,8 @@ class Relay:
         wait for the upstream; empty if nobody can serve the window. And whether others fetch it."""
         ahead = self._lookup()
         skip = self.bad | self.excluded
-        if not any(p.id not in skip for p, _ in ahead.values()):
+        backoff = time.monotonic() < self.retry_at  # nobody to ask but peers that failed reads, not yet
+        if not backoff and not any(p.id not in skip for p, _ in ahead.values()):
             ahead = self._lookup(fresh=True)  # nobody (usable) ahead, as last seen: ask again before the origin
         crowd = self._fetchers() > 1  # others fetch it
         fanout = self._fanout()
@@ -591,6 +600,9 @@ class Relay:
             try:  # its progress word, straight from it: (slab address, blocks verified from the first)
                 self.transport.read(up.session, [(self.saddr, word, 16)])
                 base, mark = struct.unpack_from("<QQ", self.scratch, 0)
+                if mark == GONE:
+                    raise TransferError("its relay ended without the object")
+                mark = mark if base else 0  # no slab yet
             except TransferError:
                 log.debug("relay %s: upstream %s does not answer: passed over", self.digest[:12], up.session)
                 self._put_aside(up, q)  # dead or leaving: the next one up
@@ -610,7 +622,7 @@ class Relay:
                       self.digest[:12], up.session, mark, now - self.waiting[1])
             self._put_aside(up, q)  # it answers but makes no progress: the next one up
         whole = [(p, a) for p, a in self.whole if p.id not in skip]
-        if not whole and time.monotonic() < self.retry_at:
+        if not whole and backoff:
             return None, crowd  # a back-off (:meth:`_retry`) is not over
         if not whole or time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
             self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
@@ -618,14 +630,13 @@ class Relay:
             whole = self.whole
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
         if not whole:
-            again = self._retry()
-            if not again:  # nobody left at all (False), or wait for a back-off (None)
-                return (None if again is None else []), crowd
+            if not self._retry():
+                return [], crowd  # nobody left to ask
             self.whole = holders_of(self.root.registry, [self.digest], self.me, self.bad | self.excluded).get(self.digest, [])
             self.whole_at = time.monotonic()
             whole = self.whole
             if not whole:
-                return [], crowd
+                return None, crowd  # those asked again hold nothing; others' back-off is not over
         known = [w for w in whole if w[0].id in _RELAYERS]
         out = []
         for i in window[:room]:
@@ -637,27 +648,41 @@ class Relay:
                       self._place(), self.end, len(skip))
         return out, crowd
 
-    def _retry(self) -> bool | None:
+    def _retry(self) -> bool:
         """Nobody usable holds the object: the peers put aside that failed reads (not those caught
-        serving bad bytes), at most :data:`PEER_RETRIES` failed reads each, may be asked again
-        once their back-off is over. True: some are (taken out of :attr:`bad`: look the holders
-        up again); None: one will be, at :attr:`retry_at` (wait); False: none is left to ask."""
+        serving bad bytes, nor fetchers ahead passed over: :meth:`_put_aside`) are asked again, each at most :data:`PEER_RETRIES` times, once its
+        back-off is over (those due are taken out of :attr:`bad`; :attr:`retry_at`: when the next
+        one is due). False once none is left to ask, now or later."""
         now = time.monotonic()
         with self.cond:
             left = {p: RETRY_S * 2 ** (n - 1) - (now - at) for p, (n, at) in self.failed.items()
                     if n <= PEER_RETRIES and p in self.bad and p not in self.excluded}
             due = [p for p, wait in left.items() if wait <= 0]
             self.bad.difference_update(due)
-            self.retry_at = now + min(left.values(), default=0.0)
+            later_ = [wait for wait in left.values() if wait > 0]
+            self.retry_at = now + min(later_) if later_ else 0.0
         if due:
             log.debug("relay %s: nobody else holds it: asking %d peer(s) that failed a read again",
                       self.digest[:12], len(due))
-            return True
-        return None if left else False
+        return bool(left)
+
+    def _read_failed(self, peer: Peer, err: TransferError) -> None:
+        """A read from ``peer`` failed: it is put aside for this object, a failure counted (once
+        for the reads in flight to it then: they fail together) for :meth:`_retry`. A read that
+        timed out may still write later: nothing here is trusted then (:attr:`tainted`)."""
+        with self.cond:
+            if peer.id not in self.bad:
+                self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
+            self.bad.add(peer.id)
+            self.tainted = self.tainted or err.code == -2
+        self.bad_at = time.monotonic()
 
     def _put_aside(self, peer: Peer, position: int) -> None:
+        """Pass over the fetcher ahead at ``position`` for this object (dead, stalled or ended): not
+        asked again, not even by :meth:`_retry`."""
         with self.cond:
             self.bad.add(peer.id)
+            self.failed.pop(peer.id, None)
             self.gone.add(position)
         self.bad_at = time.monotonic()
         self.waiting = None
@@ -676,11 +701,7 @@ class Relay:
                 if _TEST_DELAY_S:
                     time.sleep(_TEST_DELAY_S)  # a slow link
             except TransferError as err:
-                with self.cond:
-                    self.bad.add(peer.id)
-                    self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
-                    self.tainted = self.tainted or err.code == -2
-                self.bad_at = time.monotonic()
+                self._read_failed(peer, err)
                 return
             finally:
                 with self.cond:
@@ -834,10 +855,13 @@ def blame(fetch: "_Fetch | Relay", peer: Peer, what: str) -> None:
                   "verification: it is asked nothing more in this fetch", RuntimeWarning, stacklevel=3)
 
 
-def _fetch_key(digest: str, own: bool = False) -> str:
+def _fetch_key(digest: str, blocks: list[_Block] | None) -> str:
     """The key a host fetching object ``digest`` announces at its progress word's address, with its
-    position among the object's fetchers (:meth:`Registry.announce_in_order`); ``own``: a relay
-    whose plan the object's header gives (block 0 is the header alone), kept apart from relays
-    of a plan a manifest or record gives, whose blocks may be cut elsewhere."""
-    tag = b"paramstore/fetch-own/v1\0" if own else b"paramstore/fetch/v1\0"
-    return blake3.blake3(tag + bytes.fromhex(digest)).hexdigest()
+    position among the object's fetchers (:meth:`Registry.announce_in_order`): it names the plan's
+    block boundaries too, so only fetchers that cut the object alike follow each other (a block
+    count read from one means the same bytes to the other). ``blocks`` None: a relay whose plan
+    the object's header gives (:meth:`Relay.run`), announced before it has read it; such plans
+    all cut the header alone, then the pieces the header lists."""
+    h = blake3.blake3(b"paramstore/fetch/v2\0" + bytes.fromhex(digest))
+    h.update(b"header" if blocks is None else struct.pack(f"<{2 * len(blocks)}Q", *(x for b, e, _ in blocks for x in (b, e))))
+    return h.hexdigest()

@@ -438,3 +438,62 @@ def test_five_hosts_relay_along_a_binary_tree(hosts, monkeypatch):
     for child, parent in ((1, 0), (2, 0), (3, 1), (4, 1)):
         assert frm[child].get(rollouts[parent].session, 0) > 0.9, (child, parent, frm[child])
     assert frm[2].get(rollouts[1].session, 0) < 0.1 and frm[4].get(rollouts[3].session, 0) < 0.1, frm
+
+
+# -- a plan from the object's own header; reads that fail (no processes) -------------------------
+def test_a_plan_its_header_gives_has_the_header_as_a_block_of_its_own():
+    """A relay that reads the header first (a patch object) has it verified, alone, before any
+    other block: its plan cuts the header apart, where a manifest's groups it with the first
+    pieces; and its fetch key names the cut, so hosts cutting an object otherwise never follow
+    each other (a block count read from one would mean other bytes to the other)."""
+    from paramstore.relay import Relay, _fetch_key
+
+    d = "e" * 64
+    spans = {(100, 1100): "a" * 64, (1100, 1200): "b" * 64}
+    pieces = {(100, 1100): "c" * 64, (1100, 1200): "d" * 64}
+    grouped = Relay.plan(d, 1200, {d: spans}, {d: pieces})
+    alone = Relay.plan(d, 1200, {d: spans}, {d: pieces}, header_alone=True)
+    assert grouped is not None and alone is not None
+    assert [(b, e) for b, e, _ in grouped[1]] == [(0, 1200)]
+    assert [(b, e) for b, e, _ in alone[1]] == [(0, 100), (100, 1200)] and alone[1][0][2] == [(0, 100, None)]
+    keys = {_fetch_key(d, grouped[1]), _fetch_key(d, alone[1]), _fetch_key(d, None)}
+    assert len(keys) == 3
+    # the same cut, however each block is checked (by its pieces, or whole against the name): one key
+    assert _fetch_key(d, Relay.whole(1200)[1]) == _fetch_key(d, grouped[1])
+
+
+def test_a_holder_that_failed_reads_is_asked_again_after_a_back_off_a_few_times(monkeypatch):
+    """The reads in flight to a holder that stalls fail together: one failure. With nobody else
+    to ask it is asked again after RETRY_S, then 2x, 4x: PEER_RETRIES times, then given up. A
+    peer caught serving bad bytes, or a fetcher ahead passed over, is never asked again."""
+    import threading
+
+    import paramstore.relay as relay
+    from paramstore.backends.registries.base import Peer
+    from paramstore.errors import TransferError
+    from paramstore.reports import FetchReport
+
+    now = [100.0]
+    monkeypatch.setattr(relay.time, "monotonic", lambda: now[0])
+    r = relay.Relay(None, None, None, "e" * 64, 1200, None, FetchReport(1), threading.Lock(), set(),  # type: ignore[arg-type]
+                    relay.Relay.whole(1200))
+    origin, caught, upstream = (Peer(n, f"{n}:1", "h", 1, 0.0) for n in ("origin", "caught", "up"))
+    for p in (origin, caught, upstream):
+        r._read_failed(p, TransferError("stalled", code=-1))
+    for _ in range(3):  # the other reads that were in flight to it
+        r._read_failed(origin, TransferError("stalled", code=-1))
+    r.excluded.add(caught.id)
+    r._put_aside(upstream, 1)
+    assert r.failed == {"origin": (1, 100.0), "caught": (1, 100.0)} and not r.tainted
+    waits = []
+    for n in range(1, relay.PEER_RETRIES + 1):
+        assert r._retry() and "origin" in r.bad  # backing off
+        waits.append(r.retry_at - now[0])
+        now[0] = r.retry_at
+        assert r._retry() and "origin" not in r.bad  # asked again
+        r._read_failed(origin, TransferError("stalled", code=-1))
+        assert r.failed["origin"][0] == n + 1
+    assert waits == [relay.RETRY_S * 2 ** k for k in range(relay.PEER_RETRIES)]
+    assert not r._retry() and {"origin", "caught", "up"} <= r.bad  # given up
+    r._read_failed(origin, TransferError("timed out", code=-2))
+    assert r.tainted  # a read that timed out may still write: nothing here is trusted

@@ -55,8 +55,8 @@ DEFAULT_WINDOW = 4
 # The engine's deadline slides with every completion that moves bytes: 1 s without one is a
 # stopped peer (or a burst of losses: TCP's back-off 0.2 + 0.4 + 0.8 s), which a relay passes over
 # (a holder nobody else replaces is asked again after a back-off: paramstore.relay.PEER_RETRIES).
-# 5 s before: a hung relay host cost the hosts behind it 5.97 s at 100 Mbit/s; 1 s: 2.07 s
-# (tools/bench_churn.py, docs/benchmarks.md).
+# At 5 s a hung relay host cost the hosts behind it +5.97 s at 100 Mbit/s, at 1 s +1.91 s
+# (tools/bench_churn.py; docs/benchmarks.md, its block and the prose under it).
 _ENV_DEFAULTS = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
 # glog severities (FLAGS_minloglevel): 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL.
 _QUIET_LEVEL, _VERBOSE_LEVEL = 3, 1
