@@ -209,8 +209,8 @@ class LazyReads:
                 "host that holds the version, or open the store with remote=URL")
 
     def _from_peers(self, part: _Partial, pending: list[Piece], why: list[str]) -> tuple[int, list[Piece]]:
-        """One round over the holders of ``part`` (none caught serving bad pieces): how many were
-        asked, and what is still missing."""
+        """One round over the holders of ``part`` (none caught serving bad pieces): how many of
+        those asked may be asked again (not caught in this round either), and what is still missing."""
         found = holders_of(self._root.registry, [part.digest], None).get(part.digest, [])
         if not found:
             return 0, pending
@@ -222,16 +222,17 @@ class LazyReads:
         server = self._server()
         holders = [h for h in found if server is None or h[0].id != server.peer.id]
         random.shuffle(holders)  # readers spread over the holders
-        asked = 0
+        asked = []
         for peer, addr in holders:
             if not pending:
                 break
             with self._lock:
                 if peer.id in self.excluded:
                     continue
-            asked += 1
+            asked.append(peer.id)
             pending = self._from_peer(part, transport, peer, addr, pending, why)
-        return asked, pending
+        with self._lock:
+            return sum(p not in self.excluded for p in asked), pending
 
     def _from_peer(self, part: _Partial, transport: "Transport", peer: object, addr: int, pending: list[Piece],
                    why: list[str]) -> list[Piece]:
