@@ -7,6 +7,7 @@ parsing allocated more than its bound (twice the object it names plus one 2 MiB 
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,19 @@ from hypothesis import strategies as st
 from fuzz_targets import BY_NAME, describe, run_one
 
 EXAMPLES = int(os.environ.get("PARAMSTORE_FUZZ_EXAMPLES", "25"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tracemalloc_stopped_afterwards():
+    """``run_one`` measures under tracemalloc and leaves it tracing (starting it per input would
+    cost more than the inputs): stop it after this module, or every later test in the process
+    runs traced, and a later ``os.fork`` can deadlock the child (CPython 3.11: the child re-creates
+    the runtime's locks through tracemalloc's allocator, whose lock another thread may have held;
+    seen once in ``test_store_identity``, the child stuck in ``_PyThread_at_fork_reinit``)."""
+    was = tracemalloc.is_tracing()
+    yield
+    if not was:
+        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("name", sorted(BY_NAME))
