@@ -625,16 +625,12 @@ class Relay:
         if not whole and backoff:
             return None, crowd  # a back-off (:meth:`_retry`) is not over
         if not whole or time.monotonic() - self.whole_at > RETIRE_AFTER_S / 2:  # whole holders from a fresh answer
-            self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
-            self.whole_at = time.monotonic()
-            whole = self.whole
+            whole = self._find_whole(skip)
         self.relook_s = RELOOK_S  # nobody to follow: once one is, it is looked up again after 1 s
         if not whole:
             if not self._retry():
                 return [], crowd  # nobody left to ask
-            self.whole = holders_of(self.root.registry, [self.digest], self.me, self.bad | self.excluded).get(self.digest, [])
-            self.whole_at = time.monotonic()
-            whole = self.whole
+            whole = self._find_whole(self.bad | self.excluded)
             if not whole:
                 return None, crowd  # those asked again hold nothing; others' back-off is not over
         known = [w for w in whole if w[0].id in _RELAYERS]
@@ -647,6 +643,13 @@ class Relay:
                       self.digest[:12], [i for _, i, _ in out], sorted({p.session for p, _, _ in out}),
                       self._place(), self.end, len(skip))
         return out, crowd
+
+    def _find_whole(self, skip: set[str]) -> list[tuple[Peer, int]]:
+        """Holders of the whole object but those in ``skip``, from a fresh registry answer (kept
+        in :attr:`whole`)."""
+        self.whole = holders_of(self.root.registry, [self.digest], self.me, skip).get(self.digest, [])
+        self.whole_at = time.monotonic()
+        return self.whole
 
     def _retry(self) -> bool:
         """Nobody usable holds the object: the peers put aside that failed reads (not those caught
