@@ -12,8 +12,8 @@
   object's own header, a derived object's record) and any other of at most a block, checked
   whole. The rest (an object over a block that nothing lists the digests of: a patch object
   written before they did, an object a version references only part of) are read whole here
-  (:class:`_Fetch`): slices from every peer that announced the object or the slice, hashed as they
-  arrive, verified whole, with blame found by re-reading (:meth:`_Fetch.recover`). Objects no peer
+  (:class:`_Fetch`): slices from the hosts that hold it, hashed as they arrive, verified whole,
+  with blame found by re-reading (:meth:`_Fetch.recover`). Objects no peer
   could deliver are left for the remote tier. Then the object is announced by this process's
   server, if it runs one.
 
@@ -36,10 +36,10 @@ from typing import Iterable, Mapping
 
 import blake3
 
-from . import liveness
+from . import liveness, relay
 from .errors import ParamStoreError, TransferError
 from .format import ObjectHasher, rehash
-from .relay import BLOCK_BYTES, Relay, blame, holders_of
+from .relay import BLOCK_BYTES, Relay, Retries, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
 from .root import StoreRoot
@@ -54,11 +54,6 @@ __all__ = ["PeerServer", "fetch", "FETCH_CONCURRENCY"]
 FETCH_CONCURRENCY = 4
 
 SLICE_BYTES = 4 << 20  # unit of spreading one object over several peers (a read batches its slices)
-#: Whether a whole-object fetch (:class:`_Fetch`) announces its slices as they arrive, before the
-#: object verified (a swarm of unverified bytes). Off: nothing unverified is served; only objects
-#: over a block that nothing lists the digests of take that path (see :func:`fetch`), each host
-#: reading them from whole holders. It still reads slices that other (older) hosts announce.
-ANNOUNCE_SLICES = False
 
 
 class PeerServer:
@@ -161,8 +156,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     the version's manifest (``extents``: digest -> end of the last byte range it references);
     otherwise the object's own safetensors header must say the same size first (read by its
     relay, :meth:`Relay.run`), so a wrong or hostile size allocates nothing. ``server``: this process's
-    peer server, if it runs one: it then announces each slice as it arrives (other hosts fetching
-    the same version read it from here: a swarm) and each object once verified. ``report`` (the
+    peer server, if it runs one: it then serves what a relay verified as it arrives (other hosts
+    fetching the same version read it from here) and each object once verified. ``report`` (the
     checkout's) gets the objects delivered intact (``from_peers``), bytes per peer and rejections;
     an object no peer delivered intact is simply not in the local tier afterwards. ``excluded``:
     ids of peers not to ask (caught serving bad bytes earlier in the same checkout); a peer caught
@@ -191,6 +186,8 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
         def one(digest: str) -> None:
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
+            if plan is not None and plan[0] > BLOCK_BYTES:  # no header is that long: the version references
+                plan = None  # only the object's last tensors (the relay finds out at block 0 otherwise: IN_PART)
             believed = extents is not None and extents.get(digest) == size  # the version's manifest says so
             if plan is None and believed and size <= BLOCK_BYTES:  # one block, checked whole against its name
                 plan = Relay.whole(size)
@@ -208,16 +205,18 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
 
 
 class _Fetch:
-    """One object: slices from whoever holds them (whole object, or just the slice), verified.
+    """One object read whole from the hosts that hold it, and checked against its name at the end.
 
-    Slices are read in rounds, from the next :data:`BURST_SLICES` missing ones. Those another
-    fetching host already holds are read from it. While other hosts fetch the same object too
-    (they announce its fetch key), a round reads one slice from a host holding the whole object
-    (its origin) only when no fetching host holds any of them, so the origin serves each slice
-    about once; alone, a round reads twice as many as the last one, up to :data:`BURST_SLICES`.
-    Each slice that arrives is hashed at once (:class:`ObjectHasher`), so little hashing is left
-    after the last one. Who served each slice is kept (:attr:`served`): the object's digest says
-    only that some byte is wrong, so blame needs to know whose it was (:meth:`recover`).
+    The path for an object the relay cannot check block by block: over a block, and nothing lists
+    the digests of all its bytes (an object a version references only in part, e.g. frozen tensors
+    deduplicated into an older version's object; a patch object written before patches listed
+    their digests). Nothing of it is served before it verifies. Slices are read in rounds of up to
+    :data:`BURST_SLICES`, each slice from a holder drawn at random, and hashed as they arrive
+    (:class:`ObjectHasher`), so little hashing is left after the last one. A holder whose read
+    fails is put aside; where nobody else holds the object it is asked again after a back-off
+    (:class:`~paramstore.relay.Retries`), as a relay does. Who served each slice is kept
+    (:attr:`served`): the object's digest says only that some byte is wrong, so blame needs to know
+    whose it was (:meth:`recover`).
     """
 
     def __init__(self, root: StoreRoot, transport: Transport, pool: SlabPool, digest: str, size: int,
@@ -227,14 +226,12 @@ class _Fetch:
         self.server, self.report, self.lock, self.hashers = server, report, lock, hashers
         self.me = server.peer.id if server is not None else None
         n = -(-size // SLICE_BYTES)
-        self.keys = [_slice_key(digest, i) for i in range(n)]
-        self.fetch_key = _slice_key(digest, -1)  # announced while this host fetches the object
         start = random.randrange(n)  # hosts fetching at once start on different slices
         self.order = [(start + i) % n for i in range(n)]
-        self.bad: set[str] = set()  # peers that failed this object
+        self.bad: set[str] = set()  # peers put aside for this object (failed reads, or blamed)
+        self.retries = Retries()  # of them, those that only failed reads: asked again after a back-off
         self.excluded = excluded  # peers caught serving bad bytes: asked nothing more in this fetch (shared)
-        # slice -> (peer whose bytes are in the slab there, whether it holds the whole object)
-        self.served: dict[int, tuple[Peer, bool]] = {}
+        self.served: dict[int, Peer] = {}  # slice -> the peer whose bytes are in the slab there
         self.prints: dict[tuple[int, str], tuple[Peer, bytes]] = {}  # (slice, peer id) -> its bytes' hash
         self.culprits: set[str] = set()  # peers blamed for this object (each counted once)
         self.hashing: list[Future[None]] = []
@@ -245,7 +242,6 @@ class _Fetch:
     def run(self) -> bool:
         slab = self.pool.take(self.size)
         placed = False
-        announced: list[str] = []
         try:
             try:
                 self.addr = self.transport.register(slab.map)
@@ -255,16 +251,14 @@ class _Fetch:
             buf = memoryview(slab.map)
             try:
                 self.hasher = ObjectHasher(buf)
-                if self._swarm(announced) and not self.tainted:
+                if self._read_all() and not self.tainted:
                     placed = self._hashed() == self.digest
-                if announced:
-                    self.root.registry.withdraw_objects(self.me, announced)  # type: ignore[arg-type]
                 if not placed:
                     placed = self.recover(buf)
             finally:
                 wait(self.hashing)
                 buf.release()
-                retire(self.transport, self.addr, slab.close)  # its slices were announced: readers may be mid-read
+                retire(self.transport, self.addr, slab.close)
         finally:
             if placed:
                 self.root.tier.put(self.digest, slab.path, move=True)
@@ -283,16 +277,14 @@ class _Fetch:
             return str(e)
 
     def recover(self, buf: memoryview) -> bool:
-        """The mixed read did not verify (or stopped short): find a good copy, and who served bad bytes.
+        """The read did not verify (or stopped short): find a good copy, and who served bad bytes.
 
         When every slice arrived, some peer served wrong bytes, but the object's digest does not say
         whose: each slice is fingerprinted with who served it, then each peer's slices are read again
         from another holder, one peer at a time, until the object verifies (:meth:`_substitute`);
         failing that, it is read whole from one holder at a time. Once a copy verifies, a peer is
         blamed only for a slice whose bytes differ from it (:meth:`_blame_differing`), or for a
-        read it served alone that failed: never an honest one. Before, the object was read again
-        whole from whichever holder the registry named first; a good one first verified it, and the
-        corrupt peer went unblamed and was asked again for the next object.
+        read it served alone that failed: never an honest one.
         """
         wait(self.hashing)  # no hash thread reads the slab while it is overwritten
         if self.tainted:
@@ -308,28 +300,26 @@ class _Fetch:
         return placed
 
     def _substitute(self, buf: memoryview) -> bool:
-        """Read each contributing peer's slices again from another whole-object holder (a peer
-        already caught in this fetch first: the likeliest culprit), one peer at a time, until the
-        object verifies; True once it does.
+        """Read each contributing peer's slices again from another holder (a peer already caught in
+        this fetch first: the likeliest culprit), one peer at a time, until the object verifies;
+        True once it does.
 
         A replacement that does not verify the object is undone (the slices it overwrote were kept
         aside: at most one uncaught peer's share of the object, in memory, only on this path), so each slice
-        is read again once at most: the extra bytes are at most the object's size. Reading it again
-        whole from one holder at a time cost 1 to 2 times its size, and blamed nobody when the
-        holder the registry named first was a good one.
+        is read again once at most: the extra bytes are at most the object's size.
         """
-        peers = list({p.id: p for p, _ in self.served.values()}.values())
+        peers = list({p.id: p for p in self.served.values()}.values())
         random.shuffle(peers)
         peers.sort(key=lambda p: p.id not in self.excluded)
         for peer in peers:
-            mine = [i for i, (p, _) in self.served.items() if p.id == peer.id]
-            others = [h for h in self._holders([self.digest]).get(self.digest, []) if h[0].id != peer.id]
+            mine = [i for i, p in self.served.items() if p.id == peer.id]
+            others = [h for h in self._holders() if h[0].id != peer.id]
             if not mine or not others:
                 continue
             # a peer already caught: its slices are not worth putting back if the replacement fails
             kept = {} if peer.id in self.excluded else {i: (bytes(buf[self._span(i)]), self.served[i]) for i in mine}
             other, addr = random.choice(others)
-            got = self._read({(other, True): [(i, addr + i * SLICE_BYTES) for i in mine]})
+            got = self._read({other: [(i, addr) for i in mine]})
             if self.tainted:
                 return False  # a late write may still land: nothing here can be trusted
             if len(got) == len(mine) and self._verified(buf):
@@ -343,10 +333,10 @@ class _Fetch:
 
     def _one_peer_at_a_time(self, buf: memoryview) -> bool:
         """Read the whole object from one holder at a time; a holder whose copy fails is blamed."""
-        for peer, addr in self._holders([self.digest]).get(self.digest, []):
+        for peer, addr in self._holders():
             if self.tainted:
                 return False
-            if len(self._read({(peer, True): [(i, addr + i * SLICE_BYTES) for i in self.order]})) < len(self.order):
+            if len(self._read({peer: [(i, addr) for i in self.order]})) < len(self.order):
                 continue  # it failed to serve (dead, refused): not a bad copy
             if self.tainted:
                 return False
@@ -369,21 +359,16 @@ class _Fetch:
         return blake3.blake3(buf[self._span(i)], max_threads=1).digest()
 
     def _fingerprint(self, buf: memoryview, slices: Iterable[int]) -> None:
-        """Keep a hash of these slices as served, with who served them, for :meth:`_blame_differing`.
-        A host fetching the object too (it serves slices it has not verified yet) is never blamed:
-        it may only pass on what a bad peer served it."""
+        """Keep a hash of these slices as served, with who served them, for :meth:`_blame_differing`."""
         for i in slices:
-            peer, whole = self.served[i]
-            if whole:
-                self.prints[i, peer.id] = (peer, self._slice(buf, i))
+            peer = self.served[i]
+            self.prints[i, peer.id] = (peer, self._slice(buf, i))
 
     def _convict_sole_server(self) -> None:
-        """If one whole-object holder served every slice now in the slab (which failed), blame it."""
-        servers = {p.id: (p, whole) for p, whole in self.served.values()}
+        """If one holder served every slice now in the slab (which failed), blame it."""
+        servers = {p.id: p for p in self.served.values()}
         if len(self.served) == len(self.order) and len(servers) == 1:
-            peer, whole = next(iter(servers.values()))
-            if whole:
-                self._blame(peer)
+            self._blame(next(iter(servers.values())))
 
     def _blame_differing(self, buf: memoryview) -> None:
         """The slab verified: blame each peer that served some slice with other bytes than these."""
@@ -395,72 +380,72 @@ class _Fetch:
                     self._blame(peer)
 
     def _blame(self, peer: Peer) -> None:
-        blame(self, peer, "bytes")
+        blame(self, peer, "bytes")  # excluded from now on: never asked again, not even after a back-off
 
-    def _holders(self, keys: list[str]) -> dict[str, list[tuple[Peer, int]]]:
-        return holders_of(self.root.registry, keys, self.me, self.bad | self.excluded)
+    def _holders(self) -> list[tuple[Peer, int]]:
+        """Holders of the whole object but this host and those put aside: ``(peer, address)``."""
+        return holders_of(self.root.registry, [self.digest], self.me, self.bad | self.excluded).get(self.digest, [])
 
-    def _swarm(self, announced: list[str]) -> bool:
-        """Read every slice, each from a peer holding it; True once all arrived.
-
-        A plan maps ``(peer, whether it holds the whole object)`` to the slices read from it."""
-        if self.server is not None and ANNOUNCE_SLICES:
-            self._announce({self.fetch_key: 0}, announced)
+    def _read_all(self) -> bool:
+        """Read every slice, each from a holder drawn at random; True once all arrived. With
+        nobody left to ask but holders whose reads failed, waits out their back-off and asks again."""
         pending = list(self.order)
-        burst = 1
         while pending:
-            window = pending[:BURST_SLICES]
-            found = self._holders([self.digest, self.fetch_key] + [self.keys[i] for i in window])
-            crowd = bool(found.get(self.fetch_key))  # other hosts fetch it too
-            whole = found.get(self.digest, [])
-            plan: dict[tuple[Peer, bool], list[tuple[int, int]]] = {}
-            rest = []
-            for i in window:
-                partial = found.get(self.keys[i], [])
-                if partial:
-                    peer = random.choice(partial)
-                    plan.setdefault((peer[0], False), []).append((i, peer[1]))
-                else:
-                    rest.append(i)
-            # from whole-object holders: alone, a growing burst; in a crowd, one slice, and only
-            # when no other fetching host holds one we lack (so the origin serves each about once)
-            for i in rest[:burst if not crowd else 0 if plan else 1] if whole else []:
-                peer = random.choice(whole)
-                plan.setdefault((peer[0], True), []).append((i, peer[1] + i * SLICE_BYTES))
-            if not plan:
-                return False  # nobody (left) holds what is missing
+            holders = self._holders()
+            if not holders:
+                if self.tainted or not self._back_off():
+                    return False  # nobody (left) holds it
+                continue
+            plan: dict[Peer, list[tuple[int, int]]] = {}
+            for i in pending[:BURST_SLICES]:
+                peer, addr = random.choice(holders)
+                plan.setdefault(peer, []).append((i, addr))
             done = self._read(plan)
             if done:
                 self.hashing.append(self.hashers.submit(self._arrived, done))
-                if self.server is not None and ANNOUNCE_SLICES:
-                    self._announce({self.keys[i]: self.addr + i * SLICE_BYTES for i in done}, announced)
             arrived = set(done)
             pending = [i for i in pending if i not in arrived]
-            burst = 1 if crowd else min(2 * burst, BURST_SLICES)
         return True
 
-    def _announce(self, new: dict[str, int], announced: list[str]) -> None:
-        self.root.registry.announce_objects(self.me, new)  # type: ignore[arg-type]
-        announced.extend(new)
+    def _back_off(self) -> bool:
+        """Re-admit the holders put aside after failed reads whose back-off is over, sleeping until
+        the first is due; False once none is left to ask."""
+        with self.lock:
+            due, later = self.retries.due(self.bad, self.excluded)
+        if not due and later is None:
+            return False
+        if not due:
+            time.sleep(later)  # type: ignore[arg-type]
+            with self.lock:
+                due, _ = self.retries.due(self.bad, self.excluded)
+        with self.lock:
+            self.bad.difference_update(due)
+        return True
 
     def _arrived(self, done: list[int]) -> None:
         for i in sorted(done):
             span = self._span(i)
             self.hasher.arrived(span.start, span.stop)
 
-    def _read(self, plan: Mapping[tuple[Peer, bool], list[tuple[int, int]]]) -> list[int]:
-        """Read each peer's slices (in parallel across peers); returns the slices that arrived
-        (and records who served them in :attr:`served`)."""
+    def _read(self, plan: Mapping[Peer, list[tuple[int, int]]]) -> list[int]:
+        """Read from each peer its slices, ``(slice, address of the object's first byte there)``
+        (in parallel across peers); returns the slices that arrived (and records who served them in
+        :attr:`served`). A peer whose read fails is put aside (:attr:`bad`), its failure counted
+        once per stall (the reads in flight to it fail together) for :meth:`_back_off`."""
         done: list[int] = []
 
-        def read(item: tuple[tuple[Peer, bool], list[tuple[int, int]]]) -> None:
-            (peer, whole), mine = item
-            ranges = [(self.addr + i * SLICE_BYTES, remote, min(SLICE_BYTES, self.size - i * SLICE_BYTES))
-                      for i, remote in mine]
+        def read(item: tuple[Peer, list[tuple[int, int]]]) -> None:
+            peer, mine = item
+            ranges = [(self.addr + i * SLICE_BYTES, addr + i * SLICE_BYTES, min(SLICE_BYTES, self.size - i * SLICE_BYTES))
+                      for i, addr in mine]
             try:
                 self.transport.read(peer.session, _contiguous(ranges))
+                if relay._TEST_DELAY_S:
+                    time.sleep(relay._TEST_DELAY_S)  # tests: a slow link
             except TransferError as e:
                 with self.lock:
+                    if peer.id not in self.bad:
+                        self.retries.failed_read(peer.id)
                     self.bad.add(peer.id)
                     self.tainted = self.tainted or e.code == -2
                     for i, _ in mine:  # part of it may have landed: nobody's bytes for sure
@@ -469,7 +454,7 @@ class _Fetch:
             with self.lock:
                 self.report.bytes_from[peer.session] += sum(n for _, _, n in ranges)
                 done.extend(i for i, _ in mine)
-                self.served.update((i, (peer, whole)) for i, _ in mine)
+                self.served.update((i, peer) for i, _ in mine)
 
         if len(plan) == 1:
             read(next(iter(plan.items())))
@@ -479,7 +464,8 @@ class _Fetch:
         return done
 
 
-#: Slices a round reads at most when no other host is fetching the object (64 MiB).
+#: Slices a round of :meth:`_Fetch._read_all` reads at most (64 MiB): between rounds the holders
+#: are looked up again (new ones join, failed ones are left out).
 BURST_SLICES = 16
 
 
@@ -492,10 +478,3 @@ def _contiguous(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]
         else:
             out.append((local, remote, n))
     return out
-
-
-def _slice_key(digest: str, index: int) -> str:
-    """The name slice ``index`` of object ``digest`` is announced under while a host fetches it
-    (index -1: the object itself is being fetched by the announcing host)."""
-    return blake3.blake3(b"paramstore/slice/v1\0" + bytes.fromhex(digest)
-                         + index.to_bytes(8, "big", signed=True)).hexdigest()

@@ -43,7 +43,7 @@ from paramstore.backends.transports.base import Transport
 if TYPE_CHECKING:
     from .peer import PeerServer, _Fetch
 
-__all__ = ["Relay", "PEER_RETRIES", "RETRY_S", "blame", "holders_of", "relay_block_bytes", "relay_depth", "relay_fanout", "relay_order"]
+__all__ = ["Relay", "Retries", "PEER_RETRIES", "RETRY_S", "blame", "holders_of", "relay_block_bytes", "relay_depth", "relay_fanout", "relay_order"]
 
 #: Logger of the relay's decisions at DEBUG (who served each block, why an upstream was passed
 #: over, why a block was read from a whole holder): ``logging.getLogger("paramstore.relay")``.
@@ -90,6 +90,47 @@ STALL_S = 10.0
 #: for a moment (a loss burst, a busy host) is not given up for good.
 PEER_RETRIES = 3
 RETRY_S = 1.0
+
+
+class Retries:
+    """Which peers put aside for one object after failed reads may be asked again, and when
+    (:data:`PEER_RETRIES`, :data:`RETRY_S`); shared by a relay and a whole-object fetch
+    (:class:`paramstore.peer._Fetch`). The caller holds its own lock around every call.
+
+    Example:
+        >>> r = Retries()
+        >>> r.failed_read("a", now=10.0)
+        >>> r.due({"a"}, set(), now=10.5)  # nobody due yet; the next one in half a second
+        ([], 0.5)
+        >>> r.due({"a"}, set(), now=11.0)
+        (['a'], None)
+        >>> r.due({"a"}, {"a"}, now=11.0)  # one caught serving bad bytes is never asked again
+        ([], None)
+    """
+
+    def __init__(self) -> None:
+        #: peer id -> (failures, when the last one was counted)
+        self.failed: dict[str, tuple[int, float]] = {}
+
+    def failed_read(self, peer: str, *, now: float | None = None) -> None:
+        """Count a failure of ``peer`` (once per stall: call it only for a peer not already put
+        aside, since the reads in flight to a stalled peer fail together)."""
+        now = time.monotonic() if now is None else now
+        self.failed[peer] = (self.failed.get(peer, (0, 0.0))[0] + 1, now)
+
+    def forget(self, peer: str) -> None:
+        """``peer`` is never to be asked again for this object (it is not merely stalled)."""
+        self.failed.pop(peer, None)
+
+    def due(self, bad: set[str], excluded: set[str], *, now: float | None = None) -> tuple[list[str], float | None]:
+        """Of the peers in ``bad`` (put aside) that failed reads at most :data:`PEER_RETRIES`
+        times and are not ``excluded`` (caught serving bad bytes): those whose back-off is over,
+        and the seconds until the next of the others is due (None when no other is left)."""
+        now = time.monotonic() if now is None else now
+        left = {p: RETRY_S * 2 ** (n - 1) - (now - at) for p, (n, at) in self.failed.items()
+                if n <= PEER_RETRIES and p in bad and p not in excluded}
+        later = [wait for wait in left.values() if wait > 0]
+        return sorted(p for p, wait in left.items() if wait <= 0), (min(later) if later else None)
 #: Seconds between two registry lookups of who fetches an object while a fetch follows its
 #: upstream (whose progress it reads from that host itself, not from the registry), doubling after
 #: each such lookup up to :data:`RELOOK_MAX_S`, and back to this when an upstream is put aside. What
@@ -116,7 +157,12 @@ FANOUT_ENV = "PARAMSTORE_RELAY_FANOUT"
 #: Peer ids seen fetching (rollout hosts, not the origin): preferred to other holders of a whole
 #: object, so the origin serves each block about once even after the chain is gone.
 _RELAYERS: dict[str, None] = {}
-_TEST_DELAY_S = 0.0  # tests: seconds each block read is held back (a slow host)
+_TEST_DELAY_S = 0.0  # tests: seconds each block read (or whole fetch's slice read) is held back (a slow host)
+#: Why block 0 of a plan a version's manifest gave fails when the object's header ends before the
+#: first byte the version references: the version references the object only in part (tensors it
+#: shares with an older version, deduplicated into that version's object), and the plan took the
+#: tensors it does not reference for part of the header. The object is then read whole.
+IN_PART = "its header ends before the first byte the version references"
 #: A relay's plan (:meth:`Relay.plan`): the data's start; the blocks, each ``(begin, end, units)``
 #: with a unit ``(begin, end, piece digest)`` (None: the header; :data:`WHOLE`: the whole object);
 #: the manifest's tensor spans of the object (digest by ``(begin, end)``).
@@ -294,8 +340,9 @@ class Relay:
         # fetchers of one key follow each other: every block boundary must agree along a chain
         self.fetch_key = _fetch_key(digest, self.blocks if plan is not None else None)
         #: True once the object's header (read by :meth:`run`, for want of a plan) agrees with its
-        #: size and name but lists no piece digests and the object is over a block: it is not
-        #: relayed; the caller reads it whole (:class:`paramstore.peer._Fetch`).
+        #: size and name but lists no piece digests and the object is over a block, or once the
+        #: header (block 0 of a manifest's plan) ends before the first byte the version references
+        #: (:data:`IN_PART`): it is not relayed; the caller reads it whole (:class:`paramstore.peer._Fetch`).
         self.unlisted = False
         # its place among the fetchers (the registry's position); a host that does not serve
         # relays nothing: it has none, and goes last (reads from the chain's tail)
@@ -306,9 +353,9 @@ class Relay:
         self.busy: set[int] = set()  # blocks being read or verified
         self.reading: set[int] = set()  # blocks being read
         self.bad: set[str] = set()  # peers that failed to serve or stalled: not asked again for this object
-        # of them, those that only failed reads: id -> (reads failed, when last); asked again
-        # (:meth:`_retry`) when nobody else can serve, after a back-off
-        self.failed: dict[str, tuple[int, float]] = {}
+        # of them, those that only failed reads: asked again (:meth:`_retry`) when nobody else
+        # can serve, after a back-off
+        self.retries = Retries()
         self.retry_at = 0.0  # no holder is looked up before then (a back-off)
         self.culprits: set[str] = set()  # peers blamed for this object
         self.waiting: tuple[tuple[str, int], float] | None = None  # ((upstream, its progress), since)
@@ -498,7 +545,7 @@ class Relay:
         n = len(self.blocks)
         while True:
             with self.cond:
-                if self.tainted or self.space.error is not None:
+                if self.tainted or self.unlisted or self.space.error is not None:
                     break
                 missing = [i for i in range(n) if i not in self.done and i not in self.busy]
                 if not missing and not self.busy:
@@ -658,16 +705,13 @@ class Relay:
         one is due). False once none is left to ask, now or later."""
         now = time.monotonic()
         with self.cond:
-            left = {p: RETRY_S * 2 ** (n - 1) - (now - at) for p, (n, at) in self.failed.items()
-                    if n <= PEER_RETRIES and p in self.bad and p not in self.excluded}
-            due = [p for p, wait in left.items() if wait <= 0]
+            due, later = self.retries.due(self.bad, self.excluded, now=now)
             self.bad.difference_update(due)
-            later_ = [wait for wait in left.values() if wait > 0]
-            self.retry_at = now + min(later_) if later_ else 0.0
+            self.retry_at = now + later if later is not None else 0.0
         if due:
             log.debug("relay %s: nobody else holds it: asking %d peer(s) that failed a read again",
                       self.digest[:12], len(due))
-        return bool(left)
+        return bool(due) or later is not None
 
     def _read_failed(self, peer: Peer, err: TransferError) -> None:
         """A read from ``peer`` failed: it is put aside for this object, a failure counted (once
@@ -675,7 +719,7 @@ class Relay:
         timed out may still write later: nothing here is trusted then (:attr:`tainted`)."""
         with self.cond:
             if peer.id not in self.bad:
-                self.failed[peer.id] = (self.failed.get(peer.id, (0, 0.0))[0] + 1, time.monotonic())
+                self.retries.failed_read(peer.id)
             self.bad.add(peer.id)
             self.tainted = self.tainted or err.code == -2
         self.bad_at = time.monotonic()
@@ -685,7 +729,7 @@ class Relay:
         asked again, not even by :meth:`_retry`."""
         with self.cond:
             self.bad.add(peer.id)
-            self.failed.pop(peer.id, None)
+            self.retries.forget(peer.id)
             self.gone.add(position)
         self.bad_at = time.monotonic()
         self.waiting = None
@@ -718,6 +762,12 @@ class Relay:
             if e - b >= self.block_bytes // 2:
                 self.block_s = 0.7 * self.block_s + 0.3 * (time.monotonic() - t0)
             why = self._verify(i)
+            if why == IN_PART:  # not the peer's fault: the plan's "header" holds tensors too
+                log.debug("relay %s: %s: read whole instead", self.digest[:12], why)
+                with self.cond:
+                    self.unlisted = True
+                    self.cond.notify_all()
+                return
             if why is not None:
                 self._blame(peer, why)
                 return
@@ -751,6 +801,8 @@ class Relay:
                 continue
             try:  # the header: its layout and the manifest's tensor digests must make the object's name
                 start, spans = tensor_spans(self.buf, self.size)
+                if start < self.start:
+                    return IN_PART
                 if start != self.start:
                     return "its header has another length"
                 if object_digest(self.buf[:start], [self.spans[s] for s in spans]) != self.digest:

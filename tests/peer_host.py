@@ -11,7 +11,10 @@ on stdout and reads commands from stdin:
   checks the version out and prints whether the checkout moved any byte.
 * ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
   out, compares every tensor with :func:`model` and prints what it read from which peer, and how
-  many fetched objects landed in slabs the store had prepared (faulted in) beforehand.
+  many fetched objects landed in slabs the store had prepared (faulted in) beforehand, and how
+  many it read whole (``paramstore.peer._Fetch``: not relayed, checked at the end).
+
+``PEER_HOST_LOG=1`` in the environment: the library's debug log (the relay's decisions) on stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
+import paramstore.peer  # noqa: E402
 from paramstore import ParamStore, ParamStoreError  # noqa: E402
 
 TENSORS, SHAPE = 16, (1024, 1024)  # 16 x 4 MiB float32 = 64 MiB
@@ -66,6 +70,9 @@ def say(**kw: object) -> None:
 
 
 def main() -> None:
+    if os.environ.get("PEER_HOST_LOG"):
+        import logging
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     root, registry, name, role = sys.argv[1:5]
     with ParamStore(root, registry=registry, name=name, shard_size_bytes=int(os.environ.get("PEER_HOST_SHARD", 32 << 20))) as store:
         server = store.serve("127.0.0.1")
@@ -77,6 +84,14 @@ def main() -> None:
             return take(size, **kw)
 
         store._pool.take = recording_take
+        read_whole: list[str] = []  # objects fetched by peer._Fetch (read whole, checked at the end)
+        fetch_whole = paramstore.peer._Fetch.run
+
+        def recording_run(self):  # type: ignore[no-untyped-def]
+            read_whole.append(self.digest)
+            return fetch_whole(self)
+
+        paramstore.peer._Fetch.run = recording_run  # type: ignore[method-assign]
         say(ready=True, session=server.peer.session, peer=server.peer.id)
         for line in sys.stdin:
             cmd, *args = line.split()
@@ -107,6 +122,7 @@ def main() -> None:
                 store._pool.wait_prepared(60)  # what the last fetch prepared (in a real host: idle time)
                 ready = {os.stat(s.path).st_ino for v in store._pool._free.values() for s in v}
                 slabs.clear()
+                read_whole.clear()
                 try:
                     with store.checkout(step) as snap:
                         want = model(seed, changed, float(args[3]) if args[3:] else 0.0)
@@ -119,7 +135,7 @@ def main() -> None:
                 say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
                     fetched=len(report.from_peers), rejected=dict(report.rejected),
                     from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
-                    largest_slab=max(slabs, default=0))
+                    largest_slab=max(slabs, default=0), read_whole=len(read_whole))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 say(corrupted=corrupt_served(store, server))
             elif cmd == "corrupt-header":  # the same, from the header's first byte on

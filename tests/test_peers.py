@@ -26,15 +26,19 @@ class Host:
     """A host process; ``send`` a command, ``expect`` its JSON reply."""
 
     def __init__(self, root: str, registry: str, name: str, role: str, *, fetch_concurrency: int | None = None,
-                 shard: int | None = None, block_delay: float = 0.0) -> None:
+                 shard: int | None = None, block_delay: float = 0.0, burst_slices: int | None = None) -> None:
         self.root = root
         env = dict(os.environ, MC_FORCE_TCP="1", **({"PEER_HOST_SHARD": str(shard)} if shard else {}))
         argv = [HOST_SCRIPT, root, registry, name, role]
-        if fetch_concurrency is not None or block_delay:  # objects fetched this many at a time (1: one after
-            # another); block_delay: seconds each relayed block is held back after it lands (a slow host)
+        if fetch_concurrency is not None or block_delay or burst_slices:  # objects fetched this many at a
+            # time (1: one after another); block_delay: seconds each relayed block (or slice of an object
+            # read whole) is held back after it lands (a slow host); burst_slices: slices such a read
+            # asks for at once
             fetch_concurrency = 4 if fetch_concurrency is None else fetch_concurrency
+            burst_slices = 16 if burst_slices is None else burst_slices
             argv = ["-c", "import sys, runpy, paramstore.peer as p, paramstore.relay as r; "
                     f"p.FETCH_CONCURRENCY = {fetch_concurrency}; r._TEST_DELAY_S = {block_delay}; "
+                    f"p.BURST_SLICES = {burst_slices}; "
                     f"sys.path.insert(0, {os.path.dirname(HOST_SCRIPT)!r}); sys.argv = {argv!r}; "
                     "runpy.run_path(sys.argv[0], run_name='__main__')"]
         self.proc = subprocess.Popen([sys.executable, *argv],
@@ -279,6 +283,72 @@ def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
     first.proc.wait()
     reply = second.expect()
     assert reply["ok"]
+
+
+@pytest.mark.parametrize("changed", [4, 1])
+def test_an_object_a_version_references_in_part_is_read_whole_and_checked(hosts, changed):
+    """Version 2 changes the first ``changed`` of 16 tensors: its new object holds those, and for
+    the next ones it points into version 1's first object (frozen tensors, deduplicated), which it
+    references only in part. Nothing lists the digests of that object's other bytes, so a host new
+    to version 2 reads it whole (peer._Fetch) and checks it against its name; the rest is relayed.
+
+    Before, the relay took the tensors the version does not reference for the object's header,
+    found the header "of another length" at block 0, blamed the honest trainer for it and then
+    asked it nothing more: the checkout failed (ObjectUnavailableError, no remote here). Now an
+    unreferenced part of over a block (4 tensors, 16 MiB) is not planned at all: every byte once;
+    a shorter one (1 tensor) is found out at block 0, read once more than needed (4 MiB)."""
+    trainer = hosts("trainer")
+    trainer.ask(f"commit 1 1 {changed}")
+    trainer.ask(f"commit 2 2 {changed}")
+    reply = hosts("rollout").ask(f"checkout 2 2 {changed}")
+    assert reply["ok"] and reply["fetched"] == 3 and reply["read_whole"] == 1 and reply["rejected"] == {}, reply
+    extra = sum(reply["bytes_from"].values()) - stored_bytes(trainer.root)
+    if changed == 4:
+        assert extra == 0, reply
+    else:  # block 0 of the plan: the header and the unreferenced tensor (4 MiB)
+        assert 4 << 20 < extra < (4 << 20) + 65536, reply
+
+
+def test_a_corrupt_holder_of_an_object_read_whole_is_blamed_and_the_honest_one_never(hosts):
+    """The object read whole (as above: version 1's only object) from the trainer and a host whose
+    copy has a wrong byte every MiB: slices come from both at random, the object fails its check,
+    and each holder's slices are read again from the other until it verifies
+    (peer._Fetch.recover). The corrupt holder is blamed exactly when it served something (16
+    slices drawn at random: almost always); the trainer never."""
+    shard = 64 << 20  # version 1: one object, which the other host holds (and corrupts) alone
+    trainer, bad = hosts("trainer", shard=shard), hosts("rollout", shard=shard)
+    trainer.ask("commit 1 1 4")
+    trainer.ask("commit 2 2 4")
+    assert bad.ask("checkout 1 1 4")["ok"]
+    assert bad.ask("corrupt")["corrupted"] == 1
+    reply = hosts("rollout", shard=shard).ask("checkout 2 2 4")
+    assert reply["ok"] and reply["read_whole"] == 1, reply  # the right bytes
+    served = reply["bytes_from"].get(bad.session, 0)
+    print(f"corrupt holder of an object read whole: served {served} bytes, rejected {reply['rejected']}")
+    assert set(reply["rejected"]) == ({bad.session} if served else set()), reply
+    assert sum(reply["bytes_from"].values()) <= 2 * stored_bytes(trainer.root), reply  # each slice again once at most
+
+
+def test_the_only_holder_of_an_object_read_whole_hung_for_longer_than_the_progress_timeout_is_asked_again(hosts):
+    """As the relay does (test_relay.py), a whole-object read whose only holder stops for 1.6 s
+    (SIGSTOP, then SIGCONT) mid-read waits out a back-off (relay.RETRY_S) and asks it again,
+    instead of leaving the object to a remote (none here: the checkout failed). Slices are read
+    one at a time, each held back 0.3 s, so the stop lands between reads. Every byte once."""
+    trainer = hosts("trainer")
+    trainer.ask("commit 1 1 4")
+    trainer.ask("commit 2 2 4")
+    a = hosts("rollout", block_delay=0.3, burst_slices=1)
+    a.send("checkout 2 2 4")
+    time.sleep(0.5)
+    trainer.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.6)
+    finally:
+        trainer.proc.send_signal(signal.SIGCONT)
+    reply = a.expect()
+    print(f"only holder of an object read whole hung 1.6 s: {reply}")
+    assert reply["ok"] and reply["read_whole"] == 1 and reply["rejected"] == {}, reply
+    assert sum(reply["bytes_from"].values()) == stored_bytes(trainer.root), reply  # a failed read is not counted
 
 
 def test_paramstore_serve_cli(redis_url, shm_dir):

@@ -484,7 +484,7 @@ def test_a_holder_that_failed_reads_is_asked_again_after_a_back_off_a_few_times(
         r._read_failed(origin, TransferError("stalled", code=-1))
     r.excluded.add(caught.id)
     r._put_aside(upstream, 1)
-    assert r.failed == {"origin": (1, 100.0), "caught": (1, 100.0)} and not r.tainted
+    assert r.retries.failed == {"origin": (1, 100.0), "caught": (1, 100.0)} and not r.tainted
     waits = []
     for n in range(1, relay.PEER_RETRIES + 1):
         assert r._retry() and "origin" in r.bad  # backing off
@@ -492,7 +492,7 @@ def test_a_holder_that_failed_reads_is_asked_again_after_a_back_off_a_few_times(
         now[0] = r.retry_at
         assert r._retry() and "origin" not in r.bad  # asked again
         r._read_failed(origin, TransferError("stalled", code=-1))
-        assert r.failed["origin"][0] == n + 1
+        assert r.retries.failed["origin"][0] == n + 1
     assert waits == [relay.RETRY_S * 2 ** k for k in range(relay.PEER_RETRIES)]
     assert not r._retry() and {"origin", "caught", "up"} <= r.bad  # given up
     r._read_failed(origin, TransferError("timed out", code=-2))

@@ -65,7 +65,7 @@ def measure(url: str, hosts: int, blocks: int, rounds: int) -> dict[str, Any]:
     reg = RedisRegistry(url, f"bench-{hosts}-{uuid.uuid4().hex[:8]}")
     try:
         digest = blake3.blake3(uuid.uuid4().bytes).hexdigest()
-        fetch_key = _fetch_key(digest)
+        fetch_key = _fetch_key(digest, None)
         words_key = blake3.blake3(fetch_key.encode()).hexdigest()  # a second key per fetcher, as before
         peers = [Peer(uuid.uuid4().hex, f"10.77.{i // 250}.{i % 250 + 2}:15012", f"host-{i}", os.getpid(), time.time())
                  for i in range(hosts)]
