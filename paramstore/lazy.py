@@ -253,6 +253,8 @@ class LazyReads:
                     transport.read(session, _contiguous(reads))
                 except TransferError as err:
                     why.append(f"peer {session} failed: {err}")
+                    with self._lock:
+                        self.report.failed[session] += 1
                     return left
                 self._count(session, size)
                 bad = self._place(part, batch, view)

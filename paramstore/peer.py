@@ -446,6 +446,7 @@ class _Fetch:
                 with self.lock:
                     if peer.id not in self.bad:
                         self.retries.failed_read(peer.id)
+                        self.report.failed[peer.session] += 1
                     self.bad.add(peer.id)
                     self.tainted = self.tainted or e.code == -2
                     for i, _ in mine:  # part of it may have landed: nobody's bytes for sure

@@ -646,14 +646,18 @@ class Relay:
                 continue
             try:  # its progress word, straight from it: (slab address, blocks verified from the first)
                 self.transport.read(up.session, [(self.saddr, word, 16)])
-                base, mark = struct.unpack_from("<QQ", self.scratch, 0)
-                if mark == GONE:
-                    raise TransferError("its relay ended without the object")
-                mark = mark if base else 0  # no slab yet
             except TransferError:
                 log.debug("relay %s: upstream %s does not answer: passed over", self.digest[:12], up.session)
+                with self.lock:
+                    self.report.failed[up.session] += 1
                 self._put_aside(up, q)  # dead or leaving: the next one up
                 continue
+            base, mark = struct.unpack_from("<QQ", self.scratch, 0)
+            if mark == GONE:
+                log.debug("relay %s: upstream %s ended without the object: passed over", self.digest[:12], up.session)
+                self._put_aside(up, q)
+                continue
+            mark = mark if base else 0  # no slab yet
             have = [i for i in window if i < mark]
             if have:
                 self.waiting = None
@@ -718,10 +722,14 @@ class Relay:
         for the reads in flight to it then: they fail together) for :meth:`_retry`. A read that
         timed out may still write later: nothing here is trusted then (:attr:`tainted`)."""
         with self.cond:
-            if peer.id not in self.bad:
+            first = peer.id not in self.bad
+            if first:
                 self.retries.failed_read(peer.id)
             self.bad.add(peer.id)
             self.tainted = self.tainted or err.code == -2
+        if first:
+            with self.lock:
+                self.report.failed[peer.session] += 1
         self.bad_at = time.monotonic()
 
     def _put_aside(self, peer: Peer, position: int) -> None:

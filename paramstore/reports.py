@@ -42,6 +42,11 @@ class FetchReport:
             asked nothing more in that fetch (``"patch"``: patches that did not rebuild their
             object, which then moved whole; ``"size"``: objects whose size in the registry the
             header their holder serves contradicts, which were then not read from peers).
+        failed: per peer session, its reads that failed (a transport error: the peer is dead,
+            refused, or moved no byte for the transfer engine's progress timeout), counted once per
+            stall of a read of one object (the reads in flight to it fail together). Not a fault of its
+            bytes: where nobody else holds the object it is asked again after a back-off (see
+            :data:`paramstore.relay.PEER_RETRIES`).
         seconds: time spent obtaining bytes.
         lazy: whether the checkout was lazy (``checkout(v, fetch="lazy")``: objects this host lacked
             were not fetched at checkout; reads fetch the pieces they touch, see :mod:`paramstore.lazy`).
@@ -54,8 +59,8 @@ class FetchReport:
         (1, 1, False, 0)
         >>> report.as_dict()
         {'step': 1, 'local': 1, 'from_peers': 0, 'from_remote': 0, 'from_patches': 0, 'patch_bytes': 0,
-         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'seconds': ..., 'lazy': False,
-         'lazy_bytes': 0}
+         'from_group': 0, 'bytes': 0, 'bytes_from': {}, 'rejected': {}, 'failed': {}, 'seconds': ...,
+         'lazy': False, 'lazy_bytes': 0}
     """
 
     step: int
@@ -67,6 +72,7 @@ class FetchReport:
     from_group: list[str] = field(default_factory=list)
     bytes_from: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     lazy: bool = False
     lazy_bytes: int = 0
@@ -103,7 +109,7 @@ class FetchReport:
         return {"step": self.step, "local": self.local, "from_peers": len(self.from_peers),
                 "from_remote": len(self.from_remote), "from_patches": len(self.from_patches),
                 "patch_bytes": self.patch_bytes, "from_group": len(self.from_group), "bytes": self.bytes, "bytes_from": dict(self.bytes_from),
-                "rejected": dict(self.rejected), "seconds": self.seconds, "lazy": self.lazy,
+                "rejected": dict(self.rejected), "failed": dict(self.failed), "seconds": self.seconds, "lazy": self.lazy,
                 "lazy_bytes": self.lazy_bytes}
 
 

@@ -49,7 +49,7 @@ def say(**kw: object) -> None:
 def report(snap) -> dict:
     f = snap.fetch
     return {"lazy": f.lazy, "lazy_bytes": f.lazy_bytes, "bytes_from": dict(f.bytes_from),
-            "rejected": dict(f.rejected), "fetched": len(f.fetched), "local": f.local}
+            "rejected": dict(f.rejected), "failed": dict(f.failed), "fetched": len(f.fetched), "local": f.local}
 
 
 def main() -> None:

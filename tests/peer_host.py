@@ -133,7 +133,7 @@ def main() -> None:
                     continue
                 prefaulted = sum(os.stat(store._root.tier.object_path(d)).st_ino in ready for d in report.from_peers)
                 say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
-                    fetched=len(report.from_peers), rejected=dict(report.rejected),
+                    fetched=len(report.from_peers), rejected=dict(report.rejected), failed=dict(report.failed),
                     from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
                     largest_slab=max(slabs, default=0), read_whole=len(read_whole))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)

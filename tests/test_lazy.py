@@ -245,7 +245,7 @@ def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_agai
     finally:
         trainer.proc.send_signal(signal.SIGCONT)
     got = rollout.expect()
-    assert got["ok"] and got["rejected"] == {}, got
+    assert got["ok"] and got["rejected"] == {} and set(got["failed"]) == {trainer.session}, got
     assert got["bytes_from"] == {trainer.session: 4 * PIECE_SIZE}, got  # a failed read is not counted
 
 

@@ -63,6 +63,16 @@ class Host:
         self.send(line)
         return self.expect(timeout)
 
+    def wait_fetching(self, timeout: float = 30) -> None:
+        """Return once this host took a slab for an object it fetches (a file in its tier's tmp/;
+        a fresh host prepared none before its first checkout)."""
+        tmp = os.path.join(self.root, "tmp")
+        deadline = time.monotonic() + timeout
+        while not (os.path.isdir(tmp) and any(not f.startswith(".") for f in os.listdir(tmp))):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"host {self.proc.pid} took no slab within {timeout} s")
+            time.sleep(0.005)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -333,13 +343,15 @@ def test_the_only_holder_of_an_object_read_whole_hung_for_longer_than_the_progre
     """As the relay does (test_relay.py), a whole-object read whose only holder stops for 1.6 s
     (SIGSTOP, then SIGCONT) mid-read waits out a back-off (relay.RETRY_S) and asks it again,
     instead of leaving the object to a remote (none here: the checkout failed). Slices are read
-    one at a time, each held back 0.3 s, so the stop lands between reads. Every byte once."""
+    one at a time, each held back 0.3 s, so the stop lands on reads (``failed`` names the
+    trainer: the path under test ran). Every byte once."""
     trainer = hosts("trainer")
     trainer.ask("commit 1 1 4")
     trainer.ask("commit 2 2 4")
     a = hosts("rollout", block_delay=0.3, burst_slices=1)
     a.send("checkout 2 2 4")
-    time.sleep(0.5)
+    a.wait_fetching()
+    time.sleep(0.2)
     trainer.proc.send_signal(signal.SIGSTOP)
     try:
         time.sleep(1.6)
@@ -348,6 +360,7 @@ def test_the_only_holder_of_an_object_read_whole_hung_for_longer_than_the_progre
     reply = a.expect()
     print(f"only holder of an object read whole hung 1.6 s: {reply}")
     assert reply["ok"] and reply["read_whole"] == 1 and reply["rejected"] == {}, reply
+    assert set(reply["failed"]) == {trainer.session}, reply  # the stop did land on reads (and they were retried)
     assert sum(reply["bytes_from"].values()) == stored_bytes(trainer.root), reply  # a failed read is not counted
 
 

@@ -200,7 +200,7 @@ def test_an_upstream_killed_mid_relay_the_downstream_finishes_from_the_next_one_
     t0 = time.monotonic()
     rb = b.expect()
     print(f"upstream killed: b read {rb['bytes_from']} ({time.monotonic() - t0:.2f} s after the kill)")
-    assert rb["ok"] and rb["rejected"] == {}, rb
+    assert rb["ok"] and rb["rejected"] == {} and set(rb["failed"]) == {a.session}, rb
     assert sum(rb["bytes_from"].values()) == v1, rb  # nothing read twice: it went on from its own blocks
     assert rb["bytes_from"].get(a.session, 0) > 0 and rb["bytes_from"].get(trainer.session, 0) > 0, rb
 
@@ -229,7 +229,7 @@ def test_an_upstream_hung_mid_relay_costs_the_engines_progress_timeout_not_a_han
         a.proc.send_signal(signal.SIGCONT)
     ra = a.expect()
     print(f"upstream hung: b read {rb['bytes_from']}, done {took:.2f} s after the stop")
-    assert rb["ok"] and rb["rejected"] == {}, rb
+    assert rb["ok"] and rb["rejected"] == {} and set(rb["failed"]) == {a.session}, rb
     assert sum(rb["bytes_from"].values()) == v1, rb  # nothing read twice: it went on from its own blocks
     assert rb["bytes_from"].get(a.session, 0) > 0 and rb["bytes_from"].get(trainer.session, 0) > 0, rb
     assert took < 4.0, took  # the engine's 1 s, then the rest from the trainer (not STALL_S, nor a hang)
@@ -246,15 +246,17 @@ def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_agai
     trainer.ask("commit 1 1 16")
     v1 = stored_bytes(trainer.root)
     a.send("checkout 1 1 16")
-    time.sleep(0.5)
+    a.wait_fetching()
+    time.sleep(0.2)
     trainer.proc.send_signal(signal.SIGSTOP)
     try:
         time.sleep(1.6)
     finally:
         trainer.proc.send_signal(signal.SIGCONT)
     ra = a.expect()
-    print(f"only holder hung 1.6 s: a read {ra['bytes_from']}")
+    print(f"only holder hung 1.6 s: a read {ra['bytes_from']}, failed {ra['failed']}")
     assert ra["ok"] and ra["rejected"] == {} and ra["fetched"] == 2, ra
+    assert set(ra["failed"]) == {trainer.session}, ra  # the stop did land on reads (and they were retried)
     assert sum(ra["bytes_from"].values()) == v1, ra  # a failed read is not counted; nothing twice
 
 
