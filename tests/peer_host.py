@@ -34,20 +34,24 @@ TENSORS, SHAPE = 16, (1024, 1024)  # 16 x 4 MiB float32 = 64 MiB
 
 
 def model(seed: int, changed: int = TENSORS, sparse: float = 0.0) -> dict[str, torch.Tensor]:
-    """Version ``seed``: the first ``changed`` tensors depend on ``seed``, the others on nothing.
+    """Version ``seed``: the first ``changed`` tensors (``changed`` < 0: the last ``-changed``)
+    depend on ``seed``, the others on nothing.
 
-    ``sparse`` > 0: instead, version ``seed - 1`` with that fraction of the elements of each of the
-    first ``changed`` tensors changed (an RL step: every tensor changed, a little)."""
+    ``sparse`` > 0: instead, version ``seed - 1`` with that fraction of the elements of each of
+    those tensors changed (an RL step: every tensor changed, a little)."""
+    varied = set(range(changed) if changed >= 0 else range(TENSORS + changed, TENSORS))
     if sparse:
         out = model(seed - 1, changed)
-        for i, t in enumerate(list(out.values())[:changed]):
+        for i, t in enumerate(out.values()):
+            if i not in varied:
+                continue
             g = torch.Generator().manual_seed(seed * 1000 + i)
             idx = torch.randperm(t.numel(), generator=g)[: int(sparse * t.numel())]
             t.view(-1)[idx] += 1.0
         return out
     out = {}
     for i in range(TENSORS):
-        g = torch.Generator().manual_seed((seed if i < changed else 0) * 1000 + i)
+        g = torch.Generator().manual_seed((seed if i in varied else 0) * 1000 + i)
         out[f"layer{i:02d}.weight"] = torch.randn(SHAPE, generator=g)
     return out
 

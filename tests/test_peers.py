@@ -295,28 +295,33 @@ def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
     assert reply["ok"]
 
 
-@pytest.mark.parametrize("changed", [4, 1])
+@pytest.mark.parametrize("changed", [4, 1, -4])
 def test_an_object_a_version_references_in_part_is_read_whole_and_checked(hosts, changed):
-    """Version 2 changes the first ``changed`` of 16 tensors: its new object holds those, and for
-    the next ones it points into version 1's first object (frozen tensors, deduplicated), which it
-    references only in part. Nothing lists the digests of that object's other bytes, so a host new
-    to version 2 reads it whole (peer._Fetch) and checks it against its name; the rest is relayed.
+    """Version 2 changes the first ``changed`` of 16 tensors (-4: the last 4): its new object holds
+    those, and for the next ones (the first 4 of the second object) it points into an object of
+    version 1 (frozen tensors, deduplicated), which it references only in part. Nothing lists the
+    digests of that object's other bytes, so a host new to version 2 reads it whole (peer._Fetch)
+    and checks it against its name; the rest is relayed.
 
-    Before, the relay took the tensors the version does not reference for the object's header,
-    found the header "of another length" at block 0, blamed the honest trainer for it and then
-    asked it nothing more: the checkout failed (ObjectUnavailableError, no remote here). Now an
-    unreferenced part of over a block (4 tensors, 16 MiB) is not planned at all: every byte once;
-    a shorter one (1 tensor) is found out at block 0, read once more than needed (4 MiB)."""
+    Before, where the version references the object's end, the relay took the tensors the version
+    does not reference for the object's header, found the header "of another length" at block 0,
+    blamed the honest trainer for it and then asked it nothing more: the checkout failed
+    (ObjectUnavailableError, no remote here). Now an unreferenced part of over a block (4 tensors,
+    16 MiB) is not planned at all: every byte once; a shorter one (1 tensor) is found out at block
+    0, read once more than needed (4 MiB). Where it references the object's start, the object's
+    header is read first (its size is not the version's extent) and lists no digests."""
     trainer = hosts("trainer")
     trainer.ask(f"commit 1 1 {changed}")
     trainer.ask(f"commit 2 2 {changed}")
     reply = hosts("rollout").ask(f"checkout 2 2 {changed}")
     assert reply["ok"] and reply["fetched"] == 3 and reply["read_whole"] == 1 and reply["rejected"] == {}, reply
     extra = sum(reply["bytes_from"].values()) - stored_bytes(trainer.root)
-    if changed == 4:
-        assert extra == 0, reply
-    else:  # block 0 of the plan: the header and the unreferenced tensor (4 MiB)
+    if changed == 1:  # block 0 of the plan: the header and the unreferenced tensor (4 MiB)
         assert 4 << 20 < extra < (4 << 20) + 65536, reply
+    elif changed == 4:
+        assert extra == 0, reply
+    else:  # the header, read first: its length field, then the header itself
+        assert 0 < extra < 4096, reply
 
 
 def test_a_corrupt_holder_of_an_object_read_whole_is_blamed_and_the_honest_one_never(hosts):
