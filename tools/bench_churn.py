@@ -37,6 +37,7 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,7 +130,8 @@ def _row(name: str, m: dict[str, Any], model: int, base: float | None) -> dict[s
     return {"scenario": name, "time_all_s": m["time_all_s"], "vs_baseline": None if base is None else m["time_all_s"] / base,
             "egress": m["trainer_tx"] / model, "received": (min(received), max(received)),
             "ok": all(r.get("ok") for r in reps), "hosts": len(reps), "busy_pct": m["busy_pct"],
-            "done_s": sorted(r["done_s"] for r in reps)}
+            "done_s": sorted(r["done_s"] for r in reps),
+            "failed": dict(sum((Counter(r["fetch"].get("failed") or {}) for r in reps), Counter()))}
 
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
@@ -200,15 +202,20 @@ def report(res: dict[str, Any]) -> str:
              f"(every byte new), one store (`patches=False`); one piece (8 MiB) takes {block:.2f} s at the nominal rate. "
              "Time to all: the last host's end (the survivors'), from the driver's first command. Egress: the "
              "trainer's eth0 `tx_bytes` over the model. Received: each host's fetch report, over the model "
-             "(min–max; 1.00: every byte once). Tensors: every host's blake3 of each tensor equals the trainer's.",
+             "(min–max; 1.00: every byte once). Tensors: every host's blake3 of each tensor equals the trainer's. "
+             "Reads failed: the hosts' `snap.fetch.failed` (transport errors, once per stall and object), all hosts, "
+             "and of them those of the stopped or killed host.",
              "",
              "| scenario | hosts | time to all | / baseline | trainer egress / model | received per host / model "
-             "| tensors right | CPU busy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| tensors right | reads failed: all / of the host stopped or killed | CPU busy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         vs = "—" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}×"
+        failed = r.get("failed", {})
+        victim = f"{failed.get(r['victim_session'], 0)}" if "victim_session" in r else "—"
         lines.append(f"| {r['scenario']} | {r['hosts']} | {r['time_all_s']:.2f} s | {vs} | {r['egress']:.2f}× | "
-                     f"{r['received'][0]:.2f}–{r['received'][1]:.2f} | {'yes' if r['ok'] else 'NO'} | {r['busy_pct']:.0f}% |")
+                     f"{r['received'][0]:.2f}–{r['received'][1]:.2f} | {'yes' if r['ok'] else 'NO'} | "
+                     f"{sum(failed.values())} / {victim} | {r['busy_pct']:.0f}% |")
     late_row = next(r for r in res["rows"] if "late_own_s" in r)
     base, after = res["rows"][0], res["rows"][-1]
     lines += ["",

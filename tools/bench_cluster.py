@@ -156,7 +156,9 @@ class Meter:
         trainer = self.run.hosts[0].address + ":"  # what the rollout hosts say the trainer's peer served them
         served = sum(b for r in reps for p, b in ((r.get("fetch") or {}).get("bytes_from") or {}).items()
                      if p.startswith(trainer))
+        failed = sum(sum(((r.get("fetch") or {}).get("failed") or {}).values()) for r in reps)
         return {"time_all_s": max(done), "done_s": done, "wall_s": wall, "trainer_tx": tx[0], "trainer_served": served,
+                "failed": failed,
                 "registry_tx": None if g0 is None or g1 is None else g1["tx"] - g0["tx"],
                 "rollout_rx": sum(rx[1:]), "tx": tx, "rx": rx, "busy_pct": use["busy_pct"],
                 "ours_pct": round(use["busy_pct"] - use["foreign_pct"], 1), "unsettled": unsettled, "kicked": kicked,
@@ -265,6 +267,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                 "softirq_pct": med(m.get("softirq_pct", 0.0) for m in ms),
                 "others_pct": med(max(0.0, m["busy_pct"] - m["ours_pct"] - m.get("softirq_pct", 0.0)) for m in ms),
                 "unsettled": sum(m["unsettled"] for m in ms), "kicked": sum(m["kicked"] for m in ms),
+                "failed": sum(m.get("failed", 0) for m in ms),
                 "cpu_rollout_s": med(statistics.mean(m["cpu_s"]["rollouts"]) for m in ms),
                 "cpu_per_gib": med(statistics.mean(m["cpu_s"]["rollouts"]) for m in ms) / (model / GiB),
                 "cpu_trainer_s": med(m["cpu_s"]["trainer"] for m in ms),
@@ -395,7 +398,10 @@ def report(res: dict[str, Any]) -> str:
               + (f"CPU-bound (machine ≥ 90% busy during the transfer): {', '.join(cpu_bound)}." if cpu_bound
                  else "No run kept the machine ≥ 90% busy.")
               + f" Busy time not charged to the benchmark's processes (kernel network work in softirq, other "
-              f"processes on the machine): median {foreign:.0f}% of the machine, of which softirq {softirq:.0f}%."]
+              f"processes on the machine): median {foreign:.0f}% of the machine, of which softirq {softirq:.0f}%."
+              + " Peer reads that failed (`snap.fetch.failed`: transport errors, such as no progress for the "
+              "transfer engine's 1 s timeout; nobody was stopped or killed here), all hosts and runs: "
+              + ", ".join(f"{k} {s[k]['failed']}" for k in keys if k not in ("chain", "star")) + "."]
     unsettled = {k: s[k]["unsettled"] for k in keys if s[k]["unsettled"]}
     if unsettled:
         lines += ["", "Slab pool not ready after 10 s of idle time before the checkout (the store's pool wanted "
