@@ -203,6 +203,7 @@ class Fetcher:
             pass  # no transfer engine here: the objects move whole from the remote, if any
         report.bytes_from.update(sub.bytes_from)
         report.rejected.update(sub.rejected)
+        report.failed.update(sub.failed)
         return sub.bytes
 
 

@@ -186,15 +186,17 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
         def one(digest: str) -> None:
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
-            if plan is not None and plan[0] > BLOCK_BYTES:  # no header is that long: the version references
-                plan = None  # only the object's last tensors (the relay finds out at block 0 otherwise: IN_PART)
+            if plan is not None and plan[0] > BLOCK_BYTES:  # a "header" over a block: far likelier a version
+                # that references only the object's last tensors than a header of ~50,000 tensors; either
+                # way the object is read whole (a shorter unreferenced part: the relay finds out, IN_PART)
+                plan = None
             believed = extents is not None and extents.get(digest) == size  # the version's manifest says so
             if plan is None and believed and size <= BLOCK_BYTES:  # one block, checked whole against its name
                 plan = Relay.whole(size)
             placed, whole = False, plan is None and believed
             if not whole:  # planned, or its own header gives the plan (and says its size first)
-                relay = Relay(root, transport, pool, digest, size, server, report, lock, excluded, plan)
-                placed, whole = relay.run(), relay.unlisted
+                r = Relay(root, transport, pool, digest, size, server, report, lock, excluded, plan)
+                placed, whole = r.run(), r.unlisted
             if whole:  # fetched whole, slice by slice, checked at the end
                 placed = _Fetch(root, transport, pool, digest, size, server, report, lock, hashers, excluded).run()
             if placed:
@@ -391,9 +393,11 @@ class _Fetch:
         nobody left to ask but holders whose reads failed, waits out their back-off and asks again."""
         pending = list(self.order)
         while pending:
+            if self.tainted:
+                return False  # a late write may still land: nothing read now could be trusted
             holders = self._holders()
             if not holders:
-                if self.tainted or not self._back_off():
+                if not self._back_off():
                     return False  # nobody (left) holds it
                 continue
             plan: dict[Peer, list[tuple[int, int]]] = {}
@@ -412,10 +416,10 @@ class _Fetch:
         the first is due; False once none is left to ask."""
         with self.lock:
             due, later = self.retries.due(self.bad, self.excluded)
-        if not due and later is None:
-            return False
         if not due:
-            time.sleep(later)  # type: ignore[arg-type]
+            if later is None:
+                return False
+            time.sleep(later)
             with self.lock:
                 due, _ = self.retries.due(self.bad, self.excluded)
         with self.lock:

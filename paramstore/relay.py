@@ -648,9 +648,7 @@ class Relay:
                 self.transport.read(up.session, [(self.saddr, word, 16)])
             except TransferError:
                 log.debug("relay %s: upstream %s does not answer: passed over", self.digest[:12], up.session)
-                with self.lock:
-                    self.report.failed[up.session] += 1
-                self._put_aside(up, q)  # dead or leaving: the next one up
+                self._put_aside(up, q, failed=True)  # dead or leaving: the next one up
                 continue
             base, mark = struct.unpack_from("<QQ", self.scratch, 0)
             if mark == GONE:
@@ -732,13 +730,18 @@ class Relay:
                 self.report.failed[peer.session] += 1
         self.bad_at = time.monotonic()
 
-    def _put_aside(self, peer: Peer, position: int) -> None:
+    def _put_aside(self, peer: Peer, position: int, *, failed: bool = False) -> None:
         """Pass over the fetcher ahead at ``position`` for this object (dead, stalled or ended): not
-        asked again, not even by :meth:`_retry`."""
+        asked again, not even by :meth:`_retry`. ``failed``: a read from it failed (counted in the
+        report once, unless it was put aside already)."""
         with self.cond:
+            first = peer.id not in self.bad
             self.bad.add(peer.id)
             self.retries.forget(peer.id)
             self.gone.add(position)
+        if failed and first:
+            with self.lock:
+                self.report.failed[peer.session] += 1
         self.bad_at = time.monotonic()
         self.waiting = None
 
@@ -809,8 +812,8 @@ class Relay:
                 continue
             try:  # the header: its layout and the manifest's tensor digests must make the object's name
                 start, spans = tensor_spans(self.buf, self.size)
-                if start < self.start:
-                    return IN_PART
+                if start < self.start and set(self.spans) <= set(spans):  # it places every tensor the version
+                    return IN_PART  # references where the manifest does: those tensors are the object's tail
                 if start != self.start:
                     return "its header has another length"
                 if object_digest(self.buf[:start], [self.spans[s] for s in spans]) != self.digest:

@@ -43,10 +43,11 @@ class FetchReport:
             object, which then moved whole; ``"size"``: objects whose size in the registry the
             header their holder serves contradicts, which were then not read from peers).
         failed: per peer session, its reads that failed (a transport error: the peer is dead,
-            refused, or moved no byte for the transfer engine's progress timeout), counted once per
-            stall of a read of one object (the reads in flight to it fail together). Not a fault of its
-            bytes: where nobody else holds the object it is asked again after a back-off (see
-            :data:`paramstore.relay.PEER_RETRIES`).
+            refused, or moved no byte for the transfer engine's progress timeout): once per stall
+            and object in a fetch (the reads in flight to it fail together), once per failed batch
+            in a lazy read. Not a fault of its bytes: a holder nobody else can replace is asked
+            again after a back-off (:data:`paramstore.relay.PEER_RETRIES`); a fetcher ahead whose
+            progress cannot be read is passed over.
         seconds: time spent obtaining bytes.
         lazy: whether the checkout was lazy (``checkout(v, fetch="lazy")``: objects this host lacked
             were not fetched at checkout; reads fetch the pieces they touch, see :mod:`paramstore.lazy`).

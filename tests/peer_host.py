@@ -12,7 +12,8 @@ on stdout and reads commands from stdin:
 * ``rollout``: serves, then for each stdin line ``checkout STEP SEED CHANGED`` checks the step
   out, compares every tensor with :func:`model` and prints what it read from which peer, and how
   many fetched objects landed in slabs the store had prepared (faulted in) beforehand, and how
-  many it read whole (``paramstore.peer._Fetch``: not relayed, checked at the end).
+  many it read whole (``paramstore.peer._Fetch``: not relayed, checked at the end) and how many
+  reads of those failed (counted by its retry bookkeeping).
 
 ``PEER_HOST_LOG=1`` in the environment: the library's debug log (the relay's decisions) on stderr.
 """
@@ -88,12 +89,14 @@ def main() -> None:
             return take(size, **kw)
 
         store._pool.take = recording_take
-        read_whole: list[str] = []  # objects fetched by peer._Fetch (read whole, checked at the end)
-        fetch_whole = paramstore.peer._Fetch.run
+        read_whole: list[int] = []  # per object fetched by peer._Fetch (read whole, checked at the end):
+        fetch_whole = paramstore.peer._Fetch.run  # the failures its retry bookkeeping counted
 
         def recording_run(self):  # type: ignore[no-untyped-def]
-            read_whole.append(self.digest)
-            return fetch_whole(self)
+            try:
+                return fetch_whole(self)
+            finally:
+                read_whole.append(sum(n for n, _ in self.retries.failed.values()))
 
         paramstore.peer._Fetch.run = recording_run  # type: ignore[method-assign]
         say(ready=True, session=server.peer.session, peer=server.peer.id)
@@ -139,7 +142,8 @@ def main() -> None:
                 say(step=step, ok=ok, prefaulted=prefaulted, bytes_from=dict(report.bytes_from),
                     fetched=len(report.from_peers), rejected=dict(report.rejected), failed=dict(report.failed),
                     from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
-                    largest_slab=max(slabs, default=0), read_whole=len(read_whole))
+                    largest_slab=max(slabs, default=0), read_whole=len(read_whole),
+                    read_whole_failed=sum(read_whole))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 say(corrupted=corrupt_served(store, server))
             elif cmd == "corrupt-header":  # the same, from the header's first byte on

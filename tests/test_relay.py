@@ -499,3 +499,37 @@ def test_a_holder_that_failed_reads_is_asked_again_after_a_back_off_a_few_times(
     assert not r._retry() and {"origin", "caught", "up"} <= r.bad  # given up
     r._read_failed(origin, TransferError("timed out", code=-2))
     assert r.tainted  # a read that timed out may still write: nothing here is trusted
+
+
+def test_a_whole_object_read_waits_out_the_back_off_of_a_holder_whose_reads_failed(monkeypatch):
+    """peer._Fetch with nobody else to ask: a holder whose reads failed is re-admitted after
+    RETRY_S, 2x, 4x (the fetch sleeps until then), PEER_RETRIES times, then given up; one caught
+    serving bad bytes is never re-admitted. A fake clock: the sleeps advance it."""
+    import threading
+
+    import paramstore.peer as peer
+    import paramstore.relay as relay
+    from paramstore.reports import FetchReport
+
+    now = [100.0]
+    slept: list[float] = []
+    monkeypatch.setattr(relay.time, "monotonic", lambda: now[0])
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(peer.time, "sleep", sleep)
+    f = peer._Fetch(None, None, None, "e" * 64, 1200, None, FetchReport(1), threading.Lock(), None, set())  # type: ignore[arg-type]
+    for _ in range(relay.PEER_RETRIES):
+        f.bad.add("origin")
+        f.retries.failed_read("origin")
+        assert f._back_off() and "origin" not in f.bad  # slept, then asked again
+    f.bad.add("origin")
+    f.retries.failed_read("origin")
+    assert not f._back_off() and "origin" in f.bad  # given up
+    assert slept == [relay.RETRY_S * 2 ** k for k in range(relay.PEER_RETRIES)]
+    f.bad.add("caught")
+    f.retries.failed_read("caught")
+    f.excluded.add("caught")
+    assert not f._back_off() and len(slept) == relay.PEER_RETRIES  # never re-admitted, no wait
