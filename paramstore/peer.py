@@ -186,10 +186,6 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
         def one(digest: str) -> None:
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
-            if plan is not None and plan[0] > BLOCK_BYTES:  # a "header" over a block: far likelier a version
-                # that references only the object's last tensors than a header of ~50,000 tensors; either
-                # way the object is read whole (a shorter unreferenced part: the relay finds out, IN_PART)
-                plan = None
             believed = extents is not None and extents.get(digest) == size  # the version's manifest says so
             if plan is None and believed and size <= BLOCK_BYTES:  # one block, checked whole against its name
                 plan = Relay.whole(size)

@@ -288,7 +288,13 @@ class Relay:
         tile the object's data up to ``size`` (every byte but the header has a piece digest), else None.
         A block: ``(begin, end, units)``, a unit ``(begin, end, piece digest)`` (None: the header);
         units are grouped up to :func:`relay_block_bytes` of the object; ``header_alone``: the
-        header is a block of its own (a plan its header gave: :meth:`run`)."""
+        header is a block of its own (a plan its header gave: :meth:`run`).
+
+        A manifest's spans that tile only the object's end look like a longer header: a version
+        that references only an older object's last tensors. None where that "header" would be
+        over :data:`BLOCK_BYTES` (~80,000 tensors' entries at ~107 bytes each: far likelier such a
+        version; either way the object is then read whole); a shorter one is found out at block 0
+        (:data:`IN_PART`)."""
         sp = spans.get(digest) if spans is not None else None
         pc = pieces.get(digest) if pieces is not None else None
         if not sp or not pc:
@@ -300,7 +306,7 @@ class Relay:
             if b != pos:
                 return None
             pos = e
-        if start < 8 or pos != size:
+        if start < 8 or pos != size or (start > BLOCK_BYTES and not header_alone):
             return None
         pos = start
         for (b, e), d in sorted(pc.items()):

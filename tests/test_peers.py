@@ -73,6 +73,19 @@ class Host:
                 raise AssertionError(f"host {self.proc.pid} took no slab within {timeout} s")
             time.sleep(0.005)
 
+    def ask_while_stopped(self, line: str, holder: "Host", seconds: float = 1.6) -> dict:
+        """Send ``line``; once this host's fetch is under way, stop ``holder`` (SIGSTOP: hung, its
+        connections open) for ``seconds``, then continue it; this host's reply."""
+        self.send(line)
+        self.wait_fetching()
+        time.sleep(0.2)
+        holder.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            holder.proc.send_signal(signal.SIGCONT)
+        return self.expect()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -355,15 +368,7 @@ def test_the_only_holder_of_an_object_read_whole_hung_for_longer_than_the_progre
     trainer.ask("commit 1 1 4")
     trainer.ask("commit 2 2 4")
     a = hosts("rollout", block_delay=0.3, burst_slices=1)
-    a.send("checkout 2 2 4")
-    a.wait_fetching()
-    time.sleep(0.2)
-    trainer.proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(1.6)
-    finally:
-        trainer.proc.send_signal(signal.SIGCONT)
-    reply = a.expect()
+    reply = a.ask_while_stopped("checkout 2 2 4", trainer)
     print(f"only holder of an object read whole hung 1.6 s: {reply}")
     assert reply["ok"] and reply["read_whole"] == 1 and reply["rejected"] == {}, reply
     assert set(reply["failed"]) == {trainer.session}, reply

@@ -245,15 +245,7 @@ def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_agai
     trainer, a = hosts("trainer"), hosts("rollout", block_delay=0.3)
     trainer.ask("commit 1 1 16")
     v1 = stored_bytes(trainer.root)
-    a.send("checkout 1 1 16")
-    a.wait_fetching()
-    time.sleep(0.2)
-    trainer.proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(1.6)
-    finally:
-        trainer.proc.send_signal(signal.SIGCONT)
-    ra = a.expect()
+    ra = a.ask_while_stopped("checkout 1 1 16", trainer)
     print(f"only holder hung 1.6 s: a read {ra['bytes_from']}, failed {ra['failed']}")
     assert ra["ok"] and ra["rejected"] == {} and ra["fetched"] == 2, ra
     assert set(ra["failed"]) == {trainer.session}, ra  # the stop did land on reads (and they were retried)
