@@ -659,8 +659,10 @@ class ObjectHasher:
         for b, e in self._spans:
             self._first.append(len(self._units))
             # a tensor hashed whole though large (an object written before pieces): blake3's own
-            # threads when this hasher is to hash side by side
-            threads = blake3.blake3.AUTO if self._parallel and e - b > PIECE_SIZE else 1
+            # threads when this hasher is to hash side by side (never for pieces, which the pool's
+            # threads hash side by side already: blake3's would be nested, spinning, in them)
+            whole = not self._piece_size and e - b > PIECE_SIZE
+            threads = blake3.blake3.AUTO if self._parallel and whole else 1
             self._units += [_Unit(b + pb, b + pe, threads) for pb, pe in pieces(e - b, self._piece_size)]
         self._first.append(len(self._units))
         self._start = start

@@ -20,7 +20,8 @@
 * :func:`prune_remote` and :func:`gc_remote` do the same for a remote tier (S3...). Remote GC takes
   the remote's exclusive lock, so it never runs while a push or pull is in progress (see
   :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
-* :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``),
+* :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``)
+  and after each version this host received,
   and remote prune + gc after each version persisted to the remote. A commit that finds the
   filesystem full asks it for a run and waits (:meth:`Maintainer.reclaim`) before it gives up.
 """
@@ -249,7 +250,8 @@ def _owner_dead(name: str) -> bool:
 class Maintainer:
     """Runs retention on a background thread; never on the training thread.
 
-    :meth:`poke` (after each commit) asks for prune + gc of the local tier; :meth:`poke_remote`
+    :meth:`poke` (after each commit, and after each version received: a fetch, a pull or a
+    collective checkout that brought bytes here) asks for prune + gc of the local tier; :meth:`poke_remote`
     (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
     :meth:`reclaim` (a commit that found the filesystem full; the store hands it to its committer) asks for a
     local run and waits for it.
@@ -286,7 +288,8 @@ class Maintainer:
         self._thread.start()
 
     def poke(self, *_: object) -> None:
-        """Ask for a run on the local tier (called after each commit)."""
+        """Ask for a run on the local tier (called after each commit, and after each checkout or
+        prefetch that brought a version's bytes to this host)."""
         self._ask("local")
 
     def poke_remote(self, *_: object) -> None:

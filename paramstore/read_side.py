@@ -159,6 +159,8 @@ class ReadSide:
             report = self.fetcher.fetch(step, manifest)
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
+            if report.fetched:
+                self._open.received()
             if recipe is not None:
                 derived.derive_manifest(root, manifest, recipe, elsewhere=self.fetcher.elsewhere(report),
                                         pool=self.fetcher.write_pool)
@@ -188,6 +190,8 @@ class ReadSide:
         step, lease_id, pulled = self._lease(version, None if group is not None else min_step, timeout,
                                              holder or f"pid {os.getpid()}", given)
         snap = map_version(root, self.fetcher, step, lease_id, given=given, pulled=pulled, verify=verify, lazy=lazy)
+        if snap.fetch.fetched:  # (its lease keeps it from the retention this may run)
+            self._open.received()
         if recipe is not None:
             assert self.fetcher is not None
             snap = derived.checkout(root, snap, recipe,  # closes snap; the lease passes to the derived one

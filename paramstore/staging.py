@@ -19,8 +19,8 @@ for its memory-map lock. A pool with ``recycle=True`` avoids it in steady state 
 mappings:
 
 1. After a commit is published, its slabs stay mapped in this process (:meth:`SlabPool.retire`),
-   held apart (nothing writes to them) up to ``keep_mapped`` commits' worth; older ones are
-   unmapped. (Not write-protected: ``mprotect`` there and back costs ~40 ms per GiB, which on 2
+   held apart (nothing writes to them) up to ``keep_mapped`` versions' worth; older ones are
+   unmapped. So do the objects a collective checkout received into slabs of this pool. (Not write-protected: ``mprotect`` there and back costs ~40 ms per GiB, which on 2
    cores made back-to-back commits ~1.25x a bare copy instead of ~1.05x.)
 2. When this process's GC sweeps such an object (its version was pruned; GC holds the exclusive
    GC lock, so no version references it and no commit can start to), :meth:`SlabPool.recycle`
@@ -35,8 +35,8 @@ mappings:
    read counts as a user). A slab in use, or one of a size no commit wants, is deleted.
 4. Then it is pooled for the next commit: its pages and page tables are still there, so the copy
    runs at memory speed with no fault at all, and nothing was unmapped or faulted in between.
-   After a commit the pool waits :data:`RECYCLE_GRACE_S` for GC to hand slabs back before it
-   faults new ones for what is still missing.
+   After a commit (or a fetch: :meth:`SlabPool.prepare`) the pool waits :data:`RECYCLE_GRACE_S`
+   for GC to hand slabs back before it faults new ones for what is still missing.
 
 Pinning (:mod:`paramstore.pinning`): in a process that stages accelerator tensors (the committer
 calls :meth:`SlabPool.pin_for` when a commit holds one), commit slabs are registered as page-locked
@@ -277,8 +277,8 @@ def tmp_name() -> str:
     return f"slab-{pid}-{start}-{next(_counter)}"
 
 
-#: How long, after a commit, a recycling pool waits for GC to hand back the slabs of the version
-#: that commit pushed out of retention before it faults new ones instead.
+#: How long, after a commit or a fetch, a recycling pool waits for GC to hand back the slabs of the
+#: version that one pushed out of retention before it faults new ones instead.
 RECYCLE_GRACE_S = 0.5
 #: How long :meth:`SlabPool.shed` waits for the slab the background thread is creating or checking.
 SHED_WAIT_S = 30.0
@@ -292,7 +292,7 @@ class SlabPool:
     the hot path).
 
     With ``recycle=True`` (see the module docstring), published slabs stay mapped
-    (:meth:`retire`, at most ``keep_mapped`` commits' worth) and GC hands them back when it sweeps
+    (:meth:`retire`, at most ``keep_mapped`` versions' worth) and GC hands them back when it sweeps
     them (:meth:`recycle`); they are reused, once nothing else has them open or mapped, before any
     new slab is faulted.
     """
@@ -311,7 +311,7 @@ class SlabPool:
         self._owner = os.getpid()
         self.recycling = recycle
         self._keep_mapped = keep_mapped
-        self._layout_bytes = 0  # one commit's worth (the last "commit" prepare)
+        self._layout_bytes: dict[str, int] = {}  # purpose -> one version's worth (its last prepare)
         self._retired: dict[tuple[int, int], Slab] = {}  # (st_dev, st_ino) -> published slab, oldest first
         self._lent: dict[tuple[int, int], tuple[Slab, int]] = {}  # retired slabs being read (lent), how many times
         self._recycled: list[Slab] = []  # swept by GC into tmp/, not yet checked
@@ -521,7 +521,8 @@ class SlabPool:
 
     def _trim_retired(self) -> list[Slab]:
         # With the lock held: forget mappings of files deleted meanwhile (by another process's GC:
-        # the memory is only freed once unmapped), then the oldest beyond keep_mapped commits.
+        # the memory is only freed once unmapped), then the oldest beyond keep_mapped versions (of
+        # the larger layout of the commits' and the fetches' this pool prepares for).
         drop = []
         for key, s in list(self._retired.items()):
             try:
@@ -530,7 +531,7 @@ class SlabPool:
                 gone = True
             if gone:
                 drop.append(self._retired.pop(key))
-        budget = self._keep_mapped * self._layout_bytes
+        budget = self._keep_mapped * max(self._layout_bytes.values(), default=0)
         total = sum(s.size for s in self._retired.values())
         for key in list(self._retired):
             if total <= budget:
@@ -589,16 +590,16 @@ class SlabPool:
         sizes are deleted.
         With recycling, once published slabs are mapped (something may come back), new ones are
         faulted only :data:`RECYCLE_GRACE_S` after this call: GC sweeps the objects of the version
-        this commit pushed out of retention meanwhile.
+        this commit (or fetch) pushed out of retention meanwhile. Retired slabs stay mapped up to
+        ``keep_mapped`` times the larger of the purposes' last layouts.
         """
         with self._lock:
             self._want[purpose] = list(sizes) * max(1, copies)
             self._keep[purpose] = list(sizes) * max(1, copies, keep or 0)
             self._stalled = False  # try again: space may have been freed since a failure
-            if purpose == "commit":
-                self._layout_bytes = sum(sizes)
-                if self.recycling and self._retired:
-                    self._grace_until = time.monotonic() + RECYCLE_GRACE_S
+            self._layout_bytes[purpose] = sum(sizes)
+            if self.recycling and self._retired:
+                self._grace_until = time.monotonic() + RECYCLE_GRACE_S
             budget: dict[int, int] = {}
             for s in (s for sizes in self._keep.values() for s in sizes):
                 budget[s] = budget.get(s, 0) + 1

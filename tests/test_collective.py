@@ -232,6 +232,51 @@ def test_a_source_that_committed_the_version_sends_from_its_pools_own_mappings(s
     assert got[1]["lent"] == 0 and got[1]["exact"] and got[1]["from_group"] and got[1]["verify"]
 
 
+def _hosts_with_retention(rank: int, world: int, base: str) -> dict[str, Any]:
+    import paramstore
+    import torch.distributed as dist
+
+    store = paramstore.ParamStore(f"{base}/host{rank}", create=True, retention={"keep_last": 2})
+    out: dict[str, Any] = {"versions": [], "exact": []}
+    held = None
+    for step in range(1, 6):
+        if rank == 0:
+            store.commit(step, model(step)).result()
+        dist.barrier()
+        snap = store.checkout(step, group=dist.group.WORLD, src=0, bucket_bytes=BUCKET)
+        if step == 1:
+            held = snap  # leased all along: retention keeps it
+        else:
+            out["exact"].append(same_bits(snap, model(step)))
+            snap.close()
+        assert store._write.maintainer.wait_idle(30)
+        out["versions"].append([v.step for v in store.versions()])
+    assert held is not None
+    out["held"] = same_bits(held, model(1))
+    held.close()
+    referenced = {o for v in (1, 4, 5) for o in store._root.registry.get_manifest(v).objects()}
+    out["unreferenced"] = sorted(set(store._root.tier.list()) - referenced)
+    out["stats"] = dict(store._pool.stats)
+    out["verify"] = store.verify()["ok"]
+    store.close()
+    return out
+
+
+def test_a_host_keeps_to_its_retention_for_the_versions_it_receives(shm_dir):
+    """A host's ``retention=`` applies to versions it receives as to those it commits: after each
+    collective checkout that brought bytes, prune + gc run there (the leased version 1 is kept), and
+    a receiver's pool receives into the slabs of the version retention dropped (recycled, reused)
+    instead of faulting new ones."""
+    got, _ = run_members(2, _hosts_with_retention, shm_dir, timeout=90)
+    for rank in (0, 1):
+        r = got[rank]
+        assert r["exact"] == [True] * 4 and r["held"] and r["verify"], r
+        assert r["versions"][-1] == [1, 4, 5], r["versions"]
+        assert r["unreferenced"] == [], r
+    receiver = got[1]["stats"]
+    assert receiver["recycled"] >= 1 and receiver["reused"] >= 1, receiver
+
+
 def _recipe_member(rank: int, world: int, base: str) -> dict[str, Any]:
     import torch.distributed as dist
 

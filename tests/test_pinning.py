@@ -118,7 +118,7 @@ def test_a_slab_is_registered_once_across_retire_recycle_and_reuse(stub, tmp_dir
         assert slab.pinned and pinning.registered(addr) == (SIZE, "cuda")
         assert stub.named("register") == [("register", addr, SIZE, pinning.CUDA_HOST_REGISTER_PORTABLE,
                                             threading.current_thread().name)]
-        pool._layout_bytes = SIZE  # one commit's worth (set by prepare): retired slabs stay mapped
+        pool._layout_bytes = {"commit": SIZE}  # one commit's worth (set by prepare): retired slabs stay mapped
         for step in range(3):
             slab.map[:8] = step.to_bytes(8, "little")
             published = os.path.join(objects, f"obj-{step}")

@@ -1,17 +1,18 @@
 """Collective checkout against a raw ``dist.broadcast``: one source, ``k`` receivers, gloo on this machine.
 
 ``1 + k`` spawned processes join one gloo group (``file://`` rendezvous); each has its own store on
-/dev/shm (its own "host"), with retention (keep the last 2, as an RL trainer runs it: its slab pool
-then recycles, and the source sends from the mappings it kept of what it committed). Each round, side by side in the same processes and group, in alternating
-order:
+/dev/shm (its own "host"), with retention (keep the last 2, as RL hosts run it: prune and GC run in
+the background after the source's commit and after each receiver's checkout, its slab pool
+recycles, the source sends from the mappings it kept of what it committed and a receiver receives
+into the slabs of the version retention dropped). Each round, side by side in the same processes
+and group, in alternating order:
 
 * **paramstore**: the source commits a fresh version of ``--mib`` MiB of bf16 tensors (random bits,
   outside the timing); then every member runs ``store.checkout(step, group=WORLD, src=0,
   bucket_bytes=...)``: the whole protocol (agreement, offer, status, buckets, verification of every
-  received object, placement, registration, lease and mapping). Afterwards every member removes the
-  previous version and runs GC (outside the timing) and the receivers' pools prepare the next destinations,
-  as they do between training steps; every timing starts after a pause (``settle``) in which that
-  background faulting ends.
+  received object, placement, registration, lease and mapping). Afterwards retention and the
+  receivers' pools prepare the next destinations, as they do between training steps; every timing
+  starts after a pause (``settle``) in which that background work ends.
 * **raw**: ``dist.broadcast`` of the same number of bytes, in buckets of the same size, from a
   preallocated buffer of the source into a preallocated (faulted) buffer of each receiver: no
   verification, nothing stored.
@@ -93,9 +94,6 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
             order = ("raw", "paramstore") if r % 2 else ("paramstore", "raw")
             for what in order:
                 timed(what, step)
-            if step > 1:  # the latest is always kept: drop the one before
-                store.remove(step - 1)
-                store.gc()
         store.close()
         results.put((rank, "ok", {"paramstore": times["paramstore"][1:], "raw": times["raw"][1:],
                                   "moved": moved[1:],
