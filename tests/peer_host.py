@@ -79,7 +79,9 @@ def main() -> None:
         import logging
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     root, registry, name, role = sys.argv[1:5]
-    with ParamStore(root, registry=registry, name=name, shard_size_bytes=int(os.environ.get("PEER_HOST_SHARD", 32 << 20))) as store:
+    keep = int(os.environ.get("PEER_HOST_KEEP", 0))
+    with ParamStore(root, registry=registry, name=name, shard_size_bytes=int(os.environ.get("PEER_HOST_SHARD", 32 << 20)),
+                    retention={"keep_last": keep} if keep else None) as store:
         server = store.serve("127.0.0.1")
         slabs: list[int] = []
         take = store._pool.take
@@ -144,6 +146,13 @@ def main() -> None:
                     from_patches=len(report.from_patches), patch_bytes=report.patch_bytes,
                     largest_slab=max(slabs, default=0), read_whole=len(read_whole),
                     read_whole_failed=sum(read_whole))
+            elif cmd == "held":  # once retention is done: the versions, and object files no version
+                if store._write.maintainer is not None:  # references (or that this host lacks)
+                    store._write.maintainer.wait_idle(30)
+                versions = [v.step for v in store.versions()]
+                referenced = {o for v in versions for o in store._root.registry.get_manifest(v).objects()}
+                files = set(store._root.tier.list())
+                say(versions=versions, unreferenced=sorted(files - referenced), lacking=sorted(referenced - files))
             elif cmd == "corrupt":  # flip a byte of every object this host serves (its shared memory)
                 say(corrupted=corrupt_served(store, server))
             elif cmd == "corrupt-header":  # the same, from the header's first byte on

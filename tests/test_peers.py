@@ -26,9 +26,11 @@ class Host:
     """A host process; ``send`` a command, ``expect`` its JSON reply."""
 
     def __init__(self, root: str, registry: str, name: str, role: str, *, fetch_concurrency: int | None = None,
-                 shard: int | None = None, block_delay: float = 0.0, burst_slices: int | None = None) -> None:
+                 shard: int | None = None, block_delay: float = 0.0, burst_slices: int | None = None,
+                 keep_last: int | None = None) -> None:
         self.root = root
-        env = dict(os.environ, MC_FORCE_TCP="1", **({"PEER_HOST_SHARD": str(shard)} if shard else {}))
+        env = dict(os.environ, MC_FORCE_TCP="1", **({"PEER_HOST_SHARD": str(shard)} if shard else {}),
+                   **({"PEER_HOST_KEEP": str(keep_last)} if keep_last else {}))
         argv = [HOST_SCRIPT, root, registry, name, role]
         if fetch_concurrency is not None or block_delay or burst_slices:  # objects fetched this many at a
             # time (1: one after another); block_delay: seconds each relayed block (or slice of an object
@@ -115,6 +117,21 @@ def stored_bytes(root: str) -> int:
     """Bytes of every object file of a host's tier (what a fetch of all of them reads)."""
     objects = os.path.join(root, "objects")
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(objects) for f in fs)
+
+
+def test_a_rollout_host_keeps_to_its_retention_for_the_versions_it_fetches(hosts):
+    """A host opened with ``retention=`` runs it after each checkout that fetched (as after a
+    commit): the shared registry keeps the last 2 and the host's shared memory holds their objects
+    only (those of older versions are swept there, as on the trainer)."""
+    trainer, rollout = hosts("trainer", keep_last=2), hosts("rollout", keep_last=2)
+    for step in range(1, 5):
+        assert trainer.ask(f"commit {step} {step} 16") == {"committed": step}
+        got = rollout.ask(f"checkout {step} {step} 16")
+        assert got["ok"] and got["fetched"] >= 1, got
+        held = rollout.ask("held")
+        assert held["versions"] == list(range(max(1, step - 1), step + 1)), held
+        assert held["unreferenced"] == [] and held["lacking"] == [], held
+    assert trainer.ask("held")["unreferenced"] == []
 
 
 def test_three_rollout_hosts_fetch_from_the_trainer_and_each_other(hosts):
