@@ -72,8 +72,8 @@ class StoreOptions:
             new files (the least CPU per update, no spare memory; see
             :func:`paramstore.delta.rebuild`, :func:`paramstore.derived.derive_manifest`).
         recycle_buffers: with retention (and ``prepare_buffers``), GC hands pruned versions'
-            objects back to the commit path as the next commits' buffers, once no other process
-            has them open or mapped.
+            objects back as the next commits' buffers (and a collective checkout's receiving
+            buffers), once no other process has them open or mapped.
         pin_memory: page-lock commit slabs when this process commits accelerator tensors, so
             device-to-host copies are asynchronous DMA. False: never.
         patches: make and use sparse patches between versions (see :mod:`paramstore.delta`).
@@ -91,7 +91,8 @@ class StoreOptions:
     Keeping:
         retention: a policy (for the shared-memory tier), ``{"local": policy, "remote": policy}``,
             or the same as plain data (:func:`policy_from_spec`): prune and GC then run in the
-            background after each commit. Held normalized, as ``{tier: policy}``.
+            background after each commit, and after each checkout or prefetch that brought a
+            version's bytes to this host. Held normalized, as ``{tier: policy}``.
         remote: an fsspec URL (``s3://bucket/prefix``, ``file:///mnt/ckpt``) or a
             :class:`~paramstore.remote.Remote`: every commit is written through to it in the
             background, and versions found only there are pulled on checkout.
