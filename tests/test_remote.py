@@ -102,6 +102,28 @@ def test_shared_filesystem_remote(shm_dir, tmp_path):
         r.tier.put_record(f"versions/{7:020d}.json", b"{}", create=True)
 
 
+def test_a_host_that_pulls_versions_keeps_to_its_retention(shm_dir, tmp_path):
+    """``retention=`` on a host that only reads: each checkout or prefetch that pulled a version
+    from the remote runs prune + gc there, as a commit does on the trainer; a leased version stays."""
+    url = f"file://{tmp_path}/remote"
+    with ParamStore(os.path.join(shm_dir, "a"), remote=url) as a:
+        for step in range(1, 6):
+            a.commit(step, model(step)).persisted.result(30)
+    with ParamStore(os.path.join(shm_dir, "b"), remote=url, retention=KeepLast(2)) as b:
+        held = b.checkout(1)  # leased until closed
+        for step in (2, 3, 4):
+            assert b.prefetch(step).result(30).step == step
+        with b.checkout(5) as snap:
+            assert snap.fetch.from_remote
+        assert b._write.maintainer.wait_idle(30)
+        reg = b._root.registry
+        assert [v.step for v in reg.versions()] == [1, 4, 5]
+        referenced = {o for v in (1, 4, 5) for o in reg.get_manifest(v).objects()}
+        assert set(b._root.tier.list()) == referenced
+        assert torch.equal(held["layer0.weight"].view(torch.int32), model(1)["layer0.weight"].view(torch.int32))
+        held.close()
+
+
 # -- dedup ---------------------------------------------------------------------------------------
 def test_unchanged_push_uploads_no_object_and_changes_upload_only_themselves(s3_server, s3_remote, shm_dir):
     url, opts = s3_remote
