@@ -105,8 +105,9 @@ fuzz: install
 # The GPU machine the device tool sometimes lends has no network and Python 3.12 with its own torch:
 # `make gpu-wheels` (here) downloads the wheels it lacks for that Python into build/gpu-wheels;
 # there, `make gpu-check` (device tool: run("make gpu-check", carry=["build/gpu-wheels"])) runs
-# every gpu-marked test, bench_device.py's GPU rows and a CUDA commit -> device checkout, within
-# 8 minutes, into $$OUT (tools/gpu_check.py). Without a GPU it says so and exits 0.
+# every gpu-marked test, bench_device.py's GPU rows, a CUDA commit -> device checkout and, with the
+# time left, the 7-receiver collective checkout on that machine's cores, within 8 minutes, into
+# $$OUT (tools/gpu_check.py). Without a GPU it says so and exits 0.
 GPU_PYTHON_VERSION ?= 3.12
 gpu-wheels: install
 	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PYTHON_VERSION) \

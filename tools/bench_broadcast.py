@@ -23,6 +23,13 @@ A round's time is the slowest member's (each starts after a barrier); the figure
     .venv/bin/python tools/bench_broadcast.py --mib 256 --receivers 3 --bucket-mib 64 --rounds 5 \\
         --json out/bench_broadcast.json
 
+``--phases`` also times the parts of each collective checkout on every member (agreement, the small
+rounds, the bucket loop, registration, the checkout's own part: :data:`PHASES`), and
+``--no-verify`` is a diagnostic run in which receivers skip verification (labelled so in its
+table), to tell what verification costs from what the transfer costs:
+
+    .venv/bin/python tools/bench_broadcast.py --mib 1024 --receivers 7 --rounds 3 --phases [--no-verify]
+
 Other benchmarks call :func:`run` (``tools/bench_device.py``'s broadcast row).
 """
 
@@ -48,14 +55,54 @@ SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 TENSORS = 8  # the version's bf16 tensors (one object: the default shard is 256 MiB)
 
 
+#: The parts of a collective checkout ``--phases`` times: (label, class in paramstore.collective,
+#: method); each call's seconds are added up per checkout. What the checkout spends outside
+#: ``_Broadcast.run`` (lease, manifest, mapping) is reported as "the checkout's own part".
+PHASES = (("agreement", "_Broadcast", "_agree"), ("small rounds", "_Broadcast", "_exchange"),
+          ("bucket loop", "_Buckets", "run"), ("registration", "_Broadcast", "_register"),
+          ("broadcast", "_Broadcast", "run"))
+
+
+def _time_phases(spent: dict[str, float]) -> None:
+    """Wrap the methods :data:`PHASES` names so that each call adds its seconds to ``spent``."""
+    from paramstore import collective
+
+    for label, cls, name in PHASES:
+        klass = getattr(collective, cls)
+        method = getattr(klass, name)
+
+        def timed(*a: Any, _m: Any = method, _label: str = label, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _m(*a, **k)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.perf_counter() - t
+
+        setattr(klass, name, timed)
+
+
+def _verification_off() -> None:
+    """Diagnostic only (the product never does this): receivers neither hash nor check what they
+    receive, to show what verification costs."""
+    from paramstore import collective
+
+    collective._InOrder.upto = lambda self, end: None  # type: ignore[method-assign]
+    collective._InOrder.result = lambda self: None  # type: ignore[method-assign]
+
+
 def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int, settle: float,
-            results: Any) -> None:
+            results: Any, phases: bool = False, verify: bool = True) -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
     import paramstore
 
+    spent: dict[str, float] = {}
+    if phases:
+        _time_phases(spent)
+    if not verify:
+        _verification_off()
     try:
         dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=rank, world_size=world)
         store = paramstore.ParamStore(f"{base}/host{rank}", create=True, retention={"keep_last": 2})
@@ -69,10 +116,12 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
         times: dict[str, list[float]] = {"paramstore": [], "raw": []}
         cpu: dict[str, list[float]] = {"paramstore": [], "raw": []}  # this process's CPU-seconds (all threads)
         moved: list[int] = []
+        parts: list[dict[str, float]] = []  # per paramstore round: seconds per phase (--phases)
 
         def timed(what: str, step: int) -> None:
             time.sleep(settle)  # background work (slabs faulted after a commit or a receive) is done
             dist.barrier()
+            spent.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             if what == "raw":
                 for lo in range(0, total, bucket):
@@ -82,6 +131,8 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
                     moved.append(snap.fetch.bytes)
             times[what].append(time.perf_counter() - t0)
             cpu[what].append(time.process_time() - c0)
+            if what == "paramstore" and phases:
+                parts.append({**spent, "the checkout's own part": times[what][-1] - spent.get("broadcast", 0.0)})
 
         for r in range(rounds + 1):  # round 0: warm-up
             step = r + 1
@@ -96,7 +147,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
                 timed(what, step)
         store.close()
         results.put((rank, "ok", {"paramstore": times["paramstore"][1:], "raw": times["raw"][1:],
-                                  "moved": moved[1:],
+                                  "moved": moved[1:], "phases": parts[1:],
                                   "cpu_paramstore": cpu["paramstore"][1:], "cpu_raw": cpu["raw"][1:]}))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -109,7 +160,7 @@ def _member(rank: int, world: int, base: str, mib: int, bucket: int, rounds: int
 
 
 def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 5, *,
-        settle: float = 1.5, timeout: float = 900.0) -> dict[str, Any]:
+        settle: float = 1.5, timeout: float = 900.0, phases: bool = False, verify: bool = True) -> dict[str, Any]:
     """Broadcast a version of ``mib`` MiB (bf16) from one source to ``receivers`` over gloo, with
     paramstore and with a raw ``dist.broadcast`` of the same bytes and bucket size.
 
@@ -121,6 +172,9 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
         settle: seconds every member pauses before each timing, so that background work (the
             slabs a store faults after a commit or a receive, for the next one) is not measured.
         timeout: seconds the whole run may take before every process is killed.
+        phases: also time the parts of each collective checkout (:data:`PHASES`) on every member.
+        verify: False is a diagnostic: receivers skip verification (what it costs; the product
+            always verifies).
 
     Returns:
         ``{"mib", "receivers", "bucket_mib", "rounds", "paramstore_s", "raw_s", "ratio",
@@ -129,7 +183,9 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
         ``cpu_s_per_gib``: ``{"paramstore"|"raw": {"receiver", "source"}}``, a member's CPU-seconds
         (every thread of its process) per GiB of the version, medians over the rounds (receivers:
         their mean);
-        ``foreign_cpu_pct``: the machine's CPU other processes used during the run (noise).
+        ``foreign_cpu_pct``: the machine's CPU other processes used during the run (noise);
+        ``verify``; with ``phases``: ``"phases": {"source"|"receivers": {part: seconds}}``, the
+        median over rounds of the source's and of the slowest receiver's seconds in each part.
 
     Raises:
         RuntimeError: a member failed or did not finish within ``timeout``.
@@ -138,7 +194,8 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
     base = tempfile.mkdtemp(prefix="paramstore-bench-broadcast-", dir=SHM)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, settle, results), daemon=True)
+    procs = [ctx.Process(target=_member, args=(r, world, base, mib, bucket_mib << 20, rounds, settle, results,
+                                                 phases, verify), daemon=True)
              for r in range(world)]
     got: dict[int, Any] = {}
     meter = CpuMeter(lambda: [os.getpid(), *(p.pid for p in procs if p.pid is not None)])
@@ -183,7 +240,20 @@ def run(mib: int = 256, receivers: int = 3, bucket_mib: int = 64, rounds: int = 
             "paramstore_all": slowest["paramstore"], "raw_all": slowest["raw"],
             "ratio_all": [r / o for r, o in zip(slowest["raw"], slowest["paramstore"])],
             "bytes_per_receiver": statistics.median(got[1]["moved"]) if receivers else 0,
-            "cpu_s_per_gib": cpu, "foreign_cpu_pct": noise["foreign_pct"], "machine": machine()}
+            "cpu_s_per_gib": cpu, "foreign_cpu_pct": noise["foreign_pct"], "machine": machine(), "verify": verify,
+            **({"phases": _phases(got, rounds)} if phases else {})}
+
+
+def _phases(got: dict[int, Any], rounds: int) -> dict[str, dict[str, float]]:
+    """Median over rounds of the source's seconds in each part, and of the slowest receiver's."""
+    labels = [label for label, _, _ in PHASES if label != "broadcast"] + ["the checkout's own part"]
+    out: dict[str, dict[str, float]] = {"source": {}, "receivers": {}}
+    for label in labels:
+        out["source"][label] = statistics.median(got[0]["phases"][i].get(label, 0.0) for i in range(rounds))
+        if len(got) > 1:
+            out["receivers"][label] = statistics.median(
+                max(got[r]["phases"][i].get(label, 0.0) for r in got if r) for i in range(rounds))
+    return out
 
 
 def _cpu(res: dict[str, Any], what: str) -> str:
@@ -203,6 +273,14 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['mib'] / 1024 / res['paramstore_s']:.2f} GiB/s | {_cpu(res, 'paramstore')} | {res['ratio']:.2f}× | ≥ 0.9× |",
         f"| raw `dist.broadcast` | {res['raw_s'] * 1e3:.0f} ms | {res['mib'] / 1024 / res['raw_s']:.2f} GiB/s | "
         f"{_cpu(res, 'raw')} | 1.00× | |",
+        *([] if res.get("verify", True) else [
+            "", "**Diagnostic run: receivers did not verify what they received** (the product always does)."]),
+        *([] if "phases" not in res else [
+            "", "Where a collective checkout's time went (ms; medians over rounds; receivers: the slowest "
+            "in each round): " + "; ".join(
+                f"{label} {res['phases']['source'][label] * 1e3:.1f} / "
+                f"{res['phases']['receivers'].get(label, 0.0) * 1e3:.1f}"
+                for label in res["phases"]["source"]) + " (source / receivers)."]),
     ])
 
 
@@ -212,11 +290,14 @@ def main() -> int:
     ap.add_argument("--receivers", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--phases", action="store_true", help="also time the parts of each collective checkout")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="diagnostic: receivers skip verification (what it costs; the product always verifies)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args()
     log(f"broadcast {args.mib} MiB to {args.receivers} receivers, {args.bucket_mib} MiB buckets, {args.rounds} rounds")
-    res = run(args.mib, args.receivers, args.bucket_mib, args.rounds)
+    res = run(args.mib, args.receivers, args.bucket_mib, args.rounds, phases=args.phases, verify=not args.no_verify)
     md = markdown(res)
     print(md)
     write_outputs(args.json, res, args.markdown, md)
