@@ -21,7 +21,7 @@
   the remote's exclusive lock, so it never runs while a push or pull is in progress (see
   :mod:`paramstore.remote`), and spares unreferenced objects younger than ``grace`` seconds.
 * :class:`Maintainer` runs prune + gc in the background after each commit (``ParamStore(retention=)``)
-  and after each version this host received,
+  and after each version this host received (gc alone with a registry shared by hosts),
   and remote prune + gc after each version persisted to the remote. A commit that finds the
   filesystem full asks it for a run and waits (:meth:`Maintainer.reclaim`) before it gives up.
 """
@@ -250,8 +250,9 @@ def _owner_dead(name: str) -> bool:
 class Maintainer:
     """Runs retention on a background thread; never on the training thread.
 
-    :meth:`poke` (after each commit, and after each version received: a fetch, a pull or a
-    collective checkout that brought bytes here) asks for prune + gc of the local tier; :meth:`poke_remote`
+    :meth:`poke` (after each commit) asks for prune + gc of the local tier, :meth:`received`
+    (after each version a checkout or prefetch brought here) for the same, or for gc alone with a
+    registry shared by hosts; :meth:`poke_remote`
     (after each version persisted) for prune + gc of the remote. Bursts coalesce into one run.
     :meth:`reclaim` (a commit that found the filesystem full; the store hands it to its committer) asks for a
     local run and waits for it.
@@ -288,9 +289,20 @@ class Maintainer:
         self._thread.start()
 
     def poke(self, *_: object) -> None:
-        """Ask for a run on the local tier (called after each commit, and after each checkout or
-        prefetch that brought a version's bytes to this host)."""
+        """Ask for a run on the local tier (called after each commit)."""
         self._ask("local")
+
+    def received(self, *, wait: float | None = None) -> None:
+        """A version's bytes came to this host (a checkout or a prefetch fetched, pulled or was sent
+        them): ask for a run on the local tier, as after a commit. With a registry shared by hosts,
+        the run only sweeps (GC: the objects of versions the registry no longer holds): pruning
+        that registry is for the hosts that commit to it, by their policies and their remote's
+        holds. ``wait``: seconds to wait for the run (a prefetch, whose version is leased only
+        until then, so that this run cannot prune it)."""
+        ticket = self._ask("sweep" if self._root.registry.shared else "local")
+        if wait and ticket is not None and threading.current_thread() is not self._thread:
+            with self._cond:
+                self._cond.wait_for(lambda: self._local_done >= ticket, wait)
 
     def poke_remote(self, *_: object) -> None:
         """Ask for a run on the remote tier (called after each version persisted)."""
@@ -305,7 +317,7 @@ class Maintainer:
             self._idle.clear()
             self._pending.add(tier)
             self._cond.notify_all()  # the loop (reclaim() callers wait on the same condition)
-            if tier == "local":
+            if tier in ("local", "sweep"):
                 self._local_asked += 1
                 return self._local_asked
             return None
@@ -324,7 +336,7 @@ class Maintainer:
     def reclaim(self, timeout: float | None = None) -> bool:
         """Run prune + gc of the local tier now and wait for it: a commit that found the
         filesystem full calls this before it gives up (retention otherwise runs only after a
-        successful commit). A run already in progress does not count (it may have looked at the
+        successful commit or a version received). A run already in progress does not count (it may have looked at the
         registry before the latest commit). True when a run asked for after this call finished
         within ``timeout`` seconds (its errors are in ``last_error``); False if not, or if closed.
 
@@ -351,6 +363,8 @@ class Maintainer:
                     return
                 pending, self._pending = self._pending, set()
                 serving = self._local_asked  # every local ask so far is served by this run
+            if "local" in pending:
+                pending.discard("sweep")  # (a local run sweeps too)
             error = None  # reported once, retried on the next poke
             for tier in sorted(pending):
                 error = self._run(tier) or error
@@ -359,7 +373,7 @@ class Maintainer:
             self.last_error = error
             with self._cond:
                 self.runs += 1
-                if "local" in pending:
+                if pending & {"local", "sweep"}:
                     self._local_done = serving
                     self._cond.notify_all()  # reclaim()
                 if not self._pending:  # else a poke came during the run: run again first
@@ -376,8 +390,8 @@ class Maintainer:
                 _prune_remote(self._remote, policy, self._remote_versions)
         except Exception as e:  # noqa: BLE001
             error = e
-        try:  # even when prune failed (e.g. the registry was busy)
-            if tier == "local":
+        try:  # even when prune failed (e.g. the registry was busy); "sweep": GC alone
+            if tier in ("local", "sweep"):
                 gc(self._root)
             elif self._remote is not None and policy is not None:
                 gc_remote(self._remote)

@@ -43,7 +43,7 @@ class Opening:
         self.owner = os.getpid()
         self.lock = threading.Lock()  # held while opening and while close() marks the store closed
         self._hooks: list[Callable[[StoreRoot, SlabPool], None]] = []
-        self._received: list[Callable[[], None]] = []
+        self._received: list[Callable[..., None]] = []
         _warn_if_not_shared_memory(path)  # before anything is opened
         if opts.create is not None or os.path.exists(os.path.join(path, MARKER)):
             self.attach(create=bool(opts.create))  # create=False: the store must exist now
@@ -56,15 +56,16 @@ class Opening:
         if self.opened is not None and self.pool is not None:
             hook(self.opened, self.pool)
 
-    def on_received(self, hook: Callable[[], None]) -> None:
-        """Call ``hook()`` each time a version's bytes came to this host (:meth:`received`)."""
+    def on_received(self, hook: Callable[..., None]) -> None:
+        """Call ``hook(wait=...)`` each time a version's bytes came to this host (:meth:`received`)."""
         self._received.append(hook)
 
-    def received(self) -> None:
+    def received(self, *, wait: float | None = None) -> None:
         """Bytes of a version came to this host (a fetch, a pull, a collective checkout): the read
-        side says so, and retention runs (``ParamStore(retention=)``, as after a commit)."""
+        side says so, and retention runs (``ParamStore(retention=)``: :meth:`Maintainer.received
+        <paramstore.maintenance.Maintainer.received>`); ``wait``: seconds to wait for it."""
         for hook in self._received:
-            hook()
+            hook(wait=wait)
 
     @property
     def shared(self) -> bool:

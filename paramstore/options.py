@@ -92,7 +92,8 @@ class StoreOptions:
         retention: a policy (for the shared-memory tier), ``{"local": policy, "remote": policy}``,
             or the same as plain data (:func:`policy_from_spec`): prune and GC then run in the
             background after each commit, and after each checkout or prefetch that brought a
-            version's bytes to this host. Held normalized, as ``{tier: policy}``.
+            version's bytes to this host (GC alone with a registry shared by hosts: its versions
+            are pruned where they are committed). Held normalized, as ``{tier: policy}``.
         remote: an fsspec URL (``s3://bucket/prefix``, ``file:///mnt/ckpt``) or a
             :class:`~paramstore.remote.Remote`: every commit is written through to it in the
             background, and versions found only there are pulled on checkout.

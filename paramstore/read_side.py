@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ReadSide"]
 
+#: How long a prefetch that brought bytes waits, its version still leased, for the retention run
+#: that follows (so that the run cannot prune what was just prefetched).
+RETENTION_WAIT_S = 30.0
 _CLOSE_POLL_S = 0.5  # how often a wait for a version looks whether the store was closed meanwhile
 
 
@@ -159,8 +162,8 @@ class ReadSide:
             report = self.fetcher.fetch(step, manifest)
             report.absorb(pulled)  # what a pull of this version placed already
             metrics.fetched(self, report, manifest)
-            if report.fetched:
-                self._open.received()
+            if report.fetched:  # retention, waited for while the lease keeps this version from it
+                self._open.received(wait=RETENTION_WAIT_S)
             if recipe is not None:
                 derived.derive_manifest(root, manifest, recipe, elsewhere=self.fetcher.elsewhere(report),
                                         pool=self.fetcher.write_pool)

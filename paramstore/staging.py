@@ -311,7 +311,7 @@ class SlabPool:
         self._owner = os.getpid()
         self.recycling = recycle
         self._keep_mapped = keep_mapped
-        self._layout_bytes: dict[str, int] = {}  # purpose -> one version's worth (its last prepare)
+        self._layout_bytes: dict[str, int] = {}  # "commit"/"fetch" -> one version's worth (its last prepare)
         self._retired: dict[tuple[int, int], Slab] = {}  # (st_dev, st_ino) -> published slab, oldest first
         self._lent: dict[tuple[int, int], tuple[Slab, int]] = {}  # retired slabs being read (lent), how many times
         self._recycled: list[Slab] = []  # swept by GC into tmp/, not yet checked
@@ -591,15 +591,17 @@ class SlabPool:
         With recycling, once published slabs are mapped (something may come back), new ones are
         faulted only :data:`RECYCLE_GRACE_S` after this call: GC sweeps the objects of the version
         this commit (or fetch) pushed out of retention meanwhile. Retired slabs stay mapped up to
-        ``keep_mapped`` times the larger of the purposes' last layouts.
+        ``keep_mapped`` times the larger of the last commit's and fetch's layouts (other purposes,
+        e.g. ``"derive"``, set neither).
         """
         with self._lock:
             self._want[purpose] = list(sizes) * max(1, copies)
             self._keep[purpose] = list(sizes) * max(1, copies, keep or 0)
             self._stalled = False  # try again: space may have been freed since a failure
-            self._layout_bytes[purpose] = sum(sizes)
-            if self.recycling and self._retired:
-                self._grace_until = time.monotonic() + RECYCLE_GRACE_S
+            if purpose in ("commit", "fetch"):  # a version's layout, whose slabs retention hands back
+                self._layout_bytes[purpose] = sum(sizes)
+                if self.recycling and self._retired:
+                    self._grace_until = time.monotonic() + RECYCLE_GRACE_S
             budget: dict[int, int] = {}
             for s in (s for sizes in self._keep.values() for s in sizes):
                 budget[s] = budget.get(s, 0) + 1

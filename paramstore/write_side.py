@@ -99,7 +99,7 @@ class WriteSide:
         self.maintainer = Maintainer(root, policies, remote) if policies else None
         m = self.maintainer
         if m is not None:  # a host that receives versions keeps to its retention as one that commits
-            self._open.on_received(m.poke)
+            self._open.on_received(m.received)
         self.persister = None if remote is None else Persister(
             root, remote, retry_for=opts.persist_retry_for, backlog=opts.persist_backlog, resume=False,
             on_persisted=m.poke_remote if m is not None else None, on_released=m.poke if m is not None else None,

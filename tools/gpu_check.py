@@ -32,6 +32,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,10 +69,13 @@ def step(name: str, argv: list[str], env: dict[str, str], timeout: float, log: s
     limit still leaves what it printed); its result (exit code, seconds, the output's tail)."""
     t0 = time.monotonic()
     with open(log, "w") as f:
+        # a session of its own: at the limit its whole process group goes (a bench's members too)
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=max(1.0, timeout)).returncode
+            rc = proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = 124
             f.write(f"\ntimed out after {timeout:.0f} s\n")
     with open(log) as f:
@@ -164,10 +168,11 @@ def main() -> int:
     if left() > 120:
         common = "tools/bench_broadcast.py --mib 1024 --receivers 7 --bucket-mib 64 --rounds 3 --phases"
         script = f"{sys.executable} {common} && {sys.executable} {common} --no-verify"
-        report["steps"].append(step("broadcast, 7 receivers", ["bash", "-c", script], env, left() - 5,
-                                    f"{a.out}/broadcast7.log"))
+        report["steps"].append({**step("broadcast, 7 receivers", ["bash", "-c", script], env, left() - 5,
+                                       f"{a.out}/broadcast7.log"), "optional": True})
         save(report)
-    ok = all(s["rc"] == 0 for s in report["steps"]) and bool(report["roundtrip"]) \
+    # (the optional step, run with whatever time was left, may time out without failing the check)
+    ok = all(s["rc"] == 0 for s in report["steps"] if not s.get("optional")) and bool(report["roundtrip"]) \
         and report["roundtrip"]["bit_identical"]
     report["ok"] = ok
     save(report)
