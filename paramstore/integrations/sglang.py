@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -88,7 +89,28 @@ _fetches: dict[int, Any] = {}  # id(model) -> the FetchReport of its last load's
 _sources: dict[int, tuple[str, Any, Any, Any]] = {}  # id(model) -> (root, registry, name, recipe) of its last load
 _checks: dict[int, dict[str, Any]] = {}  # id(model) -> the report of its last check request
 _next: dict[int, NextVersion] = {}  # id(store) -> its prefetch of the version after the one loaded
-_lock = threading.Lock()
+_lock = threading.RLock()  # (re-entered by _forget, a finalizer that may run inside a with-block)
+_watched: set[int] = set()  # id(model) of the models whose entries above go when they are collected
+
+
+def _remember(model: Any) -> int:
+    """``id(model)``, the key of its entries above; with the lock held. They are dropped when the
+    model is garbage-collected: another object may get its id later (it would find them)."""
+    key = id(model)
+    if key not in _watched:
+        try:
+            weakref.finalize(model, _forget, key)
+        except TypeError:  # not weakly referenceable: its entries stay
+            return key
+        _watched.add(key)
+    return key
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        for table in (_loaded, _fetches, _sources, _checks):
+            table.pop(key, None)
+        _watched.discard(key)
 
 
 def request(root: str | os.PathLike[str], *, version: int | str | None = None, min_step: int | None = None,
@@ -200,9 +222,10 @@ def load_weights(model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     with snap:
         model.load_weights(iter(snap.items()))
         with _lock:
-            _loaded[id(model)] = snap.step  # only once the model holds every tensor
-            _fetches[id(model)] = snap.fetch
-            _sources[id(model)] = (body["root"], body["registry"], body["name"], body["recipe"])
+            key = _remember(model)
+            _loaded[key] = snap.step  # only once the model holds every tensor
+            _fetches[key] = snap.fetch
+            _sources[key] = (body["root"], body["registry"], body["name"], body["recipe"])
     nxt.start(store, snap.step + 1, recipe=body["recipe"])
 
 
@@ -214,7 +237,7 @@ def _check_request(model: Any, body: dict[str, Any]) -> None:
     report = check_installed(model, version, root=body["root"], registry=body["registry"], name=body["name"],
                              device="cpu", recipe=body["recipe"])
     with _lock:
-        _checks[id(model)] = report
+        _checks[_remember(model)] = report
     if report["ok"]:
         logger.info("paramstore: the model holds step %d (%d tensors compared)", report["step"], report["tensors"])
     else:

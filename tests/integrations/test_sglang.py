@@ -357,6 +357,23 @@ def test_the_check_names_what_the_version_does_not_reach(store_root):
         assert report["mismatched"] == {"qkv.weight": "64 of 192 elements differ"}, report  # filled in part
 
 
+def test_a_collected_models_entries_go_with_it(store_root):
+    """What a worker keeps per model (keyed by ``id(model)``) goes when the model is collected:
+    a model made later may get the same id, and must not find the old one's source or step (it
+    did: a fresh model's check named a store of an earlier test instead of asking for one)."""
+    import gc
+
+    with ParamStore(store_root) as store:
+        store.commit(1, version(1)).result()
+    model = FusedPolicy()
+    sglang.load_weights(model, sglang.request(store_root, version=1))
+    key = id(model)
+    assert sglang.loaded_versions()[key] == 1 and key in sglang.last_fetches()
+    del model
+    gc.collect()
+    assert key not in sglang.loaded_versions() and key not in sglang.last_fetches()
+
+
 def test_the_check_refuses_what_it_cannot_compare_and_leaves_the_model_as_it_was(store_root):
     model = FusedPolicy()
     with pytest.raises(InvalidArgumentError, match="loaded no version"):
