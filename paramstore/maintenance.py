@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 __all__ = ["prune", "gc", "prune_remote", "gc_remote", "Maintainer",
            "tier_policies", "TIERS"]
 
+#: Runs of a Maintainer on the local tier: prune + gc, and gc alone (a version received with a
+#: registry shared by hosts).
+_LOCAL_RUNS = ("local", "sweep")
+
 #: Tiers a retention policy can name: ``"local"`` (shared memory) and ``"remote"`` (S3...).
 TIERS = ("local", "remote")
 
@@ -300,9 +304,8 @@ class Maintainer:
         holds. ``wait``: seconds to wait for the run (a prefetch, whose version is leased only
         until then, so that this run cannot prune it)."""
         ticket = self._ask("sweep" if self._root.registry.shared else "local")
-        if wait and ticket is not None and threading.current_thread() is not self._thread:
-            with self._cond:
-                self._cond.wait_for(lambda: self._local_done >= ticket, wait)
+        if wait:
+            self._served(ticket, wait)
 
     def poke_remote(self, *_: object) -> None:
         """Ask for a run on the remote tier (called after each version persisted)."""
@@ -317,7 +320,7 @@ class Maintainer:
             self._idle.clear()
             self._pending.add(tier)
             self._cond.notify_all()  # the loop (reclaim() callers wait on the same condition)
-            if tier in ("local", "sweep"):
+            if tier in _LOCAL_RUNS:
                 self._local_asked += 1
                 return self._local_asked
             return None
@@ -341,10 +344,14 @@ class Maintainer:
         within ``timeout`` seconds (its errors are in ``last_error``); False if not, or if closed.
 
         Must not be called with the GC lock held (GC takes it exclusive)."""
-        if threading.current_thread() is self._thread:  # from a run: nothing to wait for
+        if threading.current_thread() is self._thread:  # from a run: nothing to ask, nothing to wait for
             return False
-        ticket = self._ask("local")
-        if ticket is None:
+        return self._served(self._ask("local"), timeout)
+
+    def _served(self, ticket: int | None, timeout: float | None) -> bool:
+        """Wait until the local run that serves ``ticket`` (:meth:`_ask`) finished; False at
+        ``timeout``, without a ticket (closed), or on this object's own thread (from a run)."""
+        if ticket is None or threading.current_thread() is self._thread:
             return False
         with self._cond:
             return self._cond.wait_for(lambda: self._local_done >= ticket, timeout)
@@ -373,7 +380,7 @@ class Maintainer:
             self.last_error = error
             with self._cond:
                 self.runs += 1
-                if pending & {"local", "sweep"}:
+                if pending & set(_LOCAL_RUNS):
                     self._local_done = serving
                     self._cond.notify_all()  # reclaim()
                 if not self._pending:  # else a poke came during the run: run again first
@@ -391,7 +398,7 @@ class Maintainer:
         except Exception as e:  # noqa: BLE001
             error = e
         try:  # even when prune failed (e.g. the registry was busy); "sweep": GC alone
-            if tier in ("local", "sweep"):
+            if tier in _LOCAL_RUNS:
                 gc(self._root)
             elif self._remote is not None and policy is not None:
                 gc_remote(self._remote)
