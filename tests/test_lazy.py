@@ -203,6 +203,8 @@ def hosts(redis_url, shm_dir, tmp_path):
 
     start.url = f"file://{tmp_path}/bucket"  # type: ignore[attr-defined]
     yield start
+    for h in made:  # all at once (see test_peers.hosts)
+        h.quit()
     for h in made:
         h.close()
 

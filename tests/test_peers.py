@@ -3,6 +3,7 @@ Mooncake transfer engine over TCP on 127.0.0.1, sharing a real redis-server as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,22 +26,26 @@ HOST_SCRIPT = os.path.join(os.path.dirname(__file__), "peer_host.py")
 class Host:
     """A host process; ``send`` a command, ``expect`` its JSON reply."""
 
+    quitting = False  # asked to quit (:meth:`quit`)
+
     def __init__(self, root: str, registry: str, name: str, role: str, *, fetch_concurrency: int | None = None,
                  shard: int | None = None, block_delay: float = 0.0, burst_slices: int | None = None,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, stall_s: float | None = None,
+                 retry_s: float | None = None) -> None:
         self.root = root
         env = dict(os.environ, MC_FORCE_TCP="1", **({"PEER_HOST_SHARD": str(shard)} if shard else {}),
                    **({"PEER_HOST_KEEP": str(keep_last)} if keep_last else {}))
         argv = [HOST_SCRIPT, root, registry, name, role]
-        if fetch_concurrency is not None or block_delay or burst_slices:  # objects fetched this many at a
-            # time (1: one after another); block_delay: seconds each relayed block (or slice of an object
-            # read whole) is held back after it lands (a slow host); burst_slices: slices such a read
-            # asks for at once
+        relay = {k: v for k, v in (("STALL_S", stall_s), ("RETRY_S", retry_s)) if v is not None}
+        if fetch_concurrency is not None or block_delay or burst_slices or relay:  # objects fetched this
+            # many at a time (1: one after another); block_delay: seconds each relayed block (or slice
+            # of an object read whole) is held back after it lands (a slow host); burst_slices: slices
+            # such a read asks for at once; stall_s, retry_s: the relay's STALL_S, RETRY_S
             fetch_concurrency = 4 if fetch_concurrency is None else fetch_concurrency
             burst_slices = 16 if burst_slices is None else burst_slices
             argv = ["-c", "import sys, runpy, paramstore.peer as p, paramstore.relay as r; "
                     f"p.FETCH_CONCURRENCY = {fetch_concurrency}; r._TEST_DELAY_S = {block_delay}; "
-                    f"p.BURST_SLICES = {burst_slices}; "
+                    f"p.BURST_SLICES = {burst_slices}; " + "".join(f"r.{k} = {v}; " for k, v in relay.items()) +
                     f"sys.path.insert(0, {os.path.dirname(HOST_SCRIPT)!r}); sys.argv = {argv!r}; "
                     "runpy.run_path(sys.argv[0], run_name='__main__')"]
         self.proc = subprocess.Popen([sys.executable, *argv],
@@ -88,12 +93,19 @@ class Host:
             holder.proc.send_signal(signal.SIGCONT)
         return self.expect()
 
+    def quit(self) -> None:
+        """Ask the host to close its store and exit (:meth:`close` waits for it)."""
+        if self.proc.poll() is None and not self.quitting:
+            self.quitting = True
+            with contextlib.suppress(BrokenPipeError):
+                self.send("quit")
+
     def close(self) -> None:
         if self.proc.poll() is None:
+            self.quit()
             try:
-                self.send("quit")
                 self.proc.wait(20)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
 
@@ -109,6 +121,8 @@ def hosts(redis_url, shm_dir):
 
     start.name = name  # type: ignore[attr-defined]
     yield start
+    for h in made:  # all at once: each takes about a second to close its transfer engine
+        h.quit()
     for h in made:
         h.close()
 
@@ -324,6 +338,23 @@ def test_peer_killed_mid_transfer_the_fetch_completes_elsewhere(hosts):
     first.proc.wait()
     reply = second.expect()
     assert reply["ok"]
+
+
+def test_a_version_whose_only_holder_died_fails_its_checkout_and_says_so(hosts):
+    """The trainer, the only holder, is killed (its announcements stay in the registry): the
+    rollout's checkout fails with an error naming the objects nobody could serve once the retries'
+    back-off is over (``RETRY_S`` × (1 + 2 + 4); 0.1 s here), not a hang."""
+    trainer, rollout = hosts("trainer"), hosts("rollout", retry_s=0.1)
+    assert trainer.ask("commit 1 1 16") == {"committed": 1}
+    trainer.proc.kill()
+    trainer.proc.wait()
+    t0 = time.monotonic()
+    got = rollout.ask("checkout 1 1 16")
+    took = time.monotonic() - t0
+    print(f"only holder dead: {got} in {took:.2f} s")
+    assert not got["ok"] and got["error"].startswith("ObjectUnavailableError: 2 objects of version 1"), got
+    assert "no live host serves them" in got["error"], got
+    assert took < 10.0, took
 
 
 @pytest.mark.parametrize("changed", [4, 1, -4])

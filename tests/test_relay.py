@@ -237,6 +237,30 @@ def test_an_upstream_hung_mid_relay_costs_the_engines_progress_timeout_not_a_han
 
 
 @needs_mooncake
+def test_an_upstream_that_answers_but_makes_no_progress_is_passed_over(hosts):
+    """A (slow: each block held back 1 s after it lands) relays to B, whose ``STALL_S`` is 0.1 s:
+    A's progress word answers, but its mark stays put for longer than B waits (``STALL_S`` plus a
+    few blocks' time), so B passes over A and reads the rest from the trainer, going on from its
+    own verified blocks. A stall is not a failed read: nothing failed, nobody blamed, nothing read
+    twice. Following A would take ~1 s per block (17 blocks of each object): B is done long before."""
+    trainer = hosts("trainer")
+    a, b = hosts("rollout", block_delay=1.0), hosts("rollout", stall_s=0.1)
+    trainer.ask("commit 1 1 16")
+    v1 = stored_bytes(trainer.root)
+    a.send("checkout 1 1 16")
+    a.wait_fetching()  # A announced itself a fetcher: B, after it, follows it
+    t0 = time.monotonic()
+    rb = b.ask("checkout 1 1 16")
+    took = time.monotonic() - t0
+    a.proc.kill()  # it would go on for ~17 s
+    print(f"upstream stalled: b read {rb['bytes_from']} in {took:.2f} s")
+    assert rb["ok"] and rb["rejected"] == {} and rb["failed"] == {}, rb
+    assert sum(rb["bytes_from"].values()) == v1, rb  # nothing read twice
+    assert rb["bytes_from"].get(trainer.session, 0) > v1 // 2, rb
+    assert took < 8.0, took
+
+
+@needs_mooncake
 def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_again(hosts):
     """The trainer, the only holder, hangs for 1.6 s mid-fetch (SIGSTOP, then SIGCONT): the read
     in flight to it fails after the engine's progress timeout (1 s), and with nobody else to ask
