@@ -8,8 +8,9 @@
    version counter moved since ``commit()``) fails the commit with TornCommitError (:class:`_Watch`).
 2. **Hash** (hash threads, one per core: :class:`HashQueue`). blake3 of each piece's bytes in
    the slab (:mod:`paramstore.format`): one read pass, no byte hashed twice, each piece on one
-   thread (a 1 GiB tensor is 128 independent pieces, so no blake3 thread pool is needed). CPU
-   tensors are hashed as they are staged: the stager hands each piece (and each batch of small
+   thread (a 1 GiB tensor is 512 independent pieces, in 128 units of four, so no blake3 thread
+   pool is needed). CPU tensors are hashed as they are staged: the stager hands each unit of
+   pieces (and each batch of small
    tensors) to the hash threads as soon as it is copied; while a copy runs only
    :func:`staging_hashers` of them hash (the stager holds a core), all of them after. The
    publisher then only waits for the last pieces and computes the tensor digests (roots over
@@ -52,11 +53,11 @@ from .errors import (
 )
 from .following import StagingJournal
 from .format import (
-    ITEMSIZE, Placement, ShardPlan, TensorSpec, cores, layout, object_digest, pieces, pieces_root,
+    ITEMSIZE, Placement, ShardPlan, TensorSpec, cores, layout, object_digest, pieces_root,
     plan_shards,
 )
 from .hashing import (INLINE_HASH_BYTES, OVERLAP_HASH_MIN_CPUS, EarlyHash, Hashed, HashQueue, Unit, hash_bytes,
-                      staging_hashers)
+                      piece_spans, staging_hashers)
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry, Version, check_manifest
 from .sharded import CommitGroup, check_part, decode, encode, merge_parts
 from .staging import Slab, SlabPool, address, storage_error
@@ -687,30 +688,32 @@ class Committer:
         piece): pieces of large tensors and tensors of 1 MiB or more in parallel on the hash threads.
 
         Largest first, one thread each (blake3 releases the GIL); a tensor larger than a piece is
-        hashed piece by piece, each piece a unit of work of its own, so all the hash threads share
-        even one large tensor and no byte is hashed twice. Tensors under 1 MiB are hashed right
+        hashed piece by piece, consecutive pieces up to 8 MiB a unit of work
+        (:func:`~paramstore.hashing.piece_spans`), so all the hash threads share even one large
+        tensor and no byte is hashed twice. Tensors under 1 MiB are hashed right
         here, meanwhile: handing them to a thread would cost more than hashing them. Tensors handed
         to the hash threads as they were staged (``job.early``: all of a CPU commit's, a streaming
         commit's CPU tensors) are only waited for.
         """
-        work = [(i, j, k, slab, p.offset + b, e - b)
+        work = [(i, j, k, slab, spans, sum(n for _, n in spans))
                 for i, (plan, slab) in enumerate(zip(job.plans, job.slabs))
                 for j, p in enumerate(plan.placements) if (i, j) not in job.early
-                for k, (b, e) in enumerate(pieces(p.nbytes))]
+                for k, spans in enumerate(piece_spans(p.offset, p.nbytes))]
         work.sort(key=lambda w: -w[5])
         large = [w for w in work if w[5] >= INLINE_HASH_BYTES]
         small = work[len(large):]
-        units = [Unit(w[3], [(w[4], w[5])]) for w in large]
+        units = [Unit(w[3], w[4]) for w in large]
         self._hashers.put(units)
         try:
-            small_digests = [hash_bytes(w[3], w[4], w[5]) for w in small]
+            small_digests = [[hash_bytes(w[3], o, n) for o, n in w[4]] for w in small]
         except BaseException:  # no hash thread may still read a slab once this returns
             futures.wait([u.future for u in self._hashers.cancel(units)])
             raise
-        hashed = [u.future.result()[0] for u in units]
-        got: list[list[list[str]]] = [[[""] * len(pieces(p.nbytes)) for p in plan.placements] for plan in job.plans]
-        for (i, j, k, *_), d in zip(large + small, [*hashed, *small_digests]):
-            got[i][j][k] = d
+        hashed = [u.future.result() for u in units]
+        got: list[list[dict[int, list[str]]]] = [[{} for _ in plan.placements] for plan in job.plans]
+        for (i, j, k, *_), ds in zip(large + small, [*hashed, *small_digests]):
+            got[i][j][k] = ds
+        got = [[[d for k in sorted(g) for d in g[k]] for g in row] for row in got]  # type: ignore[misc]
         return [[self._digest_of(job, job.early[(i, j)].result() if (i, j) in job.early else (p.nbytes, ds))
                  for j, (p, ds) in enumerate(zip(plan.placements, got[i]))]
                 for i, plan in enumerate(job.plans)]

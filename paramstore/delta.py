@@ -71,7 +71,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import CorruptObjectError, VersionNotFoundError
-from .format import (DIGESTS_KEY, PIECE_SIZE, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
+from .format import (DIGESTS_KEY, TensorSpec, header_layout, layout, loads, object_digest, parse_header,
                      piece_hasher, pieces, pieces_root, read_header, tensor_pieces, tensor_spans)
 from .patch import Frame, encode, open_frame, run_all
 from .objects import read_manifest
@@ -354,7 +354,7 @@ def _drop(slab: Any, buf: memoryview) -> None:
 _BLOCK = 1 << 21
 #: Pieces are handed to the threads in jobs of at least this many bytes (consecutive pieces, so a
 #: shard of many small tensors is not handed over tensor by tensor).
-_JOB_BYTES = PIECE_SIZE
+_JOB_BYTES = 8 << 20
 
 
 class _Piece(NamedTuple):

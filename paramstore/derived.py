@@ -65,7 +65,7 @@ import blake3
 
 from . import delta
 from .errors import CorruptObjectError, InvalidArgumentError, ParamStoreError, UnsafeStoreError
-from .format import DATA_ALIGN, PIECE_SIZE, TensorSpec, layout, loads, object_digest, read_header, tensor_pieces
+from .format import DATA_ALIGN, PIECE_SIZES, TensorSpec, layout, loads, object_digest, read_header, tensor_pieces
 from .manifest import ASSET_PREFIX, Manifest, TensorEntry
 from .objects import quarantine
 from .root import StoreRoot
@@ -266,7 +266,7 @@ def _pieced(record: _Record) -> list[TensorEntry]:
     written since they do), so its objects can be relayed block by block; else none (an older
     record: its objects are fetched as a whole, checked against their names)."""
     entries = [e for outs in record.outputs.values() for e in outs.values()]
-    if any(c.nbytes > PIECE_SIZE and not c.piece_digests for e in entries for c in e.pieces()):
+    if any(c.nbytes > max(PIECE_SIZES) and not c.piece_digests for e in entries for c in e.pieces()):
         return []
     return entries
 

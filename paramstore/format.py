@@ -11,9 +11,8 @@ contiguous, as safetensors requires.
 
 Digests (blake3, hex):
 
-* tensor digest: for a tensor of at most :data:`PIECE_SIZE` bytes, ``blake3(tensor bytes)``; for
-  a larger one, the root over its *pieces* (consecutive :data:`PIECE_SIZE`-byte ranges, the last
-  one shorter): ``blake3(PIECES_DOMAIN || u64le(length) || piece_digest_1 || ... || piece_digest_k)``
+* tensor digest: for a tensor of at most ``P`` bytes, ``blake3(tensor bytes)``; for a larger one,
+  the root over its *pieces* (consecutive ``P``-byte ranges, the last one shorter): ``blake3(PIECES_DOMAIN || u64le(length) || piece_digest_1 || ... || piece_digest_k)``
   with ``piece_digest_i = blake3(bytes[(i-1)*P : i*P])`` (raw 32-byte digests). Dtype and shape are
   not part of it, so equal bytes are stored once whatever they are viewed as. Each piece can be
   hashed on its own thread, and verified alone (against the piece digests a manifest lists: see
@@ -23,13 +22,16 @@ Digests (blake3, hex):
   is a digest of every byte of the file computed as a two-level tree: commit hashes each byte
   once (per tensor) and gets the object name for the price of hashing a few kilobytes.
 
-Which rule an object's tensor digests follow is in its own header, so every check of an object's
-bytes (``verify``, scrub, pulls, peers, patches) needs nothing but the bytes: an object holding a
-tensor larger than :data:`PIECE_SIZE` says ``{"paramstore_pieces": "<P>"}`` in its
-``__metadata__`` (covered by the object digest like every header byte). An object without it was
-written before pieces existed (format v1: every tensor ``blake3(bytes)``, however large) or holds
-only tensors of one piece, for which both rules agree; an object naming another piece size was
-written by a newer paramstore and is refused (:func:`piece_size_of`).
+The piece size ``P`` is :data:`PIECE_SIZE` (2 MiB) for the objects this paramstore writes; objects
+written before it use 8 MiB pieces and stay readable (:data:`PIECE_SIZES`). Which rule an object's
+tensor digests follow is in its own header, so every check of an object's bytes (``verify``,
+scrub, pulls, peers, patches) needs nothing but the bytes: an object holding a tensor larger than
+its piece size says ``{"paramstore_pieces": "<P>"}`` in its ``__metadata__`` (covered by the
+object digest like every header byte). An object without it was written before pieces existed
+(format v1: every tensor ``blake3(bytes)``, however large) or holds only tensors of one piece, for
+which both rules agree; an object naming a piece size not in :data:`PIECE_SIZES` was written by a
+newer paramstore and is refused (:func:`piece_size_of`). A manifest's piece digests say their
+piece size by their number (:func:`piece_size_for`).
 
 An object may also list its own piece digests in its header (:data:`DIGESTS_KEY`: patch objects,
 which no manifest lists): checked against its name (:func:`listed_digests`), that list lets a
@@ -71,6 +73,7 @@ __all__ = [
     "object_digest",
     "OBJECT_SUFFIX",
     "PIECE_SIZE",
+    "PIECE_SIZES",
     "PIECES_KEY",
     "pieces",
     "piece_digest",
@@ -79,6 +82,7 @@ __all__ = [
     "tensor_pieces",
     "bad_pieces",
     "piece_size_of",
+    "piece_size_for",
     "DIGESTS_KEY",
     "listed_digests",
 ]
@@ -97,12 +101,18 @@ DATA_ALIGN = 64
 OBJECT_SUFFIX = ".safetensors"
 OBJECT_DOMAIN = b"paramstore/object/v1\0"
 _HASH_THREADS_MIN_BYTES = 1 << 22  # below this, blake3's thread pool costs more than it saves
-#: Bytes per piece (see the module docstring). 8 MiB: large enough that a piece digest costs 32
-#: bytes of manifest per 8 MiB of weights (4 KiB per GiB) and a thread hashes a piece in ~4-8 ms,
-#: far above the cost of handing it to a thread; small enough that a 1 GiB tensor makes 128
-#: pieces to spread over the hash threads, and that a receiver checks what arrived within
-#: milliseconds of its last byte (a piece is 0.7 ms at 100 Gbit/s, 67 ms at 1 Gbit/s).
-PIECE_SIZE = 8 << 20
+#: Bytes per piece of the objects this paramstore writes (see the module docstring). A piece is
+#: the unit a receiver verifies alone, hence the unit a host relays on (:mod:`paramstore.relay`):
+#: each hop of a relay holds a piece back until it verified it, so a chain of n hosts fills in
+#: about n pieces' time. 2 MiB: a hop costs 17 ms at 1 Gbit/s, 0.17 s at 100 Mbit/s (8 MiB pieces:
+#: 1 trainer + 8 hosts at 100 Mbit/s took 1.30x the link's ideal, 2 MiB ones 1.13x,
+#: docs/benchmarks.md); a thread still hashes a piece in ~1-2 ms, far above the cost of handing
+#: it over; a piece digest costs 64 bytes of manifest JSON per 2 MiB of weights (32 KiB per GiB).
+PIECE_SIZE = 2 << 20
+#: Piece sizes this paramstore reads: :data:`PIECE_SIZE`, and 8 MiB (objects and manifests written
+#: before pieces were 2 MiB). Powers of two, so that a manifest's number of piece digests tells
+#: which one they use (:func:`piece_size_for`).
+PIECE_SIZES = (PIECE_SIZE, 8 << 20)
 PIECES_DOMAIN = b"paramstore/pieces/v1\0"
 #: The ``__metadata__`` key of an object header naming the piece size of its tensor digests.
 PIECES_KEY = "paramstore_pieces"
@@ -297,8 +307,8 @@ def piece_hasher() -> Any:
 
 
 def pieces_root(piece_digests: Sequence[str], nbytes: int) -> str:
-    """The digest of a tensor of ``nbytes`` bytes (more than :data:`PIECE_SIZE`) from its piece
-    digests (hex, in order)."""
+    """The digest of a tensor of ``nbytes`` bytes (more than a piece) from its piece digests (hex,
+    in order)."""
     h = blake3.blake3(PIECES_DOMAIN)
     h.update(struct.pack("<Q", nbytes))
     h.update(b"".join(bytes.fromhex(d) for d in piece_digests))
@@ -375,30 +385,49 @@ def bad_pieces(data: bytes | memoryview, piece_digests: Sequence[str], digest: s
     """
     mv = data if isinstance(data, memoryview) else memoryview(data)
     want = list(piece_digests) if piece_digests else [digest]
-    ranges = pieces(mv.nbytes)
-    if len(ranges) != len(want):
-        return list(range(max(len(want), len(ranges))))
+    try:
+        ranges = pieces(mv.nbytes, piece_size_for(mv.nbytes, len(want)) if piece_digests else 0)
+    except ValueError:
+        return list(range(len(want)))
     flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
     return [i for i, (b, e) in enumerate(ranges) if piece_digest(flat[b:e]) != want[i]]
 
 
 def piece_size_of(meta: dict[str, Any]) -> int:
     """The piece size an object's header (its ``__metadata__``) says its tensor digests use: 0 (no
-    :data:`PIECES_KEY`: whole tensors, format v1) or :data:`PIECE_SIZE`. ValueError for another
-    value: an object written by a newer paramstore (upgrade it) or a damaged header.
+    :data:`PIECES_KEY`: whole tensors, format v1) or one of :data:`PIECE_SIZES`. ValueError for
+    another value: an object written by a newer paramstore (upgrade it) or a damaged header.
 
     Example:
-        >>> piece_size_of({}), piece_size_of({PIECES_KEY: str(PIECE_SIZE)}) == PIECE_SIZE
-        (0, True)
+        >>> piece_size_of({}), piece_size_of({PIECES_KEY: str(8 << 20)}) >> 20
+        (0, 8)
     """
     value = meta.get(PIECES_KEY)
     if value is None:
         return 0
-    if value != str(PIECE_SIZE):
-        raise ValueError(f"object header says its tensor digests use pieces of {str(value)[:40]!r} bytes; this "
-                         f"paramstore knows pieces of {PIECE_SIZE} bytes only: written by a newer paramstore "
-                         "(upgrade paramstore) or damaged")
-    return PIECE_SIZE
+    for size in PIECE_SIZES:
+        if value == str(size):
+            return size
+    raise ValueError(f"object header says its tensor digests use pieces of {str(value)[:40]!r} bytes; this "
+                     f"paramstore knows pieces of {' or '.join(map(str, PIECE_SIZES))} bytes: written by a newer "
+                     "paramstore (upgrade paramstore) or damaged")
+
+
+def piece_size_for(nbytes: int, count: int) -> int:
+    """The piece size (of :data:`PIECE_SIZES`) that cuts ``nbytes`` bytes into ``count`` pieces,
+    more than one: how many piece digests a manifest lists for a tensor says which size they use
+    (for sizes that are powers of two, at most one does). ValueError when none does.
+
+    Example:
+        >>> [piece_size_for(20 << 20, n) >> 20 for n in (10, 3)]
+        [2, 8]
+    """
+    for size in PIECE_SIZES:
+        if count > 1 and nbytes > size and -(-nbytes // size) == count:
+            return size
+    raise ValueError(f"{count} pieces of {nbytes} bytes: expected " + " or ".join(
+        f"{-(-nbytes // p)} (pieces of {p >> 20} MiB)" for p in PIECE_SIZES if nbytes > p) if nbytes > PIECE_SIZE
+        else f"{count} pieces of {nbytes} bytes: bytes of one piece list no piece digests")
 
 
 def listed_digests(header: bytes | memoryview, size: int, digest: str

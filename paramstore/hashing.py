@@ -1,8 +1,8 @@
 """The commit's hash threads: every tensor's digest, computed beside the copy that stages it.
 
 A commit's bytes are hashed by :class:`HashQueue`'s threads (one per core, blake3 releasing the
-GIL), in :class:`Unit` s: one piece of a large tensor (:func:`paramstore.format.pieces`), or a
-batch of small tensors of one slab. While a commit is being copied (:meth:`HashQueue.staging`)
+GIL), in :class:`Unit` s: consecutive pieces of a large tensor (:func:`piece_spans`), or a batch
+of small tensors of one slab. While a commit is being copied (:meth:`HashQueue.staging`)
 only :func:`staging_hashers` of them run, so the copy keeps its core; :class:`EarlyHash` hands each
 tensor to them as soon as its copy is done, so that on a host with a spare core the version is
 hashed when its last byte is staged. :class:`Hashed` is a tensor's length and the futures of its
@@ -24,12 +24,16 @@ from .staging import Slab
 if TYPE_CHECKING:
     from .commit import _Job
 
-__all__ = ["INLINE_HASH_BYTES", "OVERLAP_HASH_MIN_CPUS", "Item", "Unit", "HashQueue", "EarlyHash", "Hashed",
-           "staging_hashers", "hash_bytes"]
+__all__ = ["INLINE_HASH_BYTES", "UNIT_BYTES", "OVERLAP_HASH_MIN_CPUS", "Item", "Unit", "HashQueue", "EarlyHash",
+           "Hashed", "staging_hashers", "hash_bytes", "piece_spans"]
 
 #: Tensors under this many bytes are hashed in batches (one unit per ~1 MiB), or inline by the
 #: publisher: handing each to a thread would cost more than hashing it.
 INLINE_HASH_BYTES = 1 << 20
+#: Bytes of a large tensor's consecutive pieces one unit hashes (each piece its own digest): 8 MiB,
+#: four 2 MiB pieces. A unit per piece cost 4x the hand-offs (queue, future, wake-up) for the same
+#: bytes; a unit still takes a thread only ~4-8 ms.
+UNIT_BYTES = 8 << 20
 #: Hosts with fewer cores than this copy CPU tensors into staging on the stager thread alone
 #: (``memmove``, not torch's intra-op threads) and hash on all the other cores meanwhile; hosts
 #: with at least this many keep torch's parallel copy and hash on half the cores while it runs.
@@ -164,8 +168,8 @@ class EarlyHash:
 
     def copied(self, key: Any, p: Placement, slab: Slab) -> None:
         if p.nbytes >= INLINE_HASH_BYTES:
-            units = [Unit(slab, [(p.offset + b, e - b)]) for b, e in pieces(p.nbytes)]
-            self._into[key] = Hashed(p.nbytes, [Item(u.future, 0) for u in units])
+            units = [Unit(slab, spans) for spans in piece_spans(p.offset, p.nbytes)]
+            self._into[key] = Hashed(p.nbytes, [Item(u.future, k) for u in units for k in range(len(u.spans))])
             self._give(units)
             return
         if self._slab is not slab:
@@ -199,6 +203,25 @@ class Hashed:
 
     def result(self) -> tuple[int, list[str]]:
         return self.nbytes, [f.result() for f in self.parts]
+
+
+def piece_spans(offset: int, nbytes: int) -> list[list[tuple[int, int]]]:
+    """The pieces of a tensor of ``nbytes`` bytes at ``offset`` (:func:`paramstore.format.pieces`),
+    as ``(offset, nbytes)`` spans grouped into units of up to :data:`UNIT_BYTES` (at least one
+    piece each), in order.
+
+    Example:
+        >>> [len(u) for u in piece_spans(64, 21 << 20)]  # 11 pieces of 2 MiB: 4 + 4 + 3
+        [4, 4, 3]
+    """
+    spans = [(offset + b, e - b) for b, e in pieces(nbytes)]
+    units: list[list[tuple[int, int]]] = []
+    for s in spans:
+        if units and sum(n for _, n in units[-1]) + s[1] <= UNIT_BYTES:
+            units[-1].append(s)
+        else:
+            units.append([s])
+    return units
 
 
 def staging_hashers(cores: int) -> int:

@@ -8,8 +8,8 @@ never published as the object). :class:`LazyReads` keeps which pieces of it have
 
 A read (``snap.read``, ``snap[name]``, ``load_into``, ``snap.assets``) first calls :meth:`LazyReads.ensure`
 with the byte ranges it touches. The pieces those ranges meet (a piece is the unit of verification:
-:meth:`~paramstore.manifest.Chunk.hash_pieces`, an 8 MiB piece of a tensor larger than
-:data:`~paramstore.format.PIECE_SIZE`, else the whole tensor) that have not arrived are read
+:meth:`~paramstore.manifest.Chunk.hash_pieces`, a 2 MiB piece of a larger tensor, 8 MiB in objects
+written before, else the whole tensor) that have not arrived are read
 
 1. from a peer that announced the whole object (through the transport, into a fresh registered
    buffer: a read that times out and writes late never lands in the snapshot's pages), then
@@ -353,7 +353,8 @@ def _batches(pieces: list[Piece]) -> list[list[Piece]]:
 
 def touched(sizes: Sequence[int], itemsize: int, start: Sequence[int], stop: Sequence[int]) -> list[tuple[int, int]]:
     """The byte ranges of a dense C-order tensor of shape ``sizes`` that the box ``[start, stop)``
-    touches, at :data:`PIECE_SIZE` granularity (relative to the tensor's first byte): the box is a
+    touches, at :data:`PIECE_SIZE` granularity (relative to the tensor's first byte; the larger
+    pieces of objects written before are multiples of it): the box is a
     set of contiguous runs (along the dimensions it covers fully); where runs are shorter than a
     piece, each piece they touch gives one range inside it (which may cover more of the piece than
     the box does), so a box of a million rows makes a few ranges, not a million. The pieces these
@@ -366,8 +367,8 @@ def touched(sizes: Sequence[int], itemsize: int, start: Sequence[int], stop: Seq
         [(20, 40)]
         >>> touched((4096, 4096), 4, (0, 0), (4096, 1)) == [(0, 4095 * 16384 + 4)]  # a column: every piece
         True
-        >>> touched((2, 4 << 20), 4, (0, 0), (2, 1))  # the first element of each 16 MiB row: pieces 0 and 2
-        [(0, 8388608), (16777216, 16777220)]
+        >>> touched((2, 4 << 20), 4, (0, 0), (2, 1))  # the first element of each 16 MiB row: pieces 0 and 8
+        [(0, 2097152), (16777216, 16777220)]
     """
     nd = len(sizes)
     if nd == 0:

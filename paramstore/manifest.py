@@ -18,15 +18,17 @@ between hosts, pushed, pulled, verified and kept from GC exactly like tensors; o
 version's tensors (a snapshot's keys, ``load_into``, ``diff`` of tensors) leave them out. A
 manifest with assets is written in format 3.
 
-A tensor (or chunk, or asset) larger than :data:`~paramstore.format.PIECE_SIZE` has a digest over
-its *pieces* (:mod:`paramstore.format`), and its entry lists the piece digests
-(``"piece_digests"``: hex, in order; 64 bytes of JSON per 8 MiB), so a receiver can check each
-piece alone as it arrives. The entry's digest must be the root over them (checked on parse), so
-the version digest, which covers the digests, covers the piece digests too. A manifest with piece
-digests is written in format 4; one without (every tensor of one piece, or written before pieces
-existed, when a tensor's digest was ``blake3`` of all its bytes however large) in the lowest of 1-3
-that holds it, as before. Older readers refuse format 4, naming it; this one refuses formats it
-does not know, saying to upgrade.
+A tensor (or chunk, or asset) larger than a piece has a digest over its *pieces*
+(:mod:`paramstore.format`), and its entry lists the piece digests (``"piece_digests"``: hex, in
+order; 64 bytes of JSON per piece), so a receiver can check each piece alone as it arrives. Their
+number says the piece size (:func:`~paramstore.format.piece_size_for`: 2 MiB, or 8 MiB for
+objects written before). The entry's digest must be the root over them (checked on parse), so the
+version digest, which covers the digests, covers the piece digests too. A manifest with piece
+digests of 2 MiB pieces is written in format 5; one whose piece digests are all of 8 MiB pieces
+in format 4; one without (every tensor of one piece, or written before pieces existed, when a
+tensor's digest was ``blake3`` of all its bytes however large) in the lowest of 1-3 that holds it,
+as before. Older readers refuse formats 4 and 5, naming them; this one refuses formats it does not
+know, saying to upgrade.
 
 A *version* is the small record listed by ``ls``: step, creation time, tags, metrics, metadata,
 logical size, tensor count and the version digest. The version digest covers names, dtypes, shapes,
@@ -47,7 +49,7 @@ from typing import Any, Callable, Iterable, Mapping
 import blake3
 
 from .errors import CorruptObjectError, ParamStoreError
-from .format import ITEMSIZE, PIECE_SIZE, loads, pieces, pieces_root
+from .format import ITEMSIZE, PIECE_SIZES, loads, piece_size_for, pieces, pieces_root
 from .validate import check_asset_name, check_digest, check_name
 
 
@@ -57,8 +59,10 @@ __all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "AS
 #: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
 #: tensors chunked), 3 (with assets) or 4 (with piece digests: tensors larger than a piece, whose
 #: digests are over pieces). A manifest is written in the lowest format that can hold it.
-MANIFEST_FORMAT = 4
-_FORMATS = (1, 2, 3, 4)
+MANIFEST_FORMAT = 5
+_FORMATS = (1, 2, 3, 4, 5)
+#: The piece size of the piece digests a manifest of format 4 lists (format 5: any of PIECE_SIZES).
+_FORMAT4_PIECE_SIZE = 8 << 20
 #: An asset's name where assets and tensors share one namespace (staging, the names inside objects,
 #: a sharded commit's exchange): a tensor name has no NUL, so none can collide with it.
 ASSET_PREFIX = "\0asset\0"
@@ -87,6 +91,12 @@ class Chunk:
     nbytes: int
     piece_digests: tuple[str, ...] = ()
 
+    @property
+    def piece_size(self) -> int:
+        """The piece size of :attr:`piece_digests` (:func:`~paramstore.format.piece_size_for`); 0
+        without them: the digest is ``blake3`` of all the bytes (:func:`~paramstore.format.tensor_digest`'s rule)."""
+        return _piece_size(self.nbytes, self.piece_digests)
+
     def hash_pieces(self) -> list[tuple[int, int, str]]:
         """``(begin, end, digest)`` of each piece of these bytes in the object (absolute offsets):
         what a receiver checks a piece against (:meth:`paramstore.format.ObjectHasher.check_piece`).
@@ -94,7 +104,8 @@ class Chunk:
         without piece digests (a manifest written before pieces: the digest is of all the bytes)."""
         if not self.piece_digests:
             return [(self.offset, self.offset + self.nbytes, self.digest)]
-        return [(self.offset + b, self.offset + e, d) for (b, e), d in zip(pieces(self.nbytes), self.piece_digests)]
+        return [(self.offset + b, self.offset + e, d)
+                for (b, e), d in zip(pieces(self.nbytes, self.piece_size), self.piece_digests)]
 
     def to_json(self) -> dict[str, Any]:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes), "digest": self.digest,
@@ -131,6 +142,11 @@ class TensorEntry:
     nbytes: int
     chunks: tuple[Chunk, ...] = ()
     piece_digests: tuple[str, ...] = ()  # of a tensor stored whole, larger than a piece (see Chunk)
+
+    @property
+    def piece_size(self) -> int:
+        """The piece size of :attr:`piece_digests` (see :attr:`Chunk.piece_size`)."""
+        return _piece_size(self.nbytes, self.piece_digests)
 
     @classmethod
     def chunked(cls, dtype: str, shape: tuple[int, ...], chunks: list[Chunk]) -> "TensorEntry":
@@ -280,8 +296,14 @@ class Manifest:
 
     @property
     def pieced(self) -> bool:
-        """Whether some entry lists piece digests (a tensor larger than a piece: format 4)."""
+        """Whether some entry lists piece digests (a tensor larger than a piece: format 4 or 5)."""
         return any(c.piece_digests for _, e in self.stored() for c in e.chunks or (e,))
+
+    @property
+    def _small_pieces(self) -> bool:
+        """Whether some entry lists digests of pieces under 8 MiB (format 5)."""
+        return any(c.piece_digests and c.piece_size != _FORMAT4_PIECE_SIZE
+                   for _, e in self.stored() for c in e.chunks or (e,))
 
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per manifest (a manifest never changes): for what readers
@@ -309,7 +331,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": 4 if self.pieced else 3 if self.assets else 2 if self.chunked else 1,
+            "format": 5 if self._small_pieces else 4 if self.pieced else 3 if self.assets else 2 if self.chunked else 1,
             "tensors": {n: e.to_json() for n, e in sorted(self.tensors.items())},
             "aliases": dict(sorted(self.aliases.items())),
         } | ({"assets": {n: e.to_json() for n, e in sorted(self.assets.items())}} if self.assets else {})
@@ -370,18 +392,25 @@ class Manifest:
             raise CorruptObjectError("manifest of format 1 holds chunked tensors (format 2)")
         if d["format"] == 3 and not assets:
             raise CorruptObjectError("manifest of format 3 holds no assets")
-        # Format 4: every entry larger than a piece lists its piece digests (its digest is over
-        # them); before, none does (its digest is blake3 of all its bytes).
+        # Format 4: every entry larger than an 8 MiB piece lists the digests of its 8 MiB pieces
+        # (its digest is over them); format 5 also those of 2 MiB pieces (an entry over 2 MiB
+        # may list none: written before, its digest is over 8 MiB pieces or all of its bytes);
+        # before, none does (its digest is blake3 of all its bytes).
         for name, e in manifest.stored():
             for c in e.chunks or (e,):
-                if d["format"] >= 4 and c.nbytes > PIECE_SIZE and not c.piece_digests:
-                    raise CorruptObjectError(f"manifest of format 4: {name!r} of {c.nbytes} bytes lists no piece "
-                                             "digests")
+                if d["format"] >= 4 and c.nbytes > max(PIECE_SIZES) and not c.piece_digests:
+                    raise CorruptObjectError(f"manifest of format {d['format']}: {name!r} of {c.nbytes} bytes lists "
+                                             "no piece digests")
                 if d["format"] < 4 and c.piece_digests:
                     raise CorruptObjectError(f"manifest of format {d['format']} lists piece digests for {name!r} "
                                              "(format 4)")
+                if d["format"] == 4 and c.piece_digests and c.piece_size != _FORMAT4_PIECE_SIZE:
+                    raise CorruptObjectError(f"manifest of format 4 lists digests of {c.piece_size}-byte pieces for "
+                                             f"{name!r} (format 5)")
         if d["format"] >= 4 and not manifest.pieced:
-            raise CorruptObjectError("manifest of format 4 lists no piece digests")
+            raise CorruptObjectError(f"manifest of format {d['format']} lists no piece digests")
+        if d["format"] == 5 and not manifest._small_pieces:
+            raise CorruptObjectError("manifest of format 5 lists no digests of pieces under 8 MiB (format 4)")
         return manifest
 
 
@@ -549,20 +578,27 @@ def _check_location(what: str, d: Mapping[str, Any]) -> None:
         raise CorruptObjectError(f"{what} has a bad offset {d['offset']!r} or length {d['nbytes']!r}")
 
 
+def _piece_size(nbytes: int, piece_digests: tuple[str, ...]) -> int:
+    return piece_size_for(nbytes, len(piece_digests)) if piece_digests else 0
+
+
 def _pieces_json(piece_digests: tuple[str, ...]) -> dict[str, Any]:
     return {"piece_digests": list(piece_digests)} if piece_digests else {}
 
 
 def _parse_pieces(what: str, d: Mapping[str, Any]) -> tuple[str, ...]:
     """The ``piece_digests`` of an entry or chunk (absent: ``()``): 64-hex digests, as many as its
-    length makes pieces (more than one), whose root is its digest. Raises CorruptObjectError."""
+    length makes pieces of a size paramstore knows (more than one:
+    :func:`~paramstore.format.piece_size_for`), whose root is its digest. Raises CorruptObjectError."""
     if "piece_digests" not in d:
         return ()
     ds = d["piece_digests"]
-    n = -(-d["nbytes"] // PIECE_SIZE) if d["nbytes"] > PIECE_SIZE else 1
-    if not isinstance(ds, list) or len(ds) != n or n < 2:
-        raise CorruptObjectError(f"{what} of {d['nbytes']} bytes has {len(ds) if isinstance(ds, list) else '?'} piece "
-                                 f"digests; expected {n} (none for bytes of one piece)")
+    if not isinstance(ds, list):
+        raise CorruptObjectError(f"{what} of {d['nbytes']} bytes: its piece digests are not a list")
+    try:
+        piece_size_for(d["nbytes"], len(ds))
+    except ValueError as e:
+        raise CorruptObjectError(f"{what}: {e}") from None
     try:
         for x in ds:
             check_digest(x)

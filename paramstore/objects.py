@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 from paramstore.backends.registries.base import ObjectInfo, TensorLocation
 
 from .errors import CorruptObjectError, CorruptStoreError, ParamStoreError
-from .format import PIECE_SIZE, bad_pieces, pieces, rehash, tensor_digest
+from .format import bad_pieces, pieces, rehash, tensor_digest
 from .manifest import Chunk, Manifest, TensorEntry, Version
 from .root import StoreRoot
 
@@ -204,12 +204,12 @@ def check_entries(buf: memoryview, entries: list[tuple[str, Chunk]],
                 raise CorruptObjectError(f"{where}: tensor {name!r} at [{begin}, {end}) lies past the object's end")
             # with the digest rule of the manifest that lists it: pieces when it lists piece digests,
             # else blake3 of all its bytes (a manifest written before pieces, or bytes of one piece)
-            got = tensor_digest(buf[begin:end], piece_size=PIECE_SIZE if c.piece_digests else 0)
+            got = tensor_digest(buf[begin:end], piece_size=c.piece_size)
         if got != c.digest:
             where_bad = ""
             if c.piece_digests and end <= len(buf):
                 bad = bad_pieces(buf[begin:end], c.piece_digests)
-                ranges = pieces(c.nbytes)
+                ranges = pieces(c.nbytes, c.piece_size)
                 where_bad = f" (piece{'s' if len(bad) > 1 else ''} " + ", ".join(
                     f"{i} at [{begin + ranges[i][0]}, {begin + ranges[i][1]})" for i in bad[:5]) + ")"
             raise CorruptObjectError(f"{where}: the bytes of tensor {name!r} at [{begin}, {end}) hash to "

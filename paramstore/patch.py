@@ -48,7 +48,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .errors import CorruptObjectError, InvalidArgumentError
-from .format import ITEMSIZE, PIECE_SIZE, TensorSpec, build_header, cores, read_header, tensor_digest
+from .format import ITEMSIZE, PIECE_SIZE, PIECE_SIZES, TensorSpec, build_header, cores, read_header, tensor_digest
 
 __all__ = ["make_patch", "apply_patch", "patch_info", "encode", "decode_into", "open_frame", "Frame", "run_all",
            "Encoded", "PATCH_FORMAT", "DEFAULT_MAX_RATIO"]
@@ -242,8 +242,8 @@ def make_patch(base: Any, target: Any, dtype: str, *, max_ratio: float = DEFAULT
     Raises InvalidArgumentError for an unknown dtype or buffers of other lengths or not a whole
     number of elements.
     """
-    if piece_size not in (0, PIECE_SIZE):
-        raise InvalidArgumentError(f"piece_size must be 0 or {PIECE_SIZE}, got {piece_size!r}")
+    if piece_size not in (0, *PIECE_SIZES):
+        raise InvalidArgumentError(f"piece_size must be 0 or one of {PIECE_SIZES}, got {piece_size!r}")
     a, b = _elements(base, dtype), _elements(target, dtype)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"a patch needs buffers of one length: {a.nbytes} and {b.nbytes} bytes")
@@ -478,7 +478,7 @@ def _parse(patch: bytes) -> tuple[dict[str, str], memoryview]:
                 raise ValueError(f"no {key!r}")
         if meta["gap_width"] not in ("4", "8") or not meta["nbytes"].isdigit() or not meta["changed"].isdigit():
             raise ValueError("bad sizes")
-        if meta.get("piece_size", "0") not in ("0", str(PIECE_SIZE)):
+        if meta.get("piece_size", "0") not in ("0", *map(str, PIECE_SIZES)):
             raise ValueError(f"its digests use pieces of {str(meta['piece_size'])[:40]!r} bytes, which this "
                              "paramstore does not know (made by a newer paramstore: upgrade paramstore)")
     except (struct.error, ValueError, KeyError, TypeError) as e:

@@ -39,7 +39,7 @@ import blake3
 from . import liveness, relay
 from .errors import ParamStoreError, TransferError
 from .format import ObjectHasher, rehash
-from .relay import BLOCK_BYTES, Relay, Retries, blame, holders_of
+from .relay import WHOLE_BLOCK_BYTES, Relay, Retries, blame, holders_of
 from .reports import FetchReport
 from .retire import retire
 from .root import StoreRoot
@@ -183,7 +183,7 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
     nearest fetcher ahead in a chain, and served on once verified); so is an object whose own
     header lists its piece digests (patch objects: :func:`~paramstore.format.listed_digests`,
     checked against its name; the header itself is relayed too, so hosts fetching it at once
-    read it from the origin once) and any other of at most :data:`~paramstore.relay.BLOCK_BYTES`, as
+    read it from the origin once) and any other of at most :data:`~paramstore.relay.WHOLE_BLOCK_BYTES`, as
     one block checked whole against its name (:meth:`Relay.whole`), once its size is believed; a
     larger one (an older patch object, an object the version references only part of) is fetched
     as a whole (:class:`_Fetch`).
@@ -199,7 +199,7 @@ def fetch(root: StoreRoot, transport: Transport, objects: Mapping[str, int], *, 
             size = objects[digest]
             plan = Relay.plan(digest, size, spans, pieces)
             believed = extents is not None and extents.get(digest) == size  # the version's manifest says so
-            if plan is None and believed and size <= BLOCK_BYTES:  # one block, checked whole against its name
+            if plan is None and believed and size <= WHOLE_BLOCK_BYTES:  # one block, checked whole against its name
                 plan = Relay.whole(size)
             placed, whole = False, plan is None and believed
             if not whole:  # planned, or its own header gives the plan (and says its size first)

@@ -51,8 +51,14 @@ log = logging.getLogger(__name__)
 
 
 #: Bytes of one relay block at most: a piece (the unit a receiver verifies alone), or small tensors
-#: grouped (the header is the first unit of the first block).
+#: grouped (the header is the first unit of the first block). A piece of an object written with
+#: larger pieces (8 MiB, before) is a block of its own: a unit is never cut.
 BLOCK_BYTES = PIECE_SIZE
+#: Bytes at most of an object relayed as one block checked whole against its name, when nothing
+#: lists its piece digests (:meth:`Relay.whole`: patch objects written before they listed them).
+WHOLE_BLOCK_BYTES = 8 << 20
+#: Bytes at most of what a manifest's plan takes for an object's header (:meth:`Relay.plan`).
+PLAN_HEADER_BYTES = 8 << 20
 #: A small object's units are grouped into blocks of fewer bytes (:func:`relay_block_bytes`), so that
 #: it makes about this many blocks, down to :data:`MIN_BLOCK_BYTES`.
 RELAY_BLOCKS = 16
@@ -180,7 +186,7 @@ def relay_block_bytes(size: int) -> int:
 
     Example:
         >>> [relay_block_bytes(n) >> 20 for n in (256 << 20, 32 << 20, 11 << 20, 1 << 20)]
-        [8, 2, 1, 1]
+        [2, 2, 1, 1]
     """
     return max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, size // RELAY_BLOCKS))
 
@@ -252,8 +258,8 @@ class Relay:
     before it is announced, so others read it from here while the rest still arrives.
 
     The object is cut into *blocks* (:meth:`plan`): the header, then the pieces the manifest lists
-    (8 MiB ranges of large tensors, small tensors whole), grouped up to :func:`relay_block_bytes`
-    (:data:`BLOCK_BYTES`; less for an object under 128 MiB). A
+    (2 MiB ranges of large tensors, small tensors whole), grouped up to :func:`relay_block_bytes`
+    (:data:`BLOCK_BYTES`; less for an object under 32 MiB). A
     block is checked alone as it lands: each piece against the manifest's piece digest, the header
     against the object's name (``object_digest(header, tensor digests the manifest lists)``, which
     also proves the layout). Once every block verified, the object did: no byte is hashed twice,
@@ -292,7 +298,7 @@ class Relay:
 
         A manifest's spans that tile only the object's end look like a longer header: a version
         that references only an older object's last tensors. None where that "header" would be
-        over :data:`BLOCK_BYTES` (~80,000 tensors' entries at ~107 bytes each: far likelier such a
+        over :data:`PLAN_HEADER_BYTES` (~80,000 tensors' entries at ~107 bytes each: far likelier such a
         version; either way the object is then read whole); a shorter one is found out at block 0
         (:data:`IN_PART`)."""
         sp = spans.get(digest) if spans is not None else None
@@ -306,7 +312,7 @@ class Relay:
             if b != pos:
                 return None
             pos = e
-        if start < 8 or pos != size or (start > BLOCK_BYTES and not header_alone):
+        if start < 8 or pos != size or (start > PLAN_HEADER_BYTES and not header_alone):
             return None
         pos = start
         for (b, e), d in sorted(pc.items()):
@@ -329,7 +335,7 @@ class Relay:
 
     @staticmethod
     def whole(size: int) -> _Plan:
-        """The plan of an object of at most :data:`BLOCK_BYTES` whose piece digests nothing lists
+        """The plan of an object of at most :data:`WHOLE_BLOCK_BYTES` whose piece digests nothing lists
         (a patch object written before they did): one block, the whole object, checked against
         the object's name (:data:`WHOLE`)."""
         return 0, [(0, size, [(0, size, WHOLE)])], {}
@@ -490,7 +496,7 @@ class Relay:
             plan = None if listed is None else Relay.plan(self.digest, self.size, {self.digest: listed[0]},
                                                           {self.digest: listed[1]}, header_alone=True)
             if plan is None:  # no digests listed (or none that tile it): one block checked whole, or read whole
-                plan = Relay.whole(self.size) if self.size <= BLOCK_BYTES else None
+                plan = Relay.whole(self.size) if self.size <= WHOLE_BLOCK_BYTES else None
                 self.unlisted = plan is None
             if plan is not None:
                 self.start, self.blocks, self.spans = plan
@@ -837,7 +843,7 @@ class Relay:
 
 
 #: Bytes a fresh relay slab is reserved (and faulted) ahead of the furthest block asked for.
-SPACE_AHEAD = 4 * BLOCK_BYTES
+SPACE_AHEAD = 32 << 20
 
 
 class _Space:

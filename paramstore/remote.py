@@ -67,8 +67,9 @@ from paramstore.backends.tiers.remote import RemoteTier
 __all__ = ["Remote", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
 
 #: A manifest in the remote larger than this is refused before it is read (CorruptObjectError).
-#: About 150 bytes per tensor: 64 MiB is ~400k tensors.
-MAX_MANIFEST_BYTES = 64 << 20
+#: About 150 bytes per tensor, plus ~67 per 2 MiB piece of a larger one: 256 MiB is ~1.7M
+#: tensors, or the piece digests of ~8 TB of weights.
+MAX_MANIFEST_BYTES = 256 << 20
 #: A version record larger than this is refused before it is read. A record holds a version's
 #: metrics, metadata and objects (~100 bytes per object): a few KiB, unless the commit's
 #: metadata is large (commit does not limit it; push does not check this yet).

@@ -257,7 +257,7 @@ class ParamStore:
                 the remote; verified) before this returns. ``"lazy"``: nothing is fetched; the
                 version is leased and this returns at once, and each read (``snap.read(name,
                 offsets, sizes)``, ``snap[name]``, ``snap.load_into(module)``, ``snap.assets``)
-                first moves the pieces it touches (8 MiB pieces of a large tensor, a small tensor
+                first moves the pieces it touches (2 MiB pieces of a large tensor, a small tensor
                 whole) from a peer that holds the object, else the remote, each verified against
                 the manifest before any byte is handed out, and kept for later reads of the
                 snapshot. A rank reading a quarter of a tensor moves about a quarter of it.

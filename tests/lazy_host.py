@@ -25,7 +25,7 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 from paramstore import ParamStore, ParamStoreError  # noqa: E402
 from peer_host import corrupt_served  # noqa: E402  (this directory is on sys.path: the script runs from it)
 
-ROWS, COLS = 4096, 4096  # big.weight: 64 MiB of float32, 8 pieces of 8 MiB (512 rows each)
+ROWS, COLS = 4096, 4096  # big.weight: 64 MiB of float32, 32 pieces of 2 MiB (128 rows each)
 
 
 def model(seed: int) -> dict[str, torch.Tensor]:

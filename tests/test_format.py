@@ -196,7 +196,7 @@ def as_np_bytes(t: torch.Tensor) -> bytes:
 
 # -- digests -----------------------------------------------------------------------------------
 def test_tensor_digest_is_blake3_of_the_bytes():
-    for data in (b"", b"abc", os.urandom(1000), os.urandom(5 << 20)):  # the last one uses threads
+    for data in (b"", b"abc", os.urandom(1000), os.urandom(2 << 20)):  # the last one: a whole piece
         assert tensor_digest(data) == blake3.blake3(data).hexdigest()
         assert tensor_digest(memoryview(data)) == blake3.blake3(data).hexdigest()
 
@@ -415,7 +415,7 @@ def big_bytes():
 def test_tensor_digest_over_pieces_at_the_boundaries(n, big_bytes):
     from paramstore.format import PIECE_SIZE, bad_pieces, pieces, tensor_pieces
 
-    assert 4 << 20 <= PIECE_SIZE <= 16 << 20
+    assert 1 << 20 <= PIECE_SIZE <= 16 << 20
     size = eval(n.replace("P", "*PIECE_SIZE").lstrip("*"), {"PIECE_SIZE": PIECE_SIZE}) if "P" in n else int(n)
     data = big_bytes[:size]
     want = reference_tensor_digest(data, PIECE_SIZE)
@@ -478,7 +478,7 @@ def test_a_committed_large_tensor_is_recorded_with_its_piece_digests(store):
     w = torch.arange(PIECE_SIZE // 4 * 2 + 3, dtype=torch.float32)  # 3 pieces
     v = store.commit(1, {"w": w, "b": torch.ones(3)}).result()
     man = store._root.registry.get_manifest(1)
-    assert man.to_json()["format"] == 4
+    assert man.to_json()["format"] == 5
     e = man.tensors["w"]
     data = w.numpy().tobytes()
     assert e.digest == reference_tensor_digest(data, PIECE_SIZE)
@@ -525,7 +525,7 @@ def test_a_too_new_format_is_refused_saying_to_upgrade():
     from paramstore.format import PIECE_SIZE, PIECES_KEY
 
     with pytest.raises(ParamStoreError, match="upgrade paramstore"):
-        Manifest.from_json({"format": 5, "tensors": {}, "aliases": {}})
+        Manifest.from_json({"format": 6, "tensors": {}, "aliases": {}})
     # an object whose header names a piece size this paramstore does not know
     header, _ = build_header([TensorSpec("x", "U8", (4,))], {PIECES_KEY: str(2 * PIECE_SIZE)})
     obj = memoryview(header + b"abcd")
@@ -556,7 +556,6 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
     without the pieces marker, manifests of format 1) written by forcing the old rule: it still
     reads, verifies (every path recomputing digests uses the old rule for its objects), and a new
     commit of the same weights next to it uses pieces."""
-    import paramstore.commit as commit_mod
     import paramstore.format as fmt
     import paramstore.hashing as hashing
     from paramstore.objects import check_buffer
@@ -565,8 +564,7 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
     w = torch.randn(P // 4 + 100)  # two pieces' worth
     with monkeypatch.context() as m:
         m.setattr(fmt, "PIECE_SIZE", 1 << 62)  # no marker in headers
-        m.setattr(commit_mod, "pieces", lambda n, piece_size=0: [(0, n)])  # whole tensors
-        m.setattr(hashing, "pieces", lambda n, piece_size=0: [(0, n)])  # (hashed while staged too)
+        m.setattr(hashing, "pieces", lambda n, piece_size=0: [(0, n)])  # whole tensors (hashing.piece_spans)
         s = ParamStore(store_root, create=True)
         s.commit(1, {"w": w, "b": torch.ones(4)}).result()
         s.close()
@@ -589,10 +587,64 @@ def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, mo
             assert torch.equal(snap["w"], w)
         s.commit(2, {"w": w, "b": torch.ones(4)}).result()  # the same weights, new format
         new = s.manifest(2)
-        assert new.to_json()["format"] == 4 and len(new.tensors["w"].piece_digests) == 2
+        assert new.to_json()["format"] == 5 and len(new.tensors["w"].piece_digests) == 2
         assert new.tensors["w"].object != old.tensors["w"].object
         assert new.tensors["b"].object == old.tensors["b"].object  # one piece: the same digest, deduplicated
         assert s.verify()["ok"]
+    finally:
+        s.close()
+
+
+def test_a_store_written_with_8_mib_pieces_stays_readable(store_root, monkeypatch):
+    """A store written before pieces were 2 MiB (objects saying ``paramstore_pieces: 8388608``,
+    manifests of format 4 with 8 MiB piece digests), written by forcing that size: it reads,
+    verifies, checks each 8 MiB piece alone and relays an 8 MiB piece as a block of its own (a
+    unit is never cut); a new commit of the same weights next to it uses 2 MiB pieces (format 5),
+    and a tensor of one piece either way keeps its object."""
+    import paramstore.format as fmt
+    import paramstore.hashing as hashing
+    from paramstore.objects import check_buffer
+    from paramstore.relay import Relay
+
+    old_p = 8 << 20
+    w = torch.randn(old_p // 4 * 2 + 100)  # 3 pieces of 8 MiB, 9 of 2 MiB
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "PIECE_SIZE", old_p)  # the marker in headers
+        m.setattr(hashing, "pieces", lambda n, piece_size=old_p: fmt.pieces(n, piece_size))  # hashing.piece_spans
+        s = ParamStore(store_root, create=True)
+        s.commit(1, {"w": w, "b": torch.ones(4)}).result()
+        s.close()
+    s = ParamStore(store_root)
+    try:
+        old = s.manifest(1)
+        e = old.tensors["w"]
+        assert old.to_json()["format"] == 4 and len(e.piece_digests) == 3 and e.piece_size == old_p
+        assert Manifest.parse(json.dumps(old.to_json())) == old
+        (obj,) = s._root.registry.objects()
+        data, start, entries = read_object(s._root.tier.object_path(obj))
+        assert json.loads(data[8:start])["__metadata__"] == {"paramstore_pieces": str(old_p)}
+        assert rehash(memoryview(data))[0] == obj
+        assert check_buffer(obj, memoryview(data), old.spans()[obj]) is None
+        ranges = [(b, x) for b, x, _ in e.pieces()[0].hash_pieces()]
+        assert [x - b for b, x in ranges] == [old_p, old_p, 400]
+        bad = bytearray(data)
+        bad[ranges[1][0] + 5] ^= 1
+        h = ObjectHasher(memoryview(bytes(bad)))
+        h.arrived(0, len(bad))
+        assert [h.check_piece(b, d) for (b, _), d in zip(ranges, e.piece_digests)] == [True, False, True]
+        _, blocks, _ = Relay.plan(obj, len(data), old.spans(), old.piece_spans())
+        assert [(b, x) for _, _, units in blocks for b, x, d in units if d is not None and x - b == old_p] == ranges[:2]
+        assert s.verify()["ok"]
+        with s.checkout(1, verify=True) as snap:
+            assert torch.equal(snap["w"], w)
+        s.commit(2, {"w": w, "b": torch.ones(4)}).result()  # the same weights, 2 MiB pieces
+        new = s.manifest(2)
+        assert new.to_json()["format"] == 5 and len(new.tensors["w"].piece_digests) == 9
+        assert new.tensors["w"].object != e.object and new.tensors["w"].digest != e.digest
+        assert new.tensors["b"].object == old.tensors["b"].object  # one piece: the same digest, deduplicated
+        assert s.verify()["ok"]
+        with s.checkout(2, verify=True) as snap:
+            assert torch.equal(snap["w"], w)
     finally:
         s.close()
 

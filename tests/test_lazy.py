@@ -24,6 +24,12 @@ from paramstore.format import PIECE_SIZE
 
 ROW = COLS * 4  # bytes per row of big.weight
 MIB = 1 << 20
+PIECE_ROWS = PIECE_SIZE // ROW  # rows of big.weight per piece (128 of 2 MiB pieces)
+
+
+def piece_bytes(r0: int, r1: int) -> int:
+    """Bytes of the pieces of big.weight that rows ``[r0, r1)`` touch."""
+    return ((r1 - 1) // PIECE_ROWS - r0 // PIECE_ROWS + 1) * PIECE_SIZE
 
 
 def bound(rows: int) -> int:
@@ -60,17 +66,18 @@ def test_a_quarter_of_a_tensor_moves_about_a_quarter_and_a_second_read_moves_not
     with rollout.checkout(1, fetch="lazy") as snap:
         assert snap.lazy and snap.fetch.lazy and snap.fetch.lazy_bytes == 0 and snap.fetch.local == 0
         assert not snap.fetch.moved
-        # a rank's quarter, not aligned with the pieces: rows [1000, 2024) touch pieces 1-3
+        # a rank's quarter, not aligned with the pieces: rows [1000, 2024), and the pieces they touch
         rows = snap.read("big.weight", (1000, 0), (1024, COLS))
         assert torch.equal(rows, want[1000:2024])
         moved = snap.fetch.lazy_bytes
         print(f"quarter, unaligned: {moved / MIB:.0f} MiB moved for a {1024 * ROW / MIB:.0f} MiB slice "
               f"(bound {bound(1024) / MIB:.0f} MiB)")
-        assert moved == 3 * PIECE_SIZE <= bound(1024)
+        assert moved == piece_bytes(1000, 2024) <= bound(1024)
         assert dict(snap.fetch.bytes_from) == {rollout.remote.url: moved} and snap.fetch.moved
         # the same rows again, and rows inside those pieces: nothing moves
         assert torch.equal(snap.read("big.weight", (1000, 0), (1024, COLS)), want[1000:2024])
-        assert torch.equal(snap.read("big.weight", (600, 7), (900, 3)), want[600:1500, 7:10])
+        r0 = 1000 // PIECE_ROWS * PIECE_ROWS  # the first row of the first of those pieces
+        assert torch.equal(snap.read("big.weight", (r0, 7), (900, 3)), want[r0 : r0 + 900, 7:10])
         assert snap.fetch.lazy_bytes == moved
         # an aligned quarter: exactly its slice
         assert torch.equal(snap.read("big.weight", (2048, 0), (1024, COLS)), want[2048:3072])
@@ -96,7 +103,7 @@ def test_concurrent_reads_of_the_same_pieces_fetch_them_once(hosts_with_remote):
 
         def reader(i: int) -> None:
             go.wait()
-            r0 = 3000 + 10 * i  # rows [3000, 3150): pieces 5 and 6, from all six threads at once
+            r0 = 3000 + 10 * i  # rows [3000, 3150) and their pieces, from all six threads at once
             results.append(torch.equal(snap.read("big.weight", (r0, 0), (100, COLS)), want[r0 : r0 + 100]))
 
         threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
@@ -105,7 +112,7 @@ def test_concurrent_reads_of_the_same_pieces_fetch_them_once(hosts_with_remote):
         for t in threads:
             t.join()
         assert results == [True] * 6
-        assert snap.fetch.lazy_bytes == 2 * PIECE_SIZE
+        assert snap.fetch.lazy_bytes == piece_bytes(3000, 3150)
 
 
 def test_load_into_a_module_on_a_lazy_snapshot(hosts_with_remote):
@@ -157,12 +164,14 @@ def test_no_source_names_the_tensor_and_a_bad_remote_piece_is_never_handed_out(h
         f.write(bytes([byte[0] ^ 0xFF]))
     rollout = open_host()
     with rollout.checkout(1, fetch="lazy") as snap:
-        assert torch.equal(snap.read("big.weight", (0, 0), (512, COLS)), model(1)["big.weight"][:512])
+        assert torch.equal(snap.read("big.weight", (0, 0), (PIECE_ROWS, COLS)), model(1)["big.weight"][:PIECE_ROWS])
+        r0 = 4 * PIECE_ROWS - PIECE_ROWS // 4  # the last quarter of piece 3, the first of the bad piece 4
         with pytest.raises(ObjectUnavailableError, match="'big.weight'.*fail verification"):
-            snap.read("big.weight", (2000, 0), (100, COLS))  # rows 2000-2099: piece 3 and the bad piece 4
+            snap.read("big.weight", (r0, 0), (PIECE_ROWS // 2, COLS))
         # piece 3 arrived intact and stays; piece 4 never lands
         before = snap.fetch.lazy_bytes
-        assert torch.equal(snap.read("big.weight", (1600, 0), (400, COLS)), model(1)["big.weight"][1600:2000])
+        r0 = 3 * PIECE_ROWS
+        assert torch.equal(snap.read("big.weight", (r0, 0), (PIECE_ROWS, COLS)), model(1)["big.weight"][r0:r0 + PIECE_ROWS])
         assert snap.fetch.lazy_bytes == before
 
 
@@ -214,8 +223,8 @@ def test_a_rank_reading_a_quarter_from_a_peer_moves_its_slice(hosts):
     assert trainer.ask("commit 1") == {"committed": 1}
     first = rollout.ask("lazy 1 1000 2024")  # a quarter, unaligned
     assert first["ok"] and first["lazy"] and first["rejected"] == {}, first
-    assert first["lazy_bytes"] == 3 * PIECE_SIZE <= bound(1024), first
-    assert first["bytes_from"] == {trainer.session: 3 * PIECE_SIZE}, first
+    assert first["lazy_bytes"] == piece_bytes(1000, 2024) <= bound(1024), first
+    assert first["bytes_from"] == {trainer.session: piece_bytes(1000, 2024)}, first
     print(f"peer, quarter unaligned: {first['lazy_bytes'] / MIB:.0f} MiB moved for a {1024 * ROW / MIB:.0f} MiB "
           f"slice (bound {bound(1024) / MIB:.0f} MiB)")
     again = rollout.ask("lazy 1 1000 2024")
@@ -248,7 +257,7 @@ def test_the_only_holder_hung_for_longer_than_the_progress_timeout_is_asked_agai
         trainer.proc.send_signal(signal.SIGCONT)
     got = rollout.expect()
     assert got["ok"] and got["rejected"] == {} and set(got["failed"]) == {trainer.session}, got
-    assert got["bytes_from"] == {trainer.session: 4 * PIECE_SIZE}, got  # a failed read is not counted
+    assert got["bytes_from"] == {trainer.session: piece_bytes(0, 512) + piece_bytes(1000, 2024)}, got  # a failed read is not counted
 
 
 def test_a_corrupt_peer_is_rejected_and_the_piece_comes_from_the_remote(hosts):
@@ -264,7 +273,7 @@ def test_a_corrupt_peer_is_rejected_and_the_piece_comes_from_the_remote(hosts):
     first = rollout.ask("lazy 1 1000 2024")
     assert first["ok"], first
     assert first["rejected"] == {holder.session: 1}, first
-    assert first["bytes_from"] == {holder.session: 3 * PIECE_SIZE, url: 3 * PIECE_SIZE}, first
-    more = rollout.ask("lazy 1 0 512")  # another piece: the holder is not asked again
-    assert more["ok"] and more["bytes_from"][holder.session] == 3 * PIECE_SIZE, more
-    assert more["bytes_from"][url] == 4 * PIECE_SIZE, more
+    assert first["bytes_from"] == {holder.session: piece_bytes(1000, 2024), url: piece_bytes(1000, 2024)}, first
+    more = rollout.ask("lazy 1 0 512")  # other pieces: the holder is not asked again
+    assert more["ok"] and more["bytes_from"][holder.session] == piece_bytes(1000, 2024), more
+    assert more["bytes_from"][url] == piece_bytes(1000, 2024) + piece_bytes(0, 512), more

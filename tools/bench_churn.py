@@ -21,7 +21,7 @@ every byte once means 1.00); whether every host's tensors are the trainer's (bla
 tensor, compared by the driver). For the late joiner: its own time from its start, and the share it
 read from rollout hosts. For the kill: the hosts that had read from the victim (its children),
 their finishing times against the baseline's, and the survivors' time to all minus the baseline's:
-the delay the death cost (issue 27: about one piece's time, 8 MiB at the link rate), against the
+the delay the death cost (issue 27: about one piece's time, a relay block at the link rate), against the
 baseline and against the survivors' own run after it (one host fewer: one hop shorter). Needs root.
 
     .venv/bin/python tools/bench_churn.py --hosts 8 --rate 100mbit --json out/bench_churn.json \
@@ -46,6 +46,7 @@ from bench_cluster import Meter  # noqa: E402
 from benchlib import log, machine, write_outputs  # noqa: E402
 from cluster_host import ClusterHost, ClusterRun, MiB, running_cluster  # noqa: E402
 from netcluster import _bits_per_s  # noqa: E402
+from paramstore.relay import BLOCK_BYTES  # noqa: E402
 
 
 def _started(step: int, check: Any, hosts: list[ClusterHost]) -> None:
@@ -191,7 +192,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         m = meter(lambda: run.checkout_all(4, check=check, timeout=timeout, settle=0), settle=False)
         res["rows"].append(_row(f"after the kill ({len(run.rollouts)} hosts)", m, model, b))
         log(f"after the kill: all {len(run.rollouts)} in {m['time_all_s']:.2f} s")
-    res["block_s"] = 8 * MiB * 8 / rate_bits
+    res["block_s"] = BLOCK_BYTES * 8 / rate_bits
     return res
 
 
@@ -199,7 +200,7 @@ def report(res: dict[str, Any]) -> str:
     block = res["block_s"]
     lines = [f"1 trainer + {res['hosts']} rollout hosts, links {res['rate']} each direction (`tc tbf`), model "
              f"{res['model_bytes'] / MiB:.0f} MiB of bf16 in {res['tensors']} tensors, a fresh version per scenario "
-             f"(every byte new), one store (`patches=False`); one piece (8 MiB) takes {block:.2f} s at the nominal rate. "
+             f"(every byte new), one store (`patches=False`); one relay block ({BLOCK_BYTES / MiB:g} MiB) takes {block:.2f} s at the nominal rate. "
              "Time to all: the last host's end (the survivors'), from the driver's first command. Egress: the "
              "trainer's eth0 `tx_bytes` over the model. Received: each host's fetch report, over the model "
              "(min–max; 1.00: every byte once). Tensors: every host's blake3 of each tensor equals the trainer's. "

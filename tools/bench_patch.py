@@ -83,7 +83,7 @@ from paramstore.patch import apply_patch, decode_into, make_patch, patch_info  #
 
 
 def _digest(a: np.ndarray) -> str:
-    """The tensor digest a manifest records for these bytes (blake3, over pieces above 8 MiB)."""
+    """The tensor digest a manifest records for these bytes (blake3, over pieces above a piece)."""
     from paramstore.format import tensor_digest
 
     return tensor_digest(memoryview(np.ascontiguousarray(a)).cast("B"))
@@ -202,7 +202,7 @@ def rebuild_child(args: argparse.Namespace) -> dict:
     from paramstore.format import rehash, tensor_spans
 
     rng = np.random.default_rng(0)
-    tensors, per = args.rebuild_mib // 8, 8 << 20  # 8 MiB tensors: one piece each
+    tensors, per = args.rebuild_mib // 8, 8 << 20  # 8 MiB tensors (4 pieces each)
     base = {f"layer{i}.weight": (torch.from_numpy(rng.standard_normal(per // 2, dtype=np.float32)) * 0.02)
             .to(torch.bfloat16) for i in range(tensors)}
     target = {}

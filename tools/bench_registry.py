@@ -121,7 +121,7 @@ def llama_70b() -> list[tuple[str, tuple[int, ...]]]:
 
 def manifest_cost(url: str, rounds: int) -> dict[str, Any]:
     """Publish one version laid out as Llama-2-70B in bf16 (tensors packed into objects of the
-    default shard size, a larger tensor in an object of its own, a piece digest per 8 MiB as a
+    default shard size, a larger tensor in an object of its own, a piece digest per piece as a
     commit records them) and time reading its manifest back (``get_manifest``), as every host does
     at least once per version."""
     reg = RedisRegistry(url, f"bench-manifest-{uuid.uuid4().hex[:8]}")
