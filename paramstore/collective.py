@@ -56,6 +56,7 @@ from .format import ObjectHasher, loads
 from .liveness import libc
 from .manifest import Manifest, Version, check_manifest
 from .objects import check_buffer, check_held, index_entries, read_manifest
+from .remote import MAX_MANIFEST_BYTES
 from .reports import FetchReport
 from .root import StoreRoot, VersionSpec
 from .snapshot import MADV_POPULATE_READ  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)
@@ -88,7 +89,7 @@ SHORT_MESSAGE_BYTES = 1 << 20
 #: Room per object of the offer in a reply (its digest in ``lack``, or its digest and reason in ``bad``).
 REPLY_BYTES_PER_OBJECT = 512
 #: The longest offer (version, manifest, sizes): twice the largest manifest a remote accepts.
-MAX_OFFER_BYTES = 128 << 20
+MAX_OFFER_BYTES = 2 * MAX_MANIFEST_BYTES
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -201,7 +201,7 @@ def relay_fanout(fetchers: int, blocks: int = 1) -> int:
     ``f``. :data:`FANOUT_ENV`, where set to an int >= 1, fixes it (another value is ignored).
 
     ``blocks``: the object's relay blocks (:meth:`Relay.plan`: its header, then its pieces grouped). A chain wherever
-    the object has many blocks next to its fetchers (8 hosts, a 256 MiB object of 32 blocks: 39
+    the object has many blocks next to its fetchers (8 hosts, an object of 32 blocks: 39
     blocks' time, against 70 for f = 2), a tree where it has few (16 hosts, a
     one-block object: the chain's 16 against 10 for f = 2; 256 hosts, 32 blocks: the chain's 287
     against 80) — measured on the simulated cluster, 16 hosts and 4 one-block objects at 100 Mbit/s,
@@ -347,7 +347,7 @@ class Relay:
         self.server, self.report, self.lock, self.excluded = server, report, lock, excluded
         self.start, self.blocks, self.spans = plan if plan is not None else (0, [], {})
         # the plan's largest block (before a header gives it: what it will be about)
-        self.block_bytes = max((e - b for b, e, _ in self.blocks), default=relay_block_bytes(size))
+        self.block_bytes = self._usual_block(size)
         self.me = server.peer.id if server is not None else None
         # fetchers of one key follow each other: every block boundary must agree along a chain
         self.fetch_key = _fetch_key(digest, self.blocks if plan is not None else None)
@@ -382,6 +382,13 @@ class Relay:
         self.whole_at = -1.0
         self.relook_s = RELOOK_S  # seconds to the next lookup while an upstream is followed
         self.tainted = False  # a read timed out: a late write may still land; nothing here is trusted
+
+    def _usual_block(self, size: int) -> int:
+        """The bytes of a usual block of the plan (what a block that counts as landed, and the
+        block-time estimate, are measured against): its largest, but at most
+        :func:`relay_block_bytes` (a long header, or an 8 MiB piece of an object written before
+        pieces were 2 MiB, is not the measure of the plan's 2 MiB blocks)."""
+        return min(max((e - b for b, e, _ in self.blocks), default=relay_block_bytes(size)), relay_block_bytes(size))
 
     def run(self) -> bool:
         """Fetch the object; True once every block is verified and the object is in the local tier.
@@ -500,7 +507,7 @@ class Relay:
                 self.unlisted = plan is None
             if plan is not None:
                 self.start, self.blocks, self.spans = plan
-                self.block_bytes = max(e - b for b, e, _ in self.blocks)
+                self.block_bytes = self._usual_block(self.size)
             return head
         if denied is not None:
             warnings.warn(f"paramstore: object {self.digest[:16]}… is recorded as {self.size} bytes, but the header "
@@ -939,7 +946,9 @@ def _fetch_key(digest: str, blocks: list[_Block] | None) -> str:
     block boundaries too, so only fetchers that cut the object alike follow each other (a block
     count read from one means the same bytes to the other). ``blocks`` None: a relay whose plan
     the object's header gives (:meth:`Relay.run`), announced before it has read it; such plans
-    all cut the header alone, then the pieces the header lists."""
-    h = blake3.blake3(b"paramstore/fetch/v2\0" + bytes.fromhex(digest))
+    all cut the header alone, then the pieces the header lists, grouped up to
+    :func:`relay_block_bytes` (v3: since blocks are 2 MiB, so that a host of an older paramstore,
+    which grouped them up to 8 MiB, never follows one of this one or leads it)."""
+    h = blake3.blake3(b"paramstore/fetch/v3\0" + bytes.fromhex(digest))
     h.update(b"header" if blocks is None else struct.pack(f"<{2 * len(blocks)}Q", *(x for b, e, _ in blocks for x in (b, e))))
     return h.hexdigest()

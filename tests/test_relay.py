@@ -58,12 +58,12 @@ def test_a_chain_of_three_hosts_sends_each_block_from_the_trainer_once(hosts):
 
 @needs_mooncake
 def test_hosts_that_start_at_once_read_each_object_from_the_trainer_once(hosts):
-    """Four hosts check a version of 8 one-block objects out at the same moment. The registry
+    """Four hosts check a version of 8 small objects out at the same moment. The registry
     orders each object's fetchers (``announce_in_order``), so exactly one of them reads it from
     the trainer however close their announcements are. (Ordered by each host's clock, taken
     before its announcement was visible, two hosts announcing within ms each saw nobody ahead and
     both read the object whole from the trainer: 1.2-1.44x egress at 16 hosts, session 16.)"""
-    shard = 8 << 20  # 2 tensors of 4 MiB per object: one block each
+    shard = 8 << 20  # 2 tensors of 4 MiB per object: a few blocks each
     trainer = hosts("trainer", shard=shard)
     rollouts = [hosts("rollout", shard=shard, block_delay=0.02) for _ in range(4)]
     assert trainer.ask("commit 1 1 16") == {"committed": 1}
