@@ -104,10 +104,12 @@ _HASH_THREADS_MIN_BYTES = 1 << 22  # below this, blake3's thread pool costs more
 #: Bytes per piece of the objects this paramstore writes (see the module docstring). A piece is
 #: the unit a receiver verifies alone, hence the unit a host relays on (:mod:`paramstore.relay`):
 #: each hop of a relay holds a piece back until it verified it, so a chain of n hosts fills in
-#: about n pieces' time. 2 MiB: a hop costs 17 ms at 1 Gbit/s, 0.17 s at 100 Mbit/s (8 MiB pieces:
-#: 1 trainer + 8 hosts at 100 Mbit/s took 1.30x the link's ideal, 2 MiB ones 1.13x,
-#: docs/benchmarks.md); a thread still hashes a piece in ~1-2 ms, far above the cost of handing
-#: it over; a piece digest costs 64 bytes of manifest JSON per 2 MiB of weights (32 KiB per GiB).
+#: about n pieces' time. 2 MiB: a piece's time is 17 ms at 1 Gbit/s, 0.17 s at 100 Mbit/s (1
+#: trainer + 8 hosts at 100 Mbit/s, measured: ~0.24 s a hop and 1.13x the link's ideal, against
+#: ~0.78 s and 1.30x with 8 MiB pieces; docs/benchmarks.md); a thread hashes a piece in ~0.3 ms
+#: (measured, one thread, this 2-core host), far above the cost of handing it over (the commit
+#: hands over four at a time: hashing.UNIT_BYTES); a piece digest costs ~67 bytes of manifest JSON
+#: per 2 MiB of weights (~33 KiB per GiB).
 PIECE_SIZE = 2 << 20
 #: Piece sizes this paramstore reads: :data:`PIECE_SIZE`, and 8 MiB (objects and manifests written
 #: before pieces were 2 MiB). Powers of two, so that a manifest's number of piece digests tells

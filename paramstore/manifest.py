@@ -299,11 +299,11 @@ class Manifest:
         """Whether some entry lists piece digests (a tensor larger than a piece: format 4 or 5)."""
         return any(c.piece_digests for _, e in self.stored() for c in e.chunks or (e,))
 
-    @property
-    def _small_pieces(self) -> bool:
-        """Whether some entry lists digests of pieces under 8 MiB (format 5)."""
-        return any(c.piece_digests and c.piece_size != _FORMAT4_PIECE_SIZE
-                   for _, e in self.stored() for c in e.chunks or (e,))
+    def _pieces_format(self) -> int | None:
+        """The format the entries' piece digests need: 5 where one lists digests of pieces other
+        than 8 MiB, 4 where all are of 8 MiB pieces, None where none lists any."""
+        sizes = {c.piece_size for _, e in self.stored() for c in e.chunks or (e,) if c.piece_digests}
+        return None if not sizes else 4 if sizes == {_FORMAT4_PIECE_SIZE} else 5
 
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per manifest (a manifest never changes): for what readers
@@ -331,7 +331,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": 5 if self._small_pieces else 4 if self.pieced else 3 if self.assets else 2 if self.chunked else 1,
+            "format": self._pieces_format() or (3 if self.assets else 2 if self.chunked else 1),
             "tensors": {n: e.to_json() for n, e in sorted(self.tensors.items())},
             "aliases": dict(sorted(self.aliases.items())),
         } | ({"assets": {n: e.to_json() for n, e in sorted(self.assets.items())}} if self.assets else {})
@@ -407,9 +407,10 @@ class Manifest:
                 if d["format"] == 4 and c.piece_digests and c.piece_size != _FORMAT4_PIECE_SIZE:
                     raise CorruptObjectError(f"manifest of format 4 lists digests of {c.piece_size}-byte pieces for "
                                              f"{name!r} (format 5)")
-        if d["format"] >= 4 and not manifest.pieced:
+        need = manifest._pieces_format()
+        if d["format"] >= 4 and need is None:
             raise CorruptObjectError(f"manifest of format {d['format']} lists no piece digests")
-        if d["format"] == 5 and not manifest._small_pieces:
+        if d["format"] == 5 and need == 4:
             raise CorruptObjectError("manifest of format 5 lists no digests of pieces under 8 MiB (format 4)")
         return manifest
 

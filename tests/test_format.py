@@ -551,23 +551,31 @@ def test_a_store_of_a_newer_format_is_refused_saying_to_upgrade(store_root):
         ParamStore(store_root)
 
 
+def commit_as_before(store_root, monkeypatch, state, *, marker: int, piece_size: int) -> None:
+    """Commit ``state`` as step 1 of a new store the way an older paramstore did: headers say
+    pieces of ``marker`` bytes where a tensor is larger (``1 << 62``: never, no marker), and
+    digests are over pieces of ``piece_size`` bytes (0: whole tensors, format v1)."""
+    import paramstore.format as fmt
+    import paramstore.hashing as hashing
+
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "PIECE_SIZE", marker)
+        m.setattr(hashing, "pieces", lambda n, size=piece_size: fmt.pieces(n, size))  # hashing.piece_spans
+        with ParamStore(store_root, create=True) as s:
+            s.commit(1, state).result()
+
+
 def test_a_store_written_with_whole_tensor_digests_stays_readable(store_root, monkeypatch):
     """An old-format store (format v1: a large tensor's digest is blake3 of all its bytes, objects
     without the pieces marker, manifests of format 1) written by forcing the old rule: it still
     reads, verifies (every path recomputing digests uses the old rule for its objects), and a new
     commit of the same weights next to it uses pieces."""
     import paramstore.format as fmt
-    import paramstore.hashing as hashing
     from paramstore.objects import check_buffer
 
     P = fmt.PIECE_SIZE
     w = torch.randn(P // 4 + 100)  # two pieces' worth
-    with monkeypatch.context() as m:
-        m.setattr(fmt, "PIECE_SIZE", 1 << 62)  # no marker in headers
-        m.setattr(hashing, "pieces", lambda n, piece_size=0: [(0, n)])  # whole tensors (hashing.piece_spans)
-        s = ParamStore(store_root, create=True)
-        s.commit(1, {"w": w, "b": torch.ones(4)}).result()
-        s.close()
+    commit_as_before(store_root, monkeypatch, {"w": w, "b": torch.ones(4)}, marker=1 << 62, piece_size=0)
     s = ParamStore(store_root)
     try:
         old = s.manifest(1)
@@ -601,19 +609,12 @@ def test_a_store_written_with_8_mib_pieces_stays_readable(store_root, monkeypatc
     verifies, checks each 8 MiB piece alone and relays an 8 MiB piece as a block of its own (a
     unit is never cut); a new commit of the same weights next to it uses 2 MiB pieces (format 5),
     and a tensor of one piece either way keeps its object."""
-    import paramstore.format as fmt
-    import paramstore.hashing as hashing
     from paramstore.objects import check_buffer
     from paramstore.relay import Relay
 
     old_p = 8 << 20
     w = torch.randn(old_p // 4 * 2 + 100)  # 3 pieces of 8 MiB, 9 of 2 MiB
-    with monkeypatch.context() as m:
-        m.setattr(fmt, "PIECE_SIZE", old_p)  # the marker in headers
-        m.setattr(hashing, "pieces", lambda n, piece_size=old_p: fmt.pieces(n, piece_size))  # hashing.piece_spans
-        s = ParamStore(store_root, create=True)
-        s.commit(1, {"w": w, "b": torch.ones(4)}).result()
-        s.close()
+    commit_as_before(store_root, monkeypatch, {"w": w, "b": torch.ones(4)}, marker=old_p, piece_size=old_p)
     s = ParamStore(store_root)
     try:
         old = s.manifest(1)
