@@ -66,7 +66,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from paramstore import liveness, pinning
 from paramstore.errors import StorageError, StorageFullError
@@ -99,17 +99,18 @@ class Slab:
     #: unregisters the pinned mapping if the slab is garbage-collected without close()
     _unpin_at_gc: Any = field(default=None, repr=False, compare=False)
 
-    def reserve(self, begin: int, end: int) -> None:
+    def reserve(self, begin: int, end: int, what: str = "a peer fetch") -> None:
         """Reserve the space of bytes ``[begin, end)`` and fault their pages in (what
         :meth:`SlabPool.new` does for a whole slab), so that writing them neither faults on the
         hot path nor raises SIGBUS on a full filesystem (``begin``: a multiple of the page size;
-        the range must not have been written yet). Raises StorageFullError or StorageError."""
+        the range must not have been written yet). Raises StorageFullError (``what`` says for
+        what, in the message) or StorageError."""
         if begin % mmap.PAGESIZE:
             raise ValueError(f"a reservation starts on a page boundary, not at byte {begin}")
         try:
             os.posix_fallocate(self.fd, begin, end - begin)
         except OSError as e:
-            raise storage_error(e, os.path.dirname(self.path), end - begin, "a peer fetch") from e
+            raise storage_error(e, os.path.dirname(self.path), end - begin, what) from e
         _populate_range(address(self.map) + begin, end - begin)
 
     def pin(self, device: Any) -> bool:
@@ -215,6 +216,17 @@ _MADV_HUGEPAGE = 14
 _MADV_DONTFORK = 10
 
 
+def _lower_priority(nice: int) -> None:
+    """Give the calling thread nice value ``nice`` if it runs at a higher priority (Linux applies
+    ``setpriority(PRIO_PROCESS, tid)`` to that thread alone; elsewhere, or where refused, nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def _populate(m: mmap.mmap) -> None:
     """Allocate and fault every page of a writable mapping, without holding the GIL.
 
@@ -280,6 +292,23 @@ def tmp_name() -> str:
 #: How long, after a commit or a fetch, a recycling pool waits for GC to hand back the slabs of the
 #: version that one pushed out of retention before it faults new ones instead.
 RECYCLE_GRACE_S = 0.5
+#: Bytes the background thread reserves and faults at a time (:meth:`SlabPool.new` with ``stop``):
+#: between two of them it sees a :meth:`SlabPool.close` or :meth:`SlabPool.shed` (which wait for
+#: it), at most ~5 ms of its CPU later here, however low its priority.
+_RESERVE_CHUNK = 8 << 20
+
+
+class _Stopped(Exception):
+    """The background thread gave up the slab it was making: the pool closes, or stands back."""
+
+
+#: The nice value of the pool's background thread (Linux, per thread; 19 is the lowest priority).
+#: What it does is work ahead of need (faulting the next version's slabs): where the cores are
+#: busy, a foreground thread comes first. A rollout host that just received a version faults the
+#: next one's destination while the hosts behind it still read that version from it, and its
+#: inference engine runs; a trainer's next commit slabs wait for its busy cores alike. A ``take``
+#: that finds nothing ready faults on the spot, on the caller's thread, at the caller's priority.
+FILL_NICE = 19
 #: How long :meth:`SlabPool.shed` waits for the slab the background thread is creating or checking.
 SHED_WAIT_S = 30.0
 
@@ -331,12 +360,28 @@ class SlabPool:
         if recycle:
             _register(self)
 
-    def new(self, size: int, *, what: str = "a staging buffer", reserve: bool = True) -> Slab:
+    def new(self, size: int, *, what: str = "a staging buffer", reserve: bool = True,
+            stop: Callable[[], bool] | None = None) -> Slab:
         """Create a slab of ``size`` bytes now: space reserved, every page faulted in
         (``reserve=False``: neither; the file only has its size, see :meth:`Slab.reserve`).
+        ``stop`` (the background thread's): the space is reserved :data:`_RESERVE_CHUNK` bytes at a
+        time, and once ``stop()`` is true between two of them the slab is deleted and
+        :class:`_Stopped` raised.
 
         Raises StorageFullError (the filesystem is full; ``what`` says for what, in the
         message) or StorageError."""
+        if stop is not None and reserve:
+            slab = self.new(size, what=what, reserve=False)
+            try:
+                for begin in range(0, size, _RESERVE_CHUNK):
+                    if stop():
+                        raise _Stopped
+                    slab.reserve(begin, min(size, begin + _RESERVE_CHUNK), what)
+            except BaseException:
+                slab.discard()
+                raise
+            slab.reserved = True
+            return slab
         path = os.path.join(self._tmp, tmp_name())
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -627,6 +672,7 @@ class SlabPool:
         :meth:`prepare`. A full filesystem is no news for the caller here: the commit that then
         finds no prepared slab creates one itself and reports the error. Any other error is also
         reported once as a warning (never a traceback on stderr)."""
+        _lower_priority(FILL_NICE)
         while True:
             recycled = None
             with self._lock:
@@ -649,7 +695,8 @@ class SlabPool:
                 if recycled is not None:
                     self._check_recycled(recycled)
                 else:
-                    slab = self.new(missing[0], what="preparing the next commits' buffers")
+                    slab = self.new(missing[0], what="preparing the next commits' buffers",
+                                    stop=lambda: self._closed or self._stalled)
                     try:
                         self._pin_prepared(slab)
                     except BaseException:
@@ -657,6 +704,8 @@ class SlabPool:
                         raise
                     self._add(slab)
                     self._fill_error = None
+            except _Stopped:  # closing, or a commit out of space asked it to stand back
+                pass
             except Exception as e:  # noqa: BLE001 - kept for the caller; the thread must live on
                 if recycled is not None and not recycled.map.closed:
                     try:

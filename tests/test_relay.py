@@ -549,3 +549,42 @@ def test_a_whole_object_read_waits_out_the_back_off_of_a_holder_whose_reads_fail
     f.retries.failed_read("caught")
     f.excluded.add("caught")
     assert not f._back_off() and len(slept) == relay.PEER_RETRIES  # never re-admitted, no wait
+
+
+@needs_mooncake
+def test_a_mark_read_less_than_a_second_ago_stands_for_the_blocks_it_covers(monkeypatch):
+    """A follower reads its upstream's progress word (over the real transport) only when the mark
+    it last read does not cover the next block, or is over MARK_TTL_S old; the blocks below a
+    fresh mark are read straight away (a mark only grows)."""
+    import struct
+    import threading
+
+    import paramstore.relay as relay
+    from paramstore.backends.registries.base import Peer
+    from paramstore.backends.transports import MooncakeTransport
+    from paramstore.reports import FetchReport
+
+    now = [100.0]
+    monkeypatch.setattr(relay.time, "monotonic", lambda: now[0])
+    with MooncakeTransport("127.0.0.1", timeout=20) as up_t, MooncakeTransport("127.0.0.1", timeout=20) as t:
+        word = memoryview(bytearray(16))
+        struct.pack_into("<QQ", word, 0, 0x1000, 3)  # the upstream's slab at 0x1000, blocks 0-2 verified
+        up = Peer("up", up_t.session, "h", 1, 0.0)
+        r = relay.Relay(None, t, None, "e" * 64, 6 << 20, None, FetchReport(1), threading.Lock(), set(),  # type: ignore[arg-type]
+                        (0, [(i << 20, (i + 1) << 20, []) for i in range(6)], {}))
+        r.scratch = memoryview(bytearray(16))
+        r.saddr = t.register(r.scratch)
+        r.position, r.end, r.found_at, r.relook_s = 1, 2, now[0], 60.0  # the registry's last answer: fresh
+        r.ahead = {0: (up, up_t.register(word))}
+        reads: list[int] = []
+        real = t.read
+        monkeypatch.setattr(t, "read", lambda peer, rs, **kw: (reads.append(len(rs)), real(peer, rs, **kw))[1])
+        assert r._choose([0, 1, 2, 3, 4, 5], 1)[0] == [(up, 0, 0x1000)] and len(reads) == 1
+        assert r._choose([1, 2, 3, 4, 5], 1)[0] == [(up, 1, 0x1000)] and len(reads) == 1  # mark 3 covers it
+        assert r._choose([3, 4, 5], 1)[0] is None and len(reads) == 2  # not verified there yet: asked again
+        struct.pack_into("<Q", word, 8, 5)
+        assert r._choose([3, 4, 5], 1)[0] == [(up, 3, 0x1000)] and len(reads) == 3
+        now[0] += relay.MARK_TTL_S
+        assert r._choose([4, 5], 1)[0] == [(up, 4, 0x1000)] and len(reads) == 4  # too old: read again
+        r._put_aside(up, 0)
+        assert "up" not in r.marks

@@ -11,6 +11,8 @@ import mmap
 import multiprocessing as mp
 import os
 import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -83,6 +85,46 @@ def test_prepare_wait_has_every_buffer_ready(store_root, retention, recycle, cop
             store.commit(step, model(step)).staged.result()
         store.flush()
         assert pool.stats["on_the_spot"] == 0, pool.stats
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_pool_prepares_slabs_at_the_lowest_cpu_priority(shm_dir):
+    """The background thread faults ahead of need at nice 19 (busy cores serve foreground work
+    first); the threads that take slabs keep their own priority."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pool = staging.SlabPool(shm_dir, pin=False)
+    try:
+        pool.prepare([1 << 20], purpose="fetch")
+        assert pool.wait_prepared(30)
+        assert pool._thread is not None and pool._thread.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, pool._thread.native_id) == max(before, staging.FILL_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+        pool.take(1 << 20).discard()
+        assert pool.stats["on_the_spot"] == 0
+    finally:
+        pool.close()
+
+
+def test_the_background_thread_gives_a_slab_up_between_two_chunks(shm_dir):
+    """With ``stop`` (the background thread's: the pool closes, or a commit out of space asks it
+    to stand back) a slab is reserved a chunk at a time and given up, its file deleted, as soon
+    as ``stop()`` says so; otherwise it comes whole, reserved."""
+    pool = staging.SlabPool(shm_dir, pin=False)
+    try:
+        asked: list[int] = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > 2
+
+        with pytest.raises(staging._Stopped):
+            pool.new(4 * staging._RESERVE_CHUNK, stop=stop)
+        assert len(asked) == 3 and not os.listdir(shm_dir)  # two chunks reserved, then given up
+        slab = pool.new(2 * staging._RESERVE_CHUNK + 4096, stop=lambda: False)
+        assert slab.reserved and os.fstat(slab.fd).st_blocks * 512 >= slab.size
+        slab.discard()
+    finally:
+        pool.close()
 
 
 def test_an_unreserved_slab_is_reserved_range_by_range(shm_dir):

@@ -172,6 +172,30 @@ def test_frozen_peer_times_out_and_its_buffer_stays_mapped(transport: MooncakeTr
     transport.unregister(small_dst)
 
 
+def test_a_read_is_paced_by_the_last_reads_from_its_peer(spawn) -> None:
+    """A read whose slices are all in flight at once first sleeps through half the time its bytes
+    took at the pace of the last reads from that peer, then looks. An estimate left from a slower
+    link halves with each read found done at its first look; small reads are never paced."""
+    srv = spawn(4 * MiB, seed=7)
+    with MooncakeTransport("127.0.0.1", timeout=20) as t:
+        m, dst = _dest(t, 4 * MiB)
+        assert srv.session not in t._pace
+        t.read(srv.session, [(dst, srv.addr, 4 * MiB)])
+        assert 0 < t._pace[srv.session]
+        slow = 0.4 / (4 * MiB)  # as if these 4 MiB had taken 0.4 s
+        t._pace[srv.session] = slow
+        t0 = time.monotonic()
+        t.read(srv.session, [(dst, srv.addr, 4 * MiB)])
+        assert time.monotonic() - t0 >= 0.2  # it slept through half of that first
+        assert np.array_equal(np.frombuffer(m, np.uint8), srv.data)
+        assert t._pace[srv.session] <= 0.75 * slow  # done at the first look: the estimate falls
+        t._pace[srv.session] = 1.0  # a second per byte: a paced small read would sleep until its timeout
+        t0 = time.monotonic()
+        t.read(srv.session, [(dst, srv.addr, 4096)], timeout=10)
+        assert time.monotonic() - t0 < 5 and t._pace[srv.session] == 1.0  # neither paced nor measured
+        t.unregister(dst)
+
+
 def test_registration_rules(transport: MooncakeTransport) -> None:
     m = mmap.mmap(-1, 4 * MiB)
     addr = transport.register(m)
