@@ -69,10 +69,29 @@ _NAP_MIN_S, _NAP_MAX_S = 50e-6, 1e-3
 #: peer took, :attr:`MooncakeTransport._pace`) it sleeps through before it first looks, where all
 #: its slices are in flight at once: a 2 MiB relay block at 1 Gbit/s made ~17 looks of ~30 us of
 #: CPU each. A read found done at its first look counts as having taken this share of its time,
-#: so after a link got faster the estimate halves with each read.
+#: so after a link got faster the estimate halves with each read (:func:`_pace`).
 PACE_SHARE = 0.5
 #: Reads of fewer bytes take the time of a round trip, not of their bytes: neither paced nor measured.
 PACE_MIN_BYTES = 256 << 10
+
+
+def _pace(last: float | None, took: float, first_look: bool) -> float:
+    """The seconds per byte to expect of a peer's next read, after one that ``took`` that many
+    (``first_look``: found done at its first look, so it may have taken much less: counted as
+    :data:`PACE_SHARE` of it). A faster read is taken at once; a slower one moves the estimate an
+    eighth of the way: a peer stalled once (a loss burst, a busy moment) must not make the next
+    reads oversleep, while a link that really got slower only costs a few more looks.
+
+        >>> _pace(None, 8e-9, False), _pace(8e-9, 4e-9, False), _pace(8e-9, 80e-9, False)
+        (8e-09, 4e-09, 1.7e-08)
+        >>> _pace(8e-9, 8e-9, True)  # done when first looked at: at most half that
+        4e-09
+    """
+    if first_look:
+        took *= PACE_SHARE
+    if last is None or took <= last:
+        return took
+    return last + (took - last) / 8
 # transfer_check_status: 1 done, 0 in flight, -1 failed; both 1 and -1 free the batch.
 _DONE, _PENDING, _FAILED = 1, 0, -1
 
@@ -329,11 +348,7 @@ class MooncakeTransport(Transport):
         if failure is not None:
             raise failure
         if paced:
-            took = (time.monotonic() - t0) / nbytes
-            if looks == 1:  # done at the first look: it may have taken much less (a faster link now)
-                took *= PACE_SHARE
-            last = self._pace.get(peer)
-            self._pace[peer] = took if last is None else 0.5 * (last + took)
+            self._pace[peer] = _pace(self._pace.get(peer), (time.monotonic() - t0) / nbytes, looks == 1)
             if len(self._pace) > 4096:  # peers come and go: forget the oldest
                 for old in list(self._pace)[:2048]:
                     self._pace.pop(old, None)
