@@ -29,6 +29,7 @@ import sys
 import tempfile
 import tracemalloc
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -573,8 +574,11 @@ def _feed_redis(i: tuple[str, str]) -> None:
     kind, raw = i
     if kind == "version":
         r._version(raw, ["t"])
-    elif kind == "manifest":
-        r._read("a manifest", lambda: Manifest.parse(raw))
+    elif kind == "manifest":  # stored as JSON, or zlib-compressed (whole, or cut short)
+        data = raw.encode("utf-8", "surrogateescape")
+        packed = zlib.compress(data, 1)
+        for stored in (data, packed, packed[:-3]):
+            r._read("a manifest", lambda stored=stored: Manifest.parse(r.unpack_manifest(stored)))
     elif kind == "peer":
         r._peer("p1", raw)
     elif kind == "address":

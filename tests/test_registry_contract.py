@@ -230,3 +230,53 @@ def test_lapsed_peer_is_announced_again(redis_url):
         client.close()
         reg.close()
         other.close()
+
+
+def test_a_large_manifest_is_stored_compressed_and_read_back_whole(redis_url, monkeypatch):
+    """Redis: a manifest of at least MANIFEST_ZLIB_BYTES of JSON (most of it piece digests) is
+    stored zlib-compressed and read back equal; what is stored there and is neither JSON nor a
+    zlib stream, or inflates beyond the manifest cap, is a CorruptObjectError naming where."""
+    import json
+    import zlib
+
+    import blake3
+
+    import paramstore.backends.registries.redis as redis_registry
+    from paramstore.errors import CorruptObjectError
+    from paramstore.format import PIECE_SIZE, pieces_root
+    from paramstore.backends.registries.base import ObjectInfo, TensorLocation
+    from paramstore.manifest import Manifest, TensorEntry, Version
+
+    obj, entries, placement, offset = D("object"), {}, {}, 64
+    for i in range(8):  # 8 tensors of 200 pieces: ~110 KB of JSON
+        nbytes = 200 * PIECE_SIZE
+        pieces = tuple(blake3.blake3(f"{i}/{k}".encode()).hexdigest() for k in range(200))
+        digest = pieces_root(pieces, nbytes)
+        entries[f"t{i}"] = TensorEntry("uint8", (nbytes,), digest, obj, offset, nbytes, (), pieces)
+        placement[digest] = TensorLocation(obj, offset, nbytes)
+        offset += nbytes
+    manifest = Manifest(entries)
+    version = Version(1, time.time(), manifest.nbytes, manifest.digest(), len(entries), (), {}, {})
+    text = json.dumps(manifest.to_json())
+    assert len(text) >= redis_registry.MANIFEST_ZLIB_BYTES
+    reg = RedisRegistry(redis_url, uuid.uuid4().hex)
+    client = redis.Redis.from_url(redis_url)
+    key, field = reg._k["manifests"], f"{1:020d}"
+    try:
+        reg.publish(version, manifest, {obj: ObjectInfo(offset, tuple(placement))}, placement)
+        raw = client.hget(key, field)
+        assert raw[:1] != b"{" and len(raw) < 0.7 * len(text)
+        assert reg.get_manifest(1).to_json() == manifest.to_json()
+        client.hset(key, field, b"\x78\x01 not a zlib stream")
+        with pytest.raises(CorruptObjectError, match="manifests.*neither JSON nor a zlib stream"):
+            reg.get_manifest(1)
+        monkeypatch.setattr(redis_registry, "MAX_MANIFEST_BYTES", len(text) - 1)
+        client.hset(key, field, zlib.compress(text.encode(), 1))
+        with pytest.raises(CorruptObjectError, match="inflates beyond"):
+            reg.get_manifest(1)
+        monkeypatch.undo()
+        client.hset(key, field, text)  # as a paramstore that stored JSON left it: still read
+        assert reg.get_manifest(1).to_json() == manifest.to_json()
+    finally:
+        client.close()
+        reg.close()

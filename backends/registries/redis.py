@@ -11,7 +11,8 @@ key (after prefix)     type    content
 =====================  ======  ==========================================================
 ``steps``              zset    every ``key(step)``, all with score 0 (ordered by ``ZRANGEBYLEX``)
 ``versions``           hash    key(step) -> the version record (``Version.to_json``)
-``manifests``          hash    key(step) -> the manifest (``Manifest.to_json``)
+``manifests``          hash    key(step) -> the manifest (``Manifest.to_json``; zlib-compressed
+                               from :data:`MANIFEST_ZLIB_BYTES` on, :func:`pack_manifest`)
 ``refs``               hash    key(step) -> JSON list of the version's object digests
 ``persisted``          hash    key(step) -> URL of the remote the version is durable in
 ``tags``               hash    tag name -> key(step)
@@ -82,10 +83,12 @@ import re
 import threading
 import time
 import warnings
+import zlib
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
+from redis.client import NEVER_DECODE
 
 from paramstore import liveness
 from paramstore.errors import (
@@ -93,6 +96,7 @@ from paramstore.errors import (
     TagNotFoundError, VersionNotFoundError,
 )
 from paramstore.manifest import Manifest, Version, check_manifest
+from paramstore.remote import MAX_MANIFEST_BYTES
 from paramstore.validate import check_digest
 
 from .base import (
@@ -448,6 +452,44 @@ def _read(what: str, parse: Callable[[], _T]) -> _T:
         raise CorruptObjectError(f"Redis registry: {what} is malformed: {e}") from None
 
 
+#: A manifest's JSON of at least this many bytes is stored zlib-compressed (level 1). Most of a large
+#: model's manifest is hex piece digests, which compress to ~57%: a Llama-2-70B manifest (65,780
+#: piece digests) is 4.4 MB of JSON, 2.5 MB compressed in 50 ms, inflated in 17 ms by every host
+#: that reads it (tools/bench_registry.py; docs/benchmarks.md, its block). A smaller one stays JSON.
+MANIFEST_ZLIB_BYTES = 64 << 10
+
+
+def pack_manifest(text: str) -> bytes:
+    """What the registry stores for a manifest's JSON ``text``: the JSON itself, or from
+    :data:`MANIFEST_ZLIB_BYTES` on its zlib stream (which never begins with ``{``, so a reader
+    tells them apart: :func:`unpack_manifest`).
+
+        >>> unpack_manifest(pack_manifest('{"a": 1}')) == '{"a": 1}'
+        True
+        >>> big = '{"d": "' + "0123456789abcdef" * 8192 + '"}'
+        >>> packed = pack_manifest(big)
+        >>> packed[:1] != b"{" and len(packed) < len(big) // 10 and unpack_manifest(packed) == big
+        True
+    """
+    data = text.encode()
+    return zlib.compress(data, 1) if len(data) >= MANIFEST_ZLIB_BYTES else data
+
+
+def unpack_manifest(raw: bytes) -> str:
+    """The manifest JSON :func:`pack_manifest` stored; ValueError for a stream that is not zlib or
+    inflates beyond :data:`paramstore.remote.MAX_MANIFEST_BYTES` (other hosts wrote it)."""
+    if raw[:1] == b"{":
+        return raw.decode()
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(raw, MAX_MANIFEST_BYTES)
+    except zlib.error as e:
+        raise ValueError(f"neither JSON nor a zlib stream ({e})") from None
+    if inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError(f"it inflates beyond {MAX_MANIFEST_BYTES} bytes, or is cut short")
+    return data.decode()
+
+
 def _count(n: Any) -> int:
     """``n`` if it is an int >= 0 (not a bool), else ValueError."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -705,14 +747,18 @@ class RedisRegistry(Registry):
         """The manifest of ``step``, checked against its version's digest (other hosts wrote it):
         CorruptObjectError if it does not match. Raises VersionNotFoundError."""
         key = _key(step)
-        pipe = self._client().pipeline(transaction=True)  # MULTI/EXEC: one consistent read
+        # One round trip, not MULTI/EXEC: a transaction's replies are decoded as text together, and
+        # a compressed manifest is bytes (NEVER_DECODE). A published version and its manifest never
+        # change while the step exists; a mismatch (removed and published anew in between) is caught
+        # by check_manifest below, never taken for the manifest.
+        pipe = self._client().pipeline(transaction=False)
         pipe.hget(self._k["versions"], key)
-        pipe.hget(self._k["manifests"], key)
+        pipe.execute_command("HGET", self._k["manifests"], key, **{NEVER_DECODE: True})
         raw_version, raw = pipe.execute()
         if raw is None or raw_version is None:
             raise VersionNotFoundError(f"no version at step {step}")
         where = f"{self._k['manifests']} field {key} at {self.url}"
-        manifest = _read(where, lambda: Manifest.parse(raw))
+        manifest = _read(where, lambda: Manifest.parse(unpack_manifest(raw)))
         check_manifest(manifest, _version(raw_version, []), where=where)
         return manifest
 
@@ -805,7 +851,7 @@ class RedisRegistry(Registry):
         tensors = [x for d, loc in new_tensors.items() for x in (d, json.dumps(list(loc)))]
         keys = self._keys("steps", "versions", "manifests", "refs", "tags", "objects", "tensors")
         blocker = self._run(_PUBLISH, keys, [
-            step, int(require_newest), json.dumps(version.to_json()), json.dumps(manifest.to_json()),
+            step, int(require_newest), json.dumps(version.to_json()), pack_manifest(json.dumps(manifest.to_json())),
             json.dumps(sorted(manifest.objects())), json.dumps(list(version.tags)), json.dumps(objects),
             json.dumps(tensors), self._k["events"],
         ])
