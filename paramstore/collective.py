@@ -54,9 +54,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from .errors import BroadcastError, InvalidArgumentError, ParamStoreError, StepOrderError, VersionNotFoundError
 from .format import ObjectHasher, loads
 from .liveness import libc
-from .manifest import Manifest, Version, check_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, Version, check_manifest
 from .objects import check_buffer, check_held, index_entries, read_manifest
-from .remote import MAX_MANIFEST_BYTES
 from .reports import FetchReport
 from .root import StoreRoot, VersionSpec
 from .snapshot import MADV_POPULATE_READ  # Linux 5.14+ (elsewhere madvise fails and the send faults the pages itself)

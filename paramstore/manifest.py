@@ -53,8 +53,13 @@ from .format import ITEMSIZE, PIECE_SIZES, loads, piece_size_for, pieces, pieces
 from .validate import check_asset_name, check_digest, check_name
 
 
-__all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "ASSET_PREFIX", "check_manifest",
+__all__ = ["Chunk", "TensorEntry", "Manifest", "Version", "MANIFEST_FORMAT", "MAX_MANIFEST_BYTES", "ASSET_PREFIX", "check_manifest",
            "check_tiling", "object_spans", "object_piece_spans"]
+
+#: A manifest's JSON from elsewhere (a remote, a Redis registry's compressed field) larger than this
+#: is refused before it is parsed (CorruptObjectError). About 150 bytes per tensor, plus ~67 per
+#: 2 MiB piece of a larger one: 256 MiB is ~1.7M tensors, or the piece digests of ~8 TB of weights.
+MAX_MANIFEST_BYTES = 256 << 20
 
 #: The newest manifest format this paramstore reads and writes: 1 (every tensor whole), 2 (some
 #: tensors chunked), 3 (with assets) or 4 (with piece digests: tensors larger than a piece, whose

@@ -53,7 +53,7 @@ from .errors import (
 )
 from .delta import rebuild
 from .format import loads, rehash
-from .manifest import Chunk, Manifest, Version, check_manifest
+from .manifest import MAX_MANIFEST_BYTES, Chunk, Manifest, Version, check_manifest
 from .validate import check_tag
 from .objects import check_entries, check_held, entries_by_object, index_entries
 from .progress import progress
@@ -64,12 +64,8 @@ from .root import StoreRoot, VersionSpec
 from paramstore.backends.registries.base import MAX_DERIVED_RECORD_BYTES, check_derived_key, check_digests
 from paramstore.backends.tiers.remote import RemoteTier
 
-__all__ = ["Remote", "DEFAULT_LOCK_TTL", "MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"]
+__all__ = ["Remote", "DEFAULT_LOCK_TTL", "MAX_RECORD_BYTES"]
 
-#: A manifest in the remote larger than this is refused before it is read (CorruptObjectError).
-#: About 150 bytes per tensor, plus ~67 per 2 MiB piece of a larger one: 256 MiB is ~1.7M
-#: tensors, or the piece digests of ~8 TB of weights.
-MAX_MANIFEST_BYTES = 256 << 20
 #: A version record larger than this is refused before it is read. A record holds a version's
 #: metrics, metadata and objects (~100 bytes per object): a few KiB, unless the commit's
 #: metadata is large (commit does not limit it; push does not check this yet).

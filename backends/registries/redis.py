@@ -95,8 +95,7 @@ from paramstore.errors import (
     CorruptObjectError, InvalidArgumentError, ParamStoreError, ParamStoreWarning, RegistryError, StepOrderError,
     TagNotFoundError, VersionNotFoundError,
 )
-from paramstore.manifest import Manifest, Version, check_manifest
-from paramstore.remote import MAX_MANIFEST_BYTES
+from paramstore.manifest import MAX_MANIFEST_BYTES, Manifest, Version, check_manifest
 from paramstore.validate import check_digest
 
 from .base import (
@@ -477,7 +476,7 @@ def pack_manifest(text: str) -> bytes:
 
 def unpack_manifest(raw: bytes) -> str:
     """The manifest JSON :func:`pack_manifest` stored; ValueError for a stream that is not zlib or
-    inflates beyond :data:`paramstore.remote.MAX_MANIFEST_BYTES` (other hosts wrote it)."""
+    inflates beyond :data:`paramstore.manifest.MAX_MANIFEST_BYTES` (other hosts wrote it)."""
     if raw[:1] == b"{":
         return raw.decode()
     inflate = zlib.decompressobj()
